@@ -1,0 +1,253 @@
+"""The parallel layout: one immutable object with the sizes, ranks and process groups of every axis.
+
+Ranks are laid out on a grid ``torch.arange(world_size).view(pp, dp, cp, tp)``: tensor parallel (tp) is the
+fastest-varying axis, then context parallel (cp), data parallel (dp) and pipeline parallel (pp), Megatron's
+default order ``tp-cp-dp-pp``::
+
+    global_rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))
+
+Example: world size 8 with tp=2, pp=2, dp=2 (cp=1) gives these groups (every rank belongs to exactly one
+group of each kind)::
+
+    tp groups:        [0, 1] [2, 3] [4, 5] [6, 7]
+    cp groups:        [0] [1] [2] [3] [4] [5] [6] [7]
+    dp groups:        [0, 2] [1, 3] [4, 6] [5, 7]
+    dp x cp groups:   [0, 2] [1, 3] [4, 6] [5, 7]
+    pp groups:        [0, 4] [1, 5] [2, 6] [3, 7]
+    model-parallel:   [0, 1, 4, 5] [2, 3, 6, 7]      (tp x pp: the ranks holding one model replica)
+    embedding groups: [0, 4] [1, 5] [2, 6] [3, 7]    (first and last stage of each pipeline)
+
+Stage 0 holds ranks 0-3, stage 1 ranks 4-7; the tp pairs of adjacent ranks share a node in a real cluster.
+
+Nothing in megatron_core reads a global to find its group: the ``ParallelState`` returned here is passed to
+the layers, schedules and optimizers that need it, so two layouts can live in one process.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+ProcessGroup = dist.ProcessGroup
+
+# The grid axes, slowest first; ``torch.arange(world).view(pp, dp, cp, tp)``.
+_AXES = ("pp", "dp", "cp", "tp")
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelState:
+    """Sizes, ranks and process groups of one parallel layout (frozen: build a new one to change it).
+
+    Groups are ``None`` in a single-process state built without ``torch.distributed`` (collectives in
+    megatron_core treat a ``None`` group, like a group of size 1, as "no parallelism on this axis"), and
+    ``embedding_group`` is None on the middle stages of a pipeline, which hold no embedding.
+    Ranks in ``*_ranks`` tuples are global ranks, ordered by their rank inside the group.
+    """
+
+    world_size: int
+    rank: int
+    backend: Optional[str]
+    device: torch.device
+    tp_size: int
+    tp_rank: int
+    tp_group: Optional[ProcessGroup]
+    tp_ranks: tuple[int, ...]
+    cp_size: int
+    cp_rank: int
+    cp_group: Optional[ProcessGroup]
+    cp_ranks: tuple[int, ...]
+    dp_size: int
+    dp_rank: int
+    dp_group: Optional[ProcessGroup]
+    dp_ranks: tuple[int, ...]
+    dp_cp_group: Optional[ProcessGroup]
+    """Data and context parallel ranks together: gradients of a replica are reduced over this group."""
+    dp_cp_ranks: tuple[int, ...]
+    pp_size: int
+    pp_rank: int
+    pp_group: Optional[ProcessGroup]
+    pp_ranks: tuple[int, ...]
+    vpp_size: Optional[int]
+    """Model chunks per pipeline rank for the interleaved schedule; None without interleaving."""
+    mp_group: Optional[ProcessGroup]
+    """tp x pp ranks holding one model replica (grad-norm and inf checks reduce over it)."""
+    mp_ranks: tuple[int, ...]
+    embedding_group: Optional[ProcessGroup]
+    """First and last stage of this rank's pipeline (tied embedding grads are summed over it); None on
+    middle stages, whose ``embedding_ranks`` still name their pipeline's ends."""
+    embedding_ranks: tuple[int, ...]
+
+    @property
+    def dp_cp_size(self) -> int:
+        return self.dp_size * self.cp_size
+
+    @property
+    def dp_cp_rank(self) -> int:
+        return self.dp_cp_ranks.index(self.rank)
+
+    @property
+    def mp_size(self) -> int:
+        return self.tp_size * self.pp_size
+
+    @property
+    def is_pipeline_first_stage(self) -> bool:
+        """True on pipeline rank 0 (whatever model chunk runs there; see ``is_first_model_chunk``)."""
+        return self.pp_rank == 0
+
+    @property
+    def is_pipeline_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    def is_first_model_chunk(self, vp_stage: int) -> bool:
+        """Whether model chunk ``vp_stage`` of this rank is the first chunk of the whole model."""
+        return self.is_pipeline_first_stage and vp_stage == 0
+
+    def is_last_model_chunk(self, vp_stage: int) -> bool:
+        """Whether model chunk ``vp_stage`` of this rank is the last chunk of the whole model."""
+        return self.is_pipeline_last_stage and vp_stage == (self.vpp_size or 1) - 1
+
+    @property
+    def next_pipeline_rank(self) -> int:
+        """Global rank of the next pipeline stage (wraps around, as the interleaved schedule needs)."""
+        return self.pp_ranks[(self.pp_rank + 1) % self.pp_size]
+
+    @property
+    def prev_pipeline_rank(self) -> int:
+        """Global rank of the previous pipeline stage (wraps around)."""
+        return self.pp_ranks[(self.pp_rank - 1) % self.pp_size]
+
+    @property
+    def is_in_embedding_group(self) -> bool:
+        return self.rank in self.embedding_ranks
+
+    @property
+    def tp_src_rank(self) -> int:
+        """Global rank of tp rank 0 in this rank's tp group (the source when broadcasting a batch)."""
+        return self.tp_ranks[0]
+
+
+def _validate_sizes(world_size: int, tp: int, pp: int, cp: int, vpp: Optional[int]) -> None:
+    values = (
+        f"world_size={world_size}, tensor_model_parallel_size={tp}, pipeline_model_parallel_size={pp}, "
+        f"context_parallel_size={cp}, virtual_pipeline_model_parallel_size={vpp}"
+    )
+    sizes = {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp, "context_parallel_size": cp}
+    for name, size in sizes.items():
+        if not isinstance(size, int) or size < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {size!r} ({values})")
+    if vpp is not None:
+        if not isinstance(vpp, int) or vpp < 1:
+            raise ValueError(f"virtual_pipeline_model_parallel_size must be None or >= 1, got {vpp!r} ({values})")
+        if vpp > 1 and pp == 1:
+            raise ValueError(
+                f"virtual_pipeline_model_parallel_size {vpp} needs pipeline_model_parallel_size > 1 "
+                f"({values}); drop the virtual pipeline size or raise the pipeline size"
+            )
+    if world_size % (tp * pp * cp) != 0:
+        raise ValueError(
+            f"world_size {world_size} is not divisible by tensor_model_parallel_size {tp} x "
+            f"pipeline_model_parallel_size {pp} x context_parallel_size {cp} = {tp * pp * cp} ({values})"
+        )
+
+
+def rank_grid(world_size: int, tp: int, pp: int, cp: int = 1) -> torch.Tensor:
+    """The global ranks laid out as ``[pp, dp, cp, tp]`` (tp fastest). Pure: no process group needed."""
+    _validate_sizes(world_size, tp, pp, cp, None)
+    dp = world_size // (tp * pp * cp)
+    return torch.arange(world_size).view(pp, dp, cp, tp)
+
+
+def _groups_along(grid: torch.Tensor, axes: Sequence[str]) -> list[tuple[int, ...]]:
+    """All rank groups that vary along ``axes`` of the grid (and are fixed along the others)."""
+    keep = sorted(_AXES.index(a) for a in axes)  # grid order, so each group lists its ranks ascending
+    others = [i for i in range(grid.dim()) if i not in keep]
+    group_size = math.prod(grid.shape[i] for i in keep)
+    return [tuple(row.tolist()) for row in grid.permute(*others, *keep).reshape(-1, group_size)]
+
+
+def layout_groups(world_size: int, tp: int, pp: int, cp: int = 1) -> dict[str, list[tuple[int, ...]]]:
+    """Every group of the layout as lists of global ranks, keyed tp, cp, dp, dp_cp, pp, mp, embedding."""
+    grid = rank_grid(world_size, tp, pp, cp)
+    groups = {
+        "tp": _groups_along(grid, ["tp"]),
+        "cp": _groups_along(grid, ["cp"]),
+        "dp": _groups_along(grid, ["dp"]),
+        "dp_cp": _groups_along(grid, ["dp", "cp"]),
+        "pp": _groups_along(grid, ["pp"]),
+        "mp": _groups_along(grid, ["pp", "tp"]),
+    }
+    groups["embedding"] = [tuple(sorted({ranks[0], ranks[-1]})) for ranks in groups["pp"]]
+    return groups
+
+
+def _device_for_backend(backend: Optional[str]) -> torch.device:
+    if backend == "nccl":  # CUDA-only path: nccl runs only with CUDA devices.
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def initialize_model_parallel(
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    virtual_pipeline_model_parallel_size: Optional[int] = None,
+    context_parallel_size: int = 1,
+) -> ParallelState:
+    """Builds the process groups of a tp x cp x dp x pp layout (see the module docstring for the order).
+
+    Call after ``torch.distributed.init_process_group`` (gloo or nccl); every rank must call it, since
+    group creation is collective. Without an initialized process group, only the single-process layout
+    (all sizes 1) is allowed and its groups are None.
+
+    Raises:
+        ValueError: a size < 1, a world size not divisible by tp * pp * cp, or vpp > 1 without pp > 1.
+    """
+    tp, pp, cp = tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size
+    vpp = virtual_pipeline_model_parallel_size
+    if not dist.is_initialized():
+        _validate_sizes(1, tp, pp, cp, vpp)
+        return _single_process_state(vpp)
+    world_size, rank, backend = dist.get_world_size(), dist.get_rank(), dist.get_backend()
+    _validate_sizes(world_size, tp, pp, cp, vpp)
+    fields: dict = {}
+    # Middle pipeline stages hold no embedding: their group is None, their ranks those of their pipeline's ends.
+    fields["embedding_group"] = None
+    for kind, all_ranks in layout_groups(world_size, tp, pp, cp).items():
+        for ranks in all_ranks:  # Same creation order on every rank: new_group is collective.
+            group = dist.new_group(list(ranks))
+            if rank in ranks:
+                fields[f"{kind}_group"], fields[f"{kind}_ranks"] = group, ranks
+    pipeline = fields["pp_ranks"]
+    fields["embedding_ranks"] = tuple(sorted({pipeline[0], pipeline[-1]}))
+    for kind in ("tp", "cp", "dp", "pp"):
+        fields[f"{kind}_rank"] = fields[f"{kind}_ranks"].index(rank)
+        fields[f"{kind}_size"] = len(fields[f"{kind}_ranks"])
+    return ParallelState(
+        world_size=world_size, rank=rank, backend=backend, device=_device_for_backend(backend),
+        vpp_size=vpp, **fields,
+    )
+
+
+def _single_process_state(vpp: Optional[int]) -> ParallelState:
+    axis_fields = {}
+    for kind in ("tp", "cp", "dp", "pp"):
+        axis_fields.update({f"{kind}_size": 1, f"{kind}_rank": 0, f"{kind}_group": None, f"{kind}_ranks": (0,)})
+    return ParallelState(
+        world_size=1, rank=0, backend=None, device=torch.device("cpu"), vpp_size=vpp,
+        dp_cp_group=None, dp_cp_ranks=(0,), mp_group=None, mp_ranks=(0,),
+        embedding_group=None, embedding_ranks=(0,), **axis_fields,
+    )
+
+
+def destroy_model_parallel(state: ParallelState) -> None:
+    """Destroys the process groups of ``state`` (not the default group). Every rank must call it."""
+    if not dist.is_initialized():
+        return
+    seen = set()
+    for field in dataclasses.fields(state):
+        group = getattr(state, field.name)
+        if field.name.endswith("_group") and group is not None and id(group) not in seen:
+            seen.add(id(group))
+            dist.destroy_process_group(group)

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Creates .venv and installs megatron_core with its test extra. Safe to run again (it only adds what is
+# missing). Without CUDA it installs the CPU build of torch 2.13.0 first, so no multi-GB CUDA build is pulled.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+VENV=${VENV:-.venv}
+[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
+if ! "$VENV/bin/python" -c 'import torch, sys; sys.exit(torch.__version__.split("+")[0] != "2.13.0")' 2>/dev/null; then
+  # On a CPU machine this resolves to the local CPU build; on a CUDA machine to the CUDA build of 2.13.0.
+  "${PIP[@]}" torch==2.13.0
+fi
+"${PIP[@]}" -e '.[test]'
+"$VENV/bin/python" -c 'import torch, megatron_core; print(f"megatron_core {megatron_core.__version__} with torch {torch.__version__}")'

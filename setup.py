@@ -1,0 +1,23 @@
+"""Installs megatron_core (the framework) and kernels (Triton fused ops).
+
+On a machine without CUDA, install ``torch==2.13.0`` first (scripts/setup.sh does): a CPU build is then
+already present and the ``torch`` requirement below is satisfied without pulling a multi-GB CUDA build.
+"""
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron_core",
+    version="0.1.0",
+    description="Megatron-style 3D-parallel GPT training with ZeRO, testable on CPU",
+    packages=find_packages(include=["megatron_core", "megatron_core.*", "kernels", "kernels.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "torch>=2.3",
+        # The Triton release the CUDA build of torch 2.13 uses; its interpreter runs the kernels on CPU.
+        'triton==3.7.1; platform_system == "Linux"',
+        "einops",
+        "sentencepiece",
+        "numpy",
+    ],
+    extras_require={"test": ["pytest>=7"]},
+)
