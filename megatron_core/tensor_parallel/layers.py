@@ -92,7 +92,8 @@ class ColumnParallelLinear(nn.Module):
         bias: add a bias (split like the output).
         gather_output: all-gather the output to ``[..., output_size]``; otherwise each rank returns
             ``[..., output_size/tp]``.
-        skip_bias_add: return the bias instead of adding it (so the caller can fuse it into the next op).
+        skip_bias_add: return the bias instead of adding it (so the caller can fuse it into the next op);
+            with gather_output the returned bias is gathered too (``[output_size]``).
         sequence_parallel: the input is ``[s/tp, b, input_size]``, all-gathered along s before the GEMM.
         init_method: initializes the full weight in place; default ``N(0, 0.02^2)``.
         params_dtype, device: of the parameters.
@@ -145,9 +146,12 @@ class ColumnParallelLinear(nn.Module):
             input_parallel = copy_to_tensor_model_parallel_region(input_, self.tp_group)
         bias = None if self.skip_bias_add else self.bias
         output = F.linear(input_parallel, weight, bias)  # [..., out/tp]
+        output_bias = self.bias if self.skip_bias_add else None
         if self.gather_output:
             output = gather_from_tensor_model_parallel_region(output, self.tp_group)  # [..., out]
-        return output, (self.bias if self.skip_bias_add else None)
+            if output_bias is not None:  # returned whole, so that it adds to the gathered output
+                output_bias = gather_from_tensor_model_parallel_region(output_bias, self.tp_group)  # [out]
+        return output, output_bias
 
     def extra_repr(self) -> str:
         return (f"input_size={self.input_size}, output_size={self.output_size}, tp={self.tp_size}, "
