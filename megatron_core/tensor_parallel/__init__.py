@@ -24,7 +24,7 @@ from megatron_core.tensor_parallel.random import (
     get_rng_tracker,
     model_parallel_seed,
 )
-from megatron_core.tensor_parallel.utils import divide, vocab_range, vocab_size_with_padding
+from megatron_core.tensor_parallel.utils import check_ids_in_range, divide, vocab_range, vocab_size_with_padding
 
 __all__ = [
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "vocab_parallel_cross_entropy",
@@ -33,5 +33,5 @@ __all__ = [
     "scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region",
     "reduce_scatter_to_sequence_parallel_region", "RNGStatesTracker", "get_rng_tracker", "model_parallel_seed",
     "checkpoint", "MODEL_PARALLEL_RNG", "init_method_normal", "scaled_init_method_normal",
-    "set_tensor_model_parallel_attributes", "divide", "vocab_range", "vocab_size_with_padding",
+    "set_tensor_model_parallel_attributes", "divide", "vocab_range", "vocab_size_with_padding", "check_ids_in_range",
 ]

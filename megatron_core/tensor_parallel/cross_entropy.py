@@ -1,8 +1,14 @@
 """Cross-entropy over logits whose vocab dim is split across tensor-parallel ranks (Megatron-LM).
 
-No rank ever holds a full row of logits: each computes statistics of its vocab shard and two small
-all-reduces over tp combine them: the max, then the target logit and sum of exponentials stacked
-(plus the sum of logits with label smoothing) in one call, ``[tokens]`` each.
+No rank ever holds a full row of logits. Each rank reads its vocab shard once with the fused kernel
+``kernels.cross_entropy_shard_stats`` (per-token max, sum of exp relative to that max, target logit, and the
+sum of ``logit - max`` with label smoothing; all fp32 ``[tokens]``), then two small all-reduces over tp combine
+them: the max, then the target logit and the sums rebased to the global max, stacked in one call. The backward, ``kernels.cross_entropy_shard_backward``, recomputes the softmax from the
+logits and writes the gradient straight into a fresh buffer of the logits' dtype: no ``[tokens, V/tp]`` fp32
+softmax is kept between forward and backward.
+
+The kernels run as Triton when it can run for the logits (CUDA, or CPU under ``TRITON_INTERPRET=1``) and as
+their torch reference otherwise; ``kernels.last_backend("cross_entropy_shard_stats")`` says which ran.
 
 Label smoothing follows ``torch.nn.functional.cross_entropy``: with smoothing ``eps`` over ``V`` classes the
 target distribution is ``(1 - eps) * onehot + eps / V``, so the loss is
@@ -33,51 +39,38 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, target: torch.Tensor, group, label_smoothing: float):
+        import kernels  # lazily: importing megatron_core never imports Triton
         tp_size, tp_rank = group_size(group), group_rank(group)
-        vocab_per_rank = logits.shape[-1]
-        vocab_size = vocab_per_rank * tp_size
-        start, end = vocab_range(vocab_size, tp_rank, tp_size)
+        vocab_size = logits.shape[-1] * tp_size
+        start, _ = vocab_range(vocab_size, tp_rank, tp_size)
         check_ids_in_range(target, vocab_size, "cross-entropy target")
 
-        logits_max = _all_reduce_(logits.max(dim=-1).values.float(), group, dist.ReduceOp.MAX)
-        shifted = logits.float() - logits_max.unsqueeze(-1)  # [..., V/tp] fp32, a fresh tensor
-        outside = (target < start) | (target >= end)
-        local_target = (target - start).masked_fill(outside, 0)
-        target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
-        pieces = [target_logit]
-        if label_smoothing > 0:
-            pieces.append(shifted.sum(dim=-1))  # for the mean log-probability
-        exp_logits = shifted.exp_()
-        pieces.append(exp_logits.sum(dim=-1))
-        stats = _all_reduce_(torch.stack(pieces), group)  # one all-reduce for all per-token sums
-        target_logit, sum_exp = stats[0], stats[-1]
-
-        log_sum_exp = torch.log(sum_exp)
-        loss = log_sum_exp - target_logit
-        if label_smoothing > 0:
-            mean_log_probs = stats[1] / vocab_size - log_sum_exp
-            loss = (1.0 - label_smoothing) * loss - label_smoothing * mean_log_probs
-
-        softmax = exp_logits.div_(sum_exp.unsqueeze(-1))  # reuses the exp buffer
-        ctx.save_for_backward(softmax, local_target, outside)
-        ctx.label_smoothing, ctx.vocab_size, ctx.input_dtype = label_smoothing, vocab_size, logits.dtype
+        stats = kernels.cross_entropy_shard_stats(logits, target, vocab_start=start,
+                                                  with_shifted_sum=label_smoothing > 0)  # [tokens] each, fp32
+        row_max = _all_reduce_(stats.row_max.clone(), group, dist.ReduceOp.MAX)
+        stats = stats.rebase(row_max)  # sums relative to the global max: they now add up over shards
+        pieces = [stats.target_logit, stats.sum_exp] + ([stats.shifted_sum] if label_smoothing > 0 else [])
+        summed = _all_reduce_(torch.stack(pieces), group)  # one all-reduce for all per-token sums
+        shifted_sum = summed[2] if label_smoothing > 0 else None
+        loss = kernels.cross_entropy_loss_from_stats(row_max, summed[1], summed[0], shifted_sum,
+                                                     vocab_size=vocab_size, label_smoothing=label_smoothing)
+        ctx.save_for_backward(logits, target, row_max, summed[1])
+        ctx.label_smoothing, ctx.vocab_size, ctx.vocab_start = label_smoothing, vocab_size, start
         ctx.backward_done = False
-        return loss
+        return loss.view(target.shape)
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
         if ctx.backward_done:
-            raise RuntimeError("vocab_parallel_cross_entropy backward reuses its softmax buffer in place and "
-                               "cannot run twice (retain_graph=True is not supported)")
+            raise RuntimeError("vocab_parallel_cross_entropy backward cannot run twice (retain_graph=True is "
+                               "not supported)")
         ctx.backward_done = True
-        softmax, local_target, outside = ctx.saved_tensors
-        grad = softmax  # [..., V/tp], written in place: p - (1 - eps) onehot - eps / V
-        hit = (~outside).to(grad.dtype) * (1.0 - ctx.label_smoothing)
-        grad.scatter_add_(-1, local_target.unsqueeze(-1), -hit.unsqueeze(-1))
-        if ctx.label_smoothing > 0:
-            grad.sub_(ctx.label_smoothing / ctx.vocab_size)
-        grad.mul_(grad_loss.unsqueeze(-1))
-        return grad.to(ctx.input_dtype), None, None, None
+        import kernels
+        logits, target, row_max, sum_exp = ctx.saved_tensors
+        grad = kernels.cross_entropy_shard_backward(  # [..., V/tp] in the logits' dtype, written in place
+            logits, target, row_max, sum_exp, grad_loss, vocab_start=ctx.vocab_start, vocab_size=ctx.vocab_size,
+            label_smoothing=ctx.label_smoothing)
+        return grad, None, None, None
 
 
 def vocab_parallel_cross_entropy(
@@ -95,7 +88,7 @@ def vocab_parallel_cross_entropy(
 
     Returns:
         fp32 loss with the shape of ``target`` (unreduced). Its backward yields the logits gradient in the
-        logits' dtype; the forward's fp32 softmax buffer is reused for it, so backward runs once.
+        logits' dtype, computed from the saved logits and fp32 ``[tokens]`` statistics; it runs once.
     """
     if not 0.0 <= label_smoothing < 1.0:
         raise ValueError(f"label_smoothing must lie in [0, 1), got {label_smoothing}")

@@ -1,0 +1,199 @@
+"""Typed, validated configuration of the model and its parallel layout.
+
+Every check raises ValueError naming the values and the fix; nothing is validated with ``assert``.
+Derived defaults (``num_query_groups``, ``ffn_hidden_size``, ``kv_channels``) are filled in
+``__post_init__`` as Megatron-LM does.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+
+@dataclasses.dataclass(kw_only=True)
+class ModelParallelConfig:
+    """Sizes of the parallel layout the model is built for, and the numeric formats."""
+
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+    context_parallel_size: int = 1
+    sequence_parallel: bool = False
+    """Split layernorm/dropout regions along the sequence (needs tensor parallelism)."""
+    params_dtype: torch.dtype = torch.float32
+    """dtype the parameters are created in."""
+    bf16: bool = False
+    fp16: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.bf16 and self.fp16:
+            raise ValueError("bf16=True and fp16=True are mutually exclusive: choose one precision")
+        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
+            raise ValueError("sequence_parallel=True needs tensor_model_parallel_size > 1 (got 1): "
+                             "sequence parallelism splits the tensor-parallel regions' activations")
+
+
+_CHOICES = {
+    "normalization": ("LayerNorm", "RMSNorm"),
+    "activation": ("gelu", "swiglu"),
+    "position_embedding_type": ("learned_absolute", "rope"),
+    "recompute_granularity": (None, "full", "selective"),
+    "recompute_method": (None, "uniform", "block"),
+}
+
+
+@dataclasses.dataclass(kw_only=True)
+class TransformerConfig(ModelParallelConfig):
+    """Architecture of a GPT-style decoder (Megatron-LM's names)."""
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_query_groups: Optional[int] = None
+    """Key/value heads for grouped-query attention; default num_attention_heads (multi-head attention)."""
+    ffn_hidden_size: Optional[int] = None
+    """Default 4 * hidden_size."""
+    kv_channels: Optional[int] = None
+    """Per-head dim; default hidden_size // num_attention_heads."""
+    normalization: str = "LayerNorm"
+    activation: str = "gelu"
+    add_bias_linear: bool = True
+    add_qkv_bias: Optional[bool] = None
+    """Bias on the fused QKV projection; default add_bias_linear."""
+    position_embedding_type: str = "learned_absolute"
+    rotary_base: float = 10000.0
+    max_position_embeddings: Optional[int] = None
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
+    layernorm_epsilon: float = 1e-5
+    init_method_std: float = 0.02
+    untie_embeddings_and_output_weights: bool = False
+    recompute_granularity: Optional[str] = None
+    """None, "full" (whole layers, see recompute_method) or "selective" (core attention only)."""
+    recompute_method: Optional[str] = None
+    """With full recompute: "uniform" (checkpoint chunks of recompute_num_layers layers) or "block"
+    (checkpoint the first recompute_num_layers layers of each pipeline stage)."""
+    recompute_num_layers: Optional[int] = None
+    first_pipeline_num_layers: Optional[int] = None
+    """Layers on the first pipeline stage when the split is uneven (the rest are spread evenly)."""
+    last_pipeline_num_layers: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._fill_defaults()
+        self._validate_sizes()
+        self._validate_choices()
+        self._validate_recompute()
+        self._validate_pipeline_split()
+
+    def _fill_defaults(self) -> None:
+        if self.num_query_groups is None:
+            self.num_query_groups = self.num_attention_heads
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = 4 * self.hidden_size
+        if self.kv_channels is None and self.num_attention_heads > 0:
+            if self.hidden_size % self.num_attention_heads != 0:
+                raise ValueError(f"hidden_size {self.hidden_size} is not divisible by num_attention_heads "
+                                 f"{self.num_attention_heads}; set kv_channels explicitly or change the sizes")
+            self.kv_channels = self.hidden_size // self.num_attention_heads
+        if self.add_qkv_bias is None:
+            self.add_qkv_bias = self.add_bias_linear
+
+    def _validate_sizes(self) -> None:
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
+                     "kv_channels"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        tp = self.tensor_model_parallel_size
+        heads, groups = self.num_attention_heads, self.num_query_groups
+        if heads % tp != 0:
+            raise ValueError(f"num_attention_heads {heads} is not divisible by tensor_model_parallel_size {tp}")
+        if heads % groups != 0:
+            raise ValueError(f"num_query_groups {groups} does not divide num_attention_heads {heads}")
+        if groups % tp != 0:
+            raise ValueError(f"num_query_groups {groups} is not divisible by tensor_model_parallel_size {tp}: "
+                             "tensor parallelism splits whole key/value groups")
+        if self.ffn_hidden_size % tp != 0:
+            raise ValueError(f"ffn_hidden_size {self.ffn_hidden_size} is not divisible by "
+                             f"tensor_model_parallel_size {tp}")
+        for name in ("hidden_dropout", "attention_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"{name} must lie in [0, 1), got {getattr(self, name)}")
+        if self.position_embedding_type == "learned_absolute" and not self.max_position_embeddings:
+            raise ValueError("position_embedding_type='learned_absolute' needs max_position_embeddings")
+        if self.position_embedding_type == "rope" and self.kv_channels % 2 != 0:
+            raise ValueError(f"rotary embeddings need an even kv_channels, got {self.kv_channels}")
+
+    def _validate_choices(self) -> None:
+        for name, allowed in _CHOICES.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+
+    def _validate_recompute(self) -> None:
+        granularity, method, count = self.recompute_granularity, self.recompute_method, self.recompute_num_layers
+        if granularity == "full":
+            if method is None or count is None or count < 1:
+                raise ValueError(f"recompute_granularity='full' needs recompute_method ('uniform' or 'block') and "
+                                 f"recompute_num_layers >= 1, got recompute_method={method!r}, "
+                                 f"recompute_num_layers={count!r}")
+        elif method is not None or count is not None:
+            raise ValueError(f"recompute_method={method!r} and recompute_num_layers={count!r} only apply to "
+                             f"recompute_granularity='full', got recompute_granularity={granularity!r}")
+
+    def _validate_pipeline_split(self) -> None:
+        pp, vpp = self.pipeline_model_parallel_size, self.virtual_pipeline_model_parallel_size or 1
+        first, last = self.first_pipeline_num_layers, self.last_pipeline_num_layers
+        values = (f"num_layers={self.num_layers}, pipeline_model_parallel_size={pp}, "
+                  f"virtual_pipeline_model_parallel_size={self.virtual_pipeline_model_parallel_size}, "
+                  f"first_pipeline_num_layers={first}, last_pipeline_num_layers={last}")
+        if first is None and last is None:
+            if self.num_layers % (pp * vpp) != 0:
+                raise ValueError(f"num_layers {self.num_layers} is not divisible by pipeline_model_parallel_size "
+                                 f"{pp} x virtual_pipeline_model_parallel_size {vpp} ({values}); change the sizes "
+                                 "or give first_pipeline_num_layers / last_pipeline_num_layers")
+            return
+        if pp == 1 or vpp > 1:
+            raise ValueError(f"first/last_pipeline_num_layers need pipeline parallelism without virtual stages ({values})")
+        fixed = [n for n in (first, last) if n is not None]
+        middle_stages, middle_layers = pp - len(fixed), self.num_layers - sum(fixed)
+        if any(n < 1 for n in fixed) or middle_layers < middle_stages or (
+                middle_stages and middle_layers % middle_stages) or (not middle_stages and middle_layers):
+            raise ValueError(f"the uneven pipeline split does not work out: {middle_layers} layers left for "
+                             f"{middle_stages} other stages ({values})")
+
+    def pipeline_layer_range(self, pp_rank: int, vp_stage: Optional[int] = None) -> tuple[int, int]:
+        """``(offset, count)``: the 0-based global index of the first layer of pipeline rank ``pp_rank``
+        (model chunk ``vp_stage`` with interleaving) and its number of layers.
+
+        Even split: ``num_layers / (pp * vpp)`` layers per chunk, chunk v of rank r starting at layer
+        ``(v * pp + r) * per_chunk``. Uneven split: the first/last stage hold the given counts and the other
+        stages share the rest evenly.
+        """
+        pp, vpp = self.pipeline_model_parallel_size, self.virtual_pipeline_model_parallel_size or 1
+        first, last = self.first_pipeline_num_layers, self.last_pipeline_num_layers
+        if first is None and last is None:
+            per_chunk = self.num_layers // (pp * vpp)
+            return ((vp_stage or 0) * pp + pp_rank) * per_chunk, per_chunk
+        counts = self._uneven_stage_counts()
+        return sum(counts[:pp_rank]), counts[pp_rank]
+
+    def _uneven_stage_counts(self) -> list[int]:
+        pp, first, last = self.pipeline_model_parallel_size, self.first_pipeline_num_layers, self.last_pipeline_num_layers
+        middle_stages = pp - (first is not None) - (last is not None)
+        middle_layers = self.num_layers - (first or 0) - (last or 0)
+        per_middle = middle_layers // middle_stages if middle_stages else 0
+        counts = [per_middle] * pp
+        if first is not None:
+            counts[0] = first
+        if last is not None:
+            counts[-1] = last
+        return counts
+
+    @property
+    def num_heads_per_group(self) -> int:
+        return self.num_attention_heads // self.num_query_groups

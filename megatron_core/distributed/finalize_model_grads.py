@@ -1,0 +1,74 @@
+"""Gradient reductions that model parallelism needs after backward (before any data-parallel reduction).
+
+- Sequence parallelism: replicated parameters used inside sequence-parallel regions (norm weights, the
+  row-parallel biases) receive a partial grad on each tp rank; they carry ``sequence_parallel = True`` and
+  their grads are all-reduced over tp.
+- Tied embeddings across pipeline stages: the word embedding (first stage) and the output layer's copy of it
+  (last stage) carry ``shared_embedding = True``; their grads are all-reduced over the embedding group so
+  both copies take the same optimizer step.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from megatron_core.parallel_state import ParallelState
+from megatron_core.tensor_parallel.utils import group_size
+
+
+def _grad_of(param: nn.Parameter) -> Optional[torch.Tensor]:
+    """The gradient buffer a reduction acts on (``main_grad`` when a data-parallel wrapper keeps one)."""
+    main_grad = getattr(param, "main_grad", None)
+    return main_grad if main_grad is not None else param.grad
+
+
+def _all_reduce_coalesced(grads: list[torch.Tensor], group) -> None:
+    """Sums ``grads`` over ``group`` with one all-reduce per dtype, written back in place."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for grad in grads:
+        by_dtype.setdefault(grad.dtype, []).append(grad)
+    for same_dtype in by_dtype.values():
+        flat = _flatten_dense_tensors(same_dtype)
+        dist.all_reduce(flat, group=group)
+        for grad, reduced in zip(same_dtype, _unflatten_dense_tensors(flat, same_dtype)):
+            grad.copy_(reduced)
+
+
+def _tagged_grads(models: Iterable[nn.Module], attribute: str) -> list[torch.Tensor]:
+    grads = []
+    for model in models:
+        for param in model.parameters():
+            grad = _grad_of(param)
+            if getattr(param, attribute, False) and grad is not None:
+                grads.append(grad)
+    return grads
+
+
+def allreduce_sequence_parallel_grads(models: Sequence[nn.Module], state: ParallelState) -> None:
+    """All-reduce over tp of the grads of parameters tagged ``sequence_parallel``."""
+    if group_size(state.tp_group) > 1:
+        grads = _tagged_grads(models, "sequence_parallel")
+        if grads:
+            _all_reduce_coalesced(grads, state.tp_group)
+
+
+def allreduce_embedding_grads(models: Sequence[nn.Module], state: ParallelState) -> None:
+    """All-reduce over the embedding group (first + last stage) of the grads tagged ``shared_embedding``."""
+    if state.embedding_group is None or group_size(state.embedding_group) == 1:
+        return
+    grads = _tagged_grads(models, "shared_embedding")
+    if len(grads) != 1:
+        raise ValueError(f"expected one tied embedding weight on rank {state.rank} of the embedding group, "
+                         f"found {len(grads)} (pre_process/post_process or the tying flags disagree between stages)")
+    _all_reduce_coalesced(grads, state.embedding_group)
+
+
+def finalize_model_grads(models: Union[nn.Module, Sequence[nn.Module]], state: ParallelState) -> None:
+    """Runs both reductions on this rank's model chunks; every rank of the layout must call it."""
+    models = [models] if isinstance(models, nn.Module) else list(models)
+    allreduce_sequence_parallel_grads(models, state)
+    allreduce_embedding_grads(models, state)

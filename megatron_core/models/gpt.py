@@ -1,0 +1,157 @@
+"""GPTModel: embedding on the first pipeline stage, transformer layers, output layer and loss on the last."""
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+from megatron_core.config import TransformerConfig
+from megatron_core.models.embedding import WORD_EMBEDDING_SEED_OFFSET, LanguageModelEmbedding, padded_vocab_init
+from megatron_core.parallel_state import ParallelState
+from megatron_core.tensor_parallel import (
+    ColumnParallelLinear,
+    check_ids_in_range,
+    gather_from_tensor_model_parallel_region,
+    vocab_parallel_cross_entropy,
+    vocab_range,
+    vocab_size_with_padding,
+)
+from megatron_core.transformer.block import TransformerBlock, seeded_init
+from megatron_core.transformer.rope import RotaryEmbedding
+from megatron_core.transformer.spec import TransformerLayerSpec, gpt_layer_spec
+
+OUTPUT_LAYER_SEED_OFFSET = 2
+
+
+class GPTModel(nn.Module):
+    """A GPT decoder, or the part of it that one pipeline stage (model chunk) holds.
+
+    Args:
+        config: the architecture; its parallel sizes must match ``parallel_state``.
+        parallel_state: the layout (groups, ranks, device).
+        vocab_size: the tokenizer's true vocab. The embedding and output layer are padded to a multiple of
+            ``make_vocab_size_divisible_by * tp`` (Megatron); padded logits are masked to -inf, so they
+            never affect the loss or predictions, and padded rows start at zero.
+        max_sequence_length: positions of the learned position embedding.
+        pre_process: this chunk holds the embedding (first stage); post_process: the output layer (last).
+        share_embeddings_and_output_weights: tie the output layer to the word embedding (unless
+            ``config.untie_embeddings_and_output_weights``). Across pipeline stages the last stage keeps a
+            copy, initialized identically; ``finalize_model_grads`` sums the two grads over the embedding group.
+        parallel_output: return logits split over tp ``[b, s, V_padded/tp]``; otherwise gathered and cut to
+            the true vocab ``[b, s, vocab_size]``.
+        layer_spec: the submodule classes of each layer (default ``gpt_layer_spec()``).
+        vp_stage: the model chunk index with interleaved pipelining.
+
+    Initialization is layout-independent: one number drawn from the default generator seeds every module
+    by its global identity (embedding, layer number, output layer).
+    """
+
+    def __init__(self, config: TransformerConfig, *, parallel_state: ParallelState, vocab_size: int,
+                 max_sequence_length: int, pre_process: bool = True, post_process: bool = True,
+                 share_embeddings_and_output_weights: bool = True, parallel_output: bool = True,
+                 layer_spec: Optional[TransformerLayerSpec] = None, vp_stage: Optional[int] = None,
+                 make_vocab_size_divisible_by: int = 128) -> None:
+        super().__init__()
+        _check_layout(config, parallel_state)
+        self.config, self.parallel_state = config, parallel_state
+        self.pre_process, self.post_process, self.parallel_output = pre_process, post_process, parallel_output
+        self.vocab_size = vocab_size
+        self.padded_vocab_size = vocab_size_with_padding(
+            vocab_size, make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+            tensor_model_parallel_size=parallel_state.tp_size)
+        self.share_embeddings_and_output_weights = (share_embeddings_and_output_weights
+                                                    and not config.untie_embeddings_and_output_weights)
+        base_seed = int(torch.randint(0, 2**31 - 1, (1,)).item())  # the same on every rank and layout
+        if pre_process:
+            self.embedding = LanguageModelEmbedding(
+                config, parallel_state=parallel_state, vocab_size=vocab_size,
+                padded_vocab_size=self.padded_vocab_size, max_sequence_length=max_sequence_length,
+                base_seed=base_seed)
+        self.rotary_pos_emb = (RotaryEmbedding(config.kv_channels, rotary_base=config.rotary_base)
+                               if config.position_embedding_type == "rope" else None)
+        self.decoder = TransformerBlock(config, parallel_state=parallel_state, spec=layer_spec or gpt_layer_spec(),
+                                        base_seed=base_seed, pre_process=pre_process, post_process=post_process,
+                                        vp_stage=vp_stage)
+        if post_process:
+            self.output_layer = self._build_output_layer(base_seed)
+        self._tag_shared_embedding()
+
+    def _build_output_layer(self, base_seed: int) -> ColumnParallelLinear:
+        config, state = self.config, self.parallel_state
+        tied = self.share_embeddings_and_output_weights
+        offset = WORD_EMBEDDING_SEED_OFFSET if tied else OUTPUT_LAYER_SEED_OFFSET  # a tied copy equals the embedding
+        with seeded_init(base_seed, offset):
+            return ColumnParallelLinear(
+                config.hidden_size, self.padded_vocab_size, tp_group=state.tp_group, bias=False,
+                sequence_parallel=config.sequence_parallel, params_dtype=config.params_dtype, device=state.device,
+                init_method=padded_vocab_init(config.init_method_std, self.vocab_size),
+                skip_weight_param_allocation=tied and self.pre_process)
+
+    def _tag_shared_embedding(self) -> None:
+        """Marks the tied weight on the first and last stage, whose grads are summed over the embedding group."""
+        if not self.share_embeddings_and_output_weights:
+            return
+        if self.pre_process:
+            self.embedding.word_embeddings.weight.shared_embedding = True
+        if self.post_process and not self.pre_process:
+            self.output_layer.weight.shared_embedding = True
+
+    def set_input_tensor(self, input_tensor: Union[torch.Tensor, Sequence[torch.Tensor], None]) -> None:
+        """The activation ``[s, b, h]`` (``[s/tp, b, h]``) received from the previous pipeline stage."""
+        if isinstance(input_tensor, (list, tuple)):
+            if len(input_tensor) != 1:
+                raise ValueError(f"GPTModel takes one input tensor per stage, got {len(input_tensor)}")
+            input_tensor = input_tensor[0]
+        self.decoder.set_input_tensor(input_tensor)
+
+    def forward(self, input_ids: Optional[torch.Tensor], position_ids: Optional[torch.Tensor],
+                attention_mask: Optional[torch.Tensor] = None,
+                labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Token ids and positions ``[b, s]``; attention_mask None (causal) or boolean ``[b, 1, s, s]`` with
+        True = masked out; labels ``[b, s]``.
+
+        Returns: on the last stage, the per-token fp32 loss ``[b, s]`` when labels are given, else logits
+        (see ``parallel_output``); on other stages, the hidden states ``[s, b, h]`` (``[s/tp, b, h]``)
+        to send downstream.
+        """
+        hidden = self.embedding(input_ids, position_ids) if self.pre_process else None
+        rotary = None
+        if self.rotary_pos_emb is not None:
+            if position_ids is None:
+                raise ValueError("rotary position embeddings need position_ids on every pipeline stage")
+            rotary = self.rotary_pos_emb(position_ids)
+        hidden = self.decoder(hidden, attention_mask, rotary)
+        if not self.post_process:
+            return hidden
+        weight = self.embedding.word_embeddings.weight if self.output_layer.weight is None else None
+        logits, _ = self.output_layer(hidden, weight=weight)  # [s, b, V_padded/tp]
+        logits = self._mask_padded_vocab(logits)
+        if labels is None:
+            if not self.parallel_output:
+                logits = gather_from_tensor_model_parallel_region(logits, self.parallel_state.tp_group)
+                logits = logits[..., : self.vocab_size]
+            return logits.transpose(0, 1).contiguous()  # [b, s, V]
+        check_ids_in_range(labels, self.vocab_size, "labels")
+        loss = vocab_parallel_cross_entropy(logits, labels.t(), tp_group=self.parallel_state.tp_group)  # [s, b]
+        return loss.t().contiguous()
+
+    def _mask_padded_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """Sets the logits of padded vocab entries held by this rank to -inf."""
+        start, end = vocab_range(self.padded_vocab_size, self.parallel_state.tp_rank, self.parallel_state.tp_size)
+        first_padded = max(self.vocab_size - start, 0)
+        if first_padded >= end - start:
+            return logits
+        return torch.cat([logits[..., :first_padded], torch.full_like(logits[..., first_padded:], float("-inf"))], -1)
+
+
+def _check_layout(config: TransformerConfig, state: ParallelState) -> None:
+    pairs = {"tensor_model_parallel_size": (config.tensor_model_parallel_size, state.tp_size),
+             "pipeline_model_parallel_size": (config.pipeline_model_parallel_size, state.pp_size),
+             "virtual_pipeline_model_parallel_size": (config.virtual_pipeline_model_parallel_size, state.vpp_size)}
+    for name, (in_config, in_state) in pairs.items():
+        if in_config != in_state:
+            raise ValueError(f"config.{name}={in_config} does not match the parallel state's {in_state}; "
+                             "build the config with the sizes given to initialize_model_parallel")
+    if state.cp_size != 1:
+        raise ValueError(f"GPTModel does not support context parallelism yet (context_parallel_size {state.cp_size})")

@@ -1,0 +1,124 @@
+"""Self-attention with a fused QKV projection laid out by key/value groups (MHA and GQA), rotary embeddings,
+the fused causal softmax, and tensor parallelism over whole heads.
+
+QKV layout: the output rows of ``linear_qkv`` are ``num_query_groups`` blocks, each
+``[q of its heads_per_group heads, k, v] x kv_channels``. Tensor parallelism cuts this dim into contiguous
+chunks of whole groups (``num_query_groups % tp == 0``), so each rank holds the q, k and v of its groups.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kernels
+from megatron_core.config import TransformerConfig
+from megatron_core.parallel_state import ParallelState
+from megatron_core.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    checkpoint,
+    get_rng_tracker,
+    init_method_normal,
+    scaled_init_method_normal,
+)
+from megatron_core.transformer.rope import apply_rotary_pos_emb
+
+
+def dropout_in_partitioned_region(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
+    """Dropout whose mask differs across tp ranks (the tracker's model-parallel RNG state)."""
+    if not training or p == 0.0:
+        return x
+    with get_rng_tracker(x.device).fork():
+        return F.dropout(x, p)
+
+
+class DotProductAttention(nn.Module):
+    """``softmax(q k^T / sqrt(d)) v`` for this rank's heads (the "core attention" of selective recompute).
+
+    forward: query ``[sq, b, heads/tp, d]``, key and value ``[sk, b, groups/tp, d]``, attention_mask None
+    (causal) or boolean broadcastable to ``[b, heads/tp, sq, sk]`` (True = masked) -> ``[sq, b, heads/tp * d]``.
+    No communication.
+    """
+
+    def __init__(self, config: TransformerConfig, *, layer_number: int, parallel_state: ParallelState) -> None:
+        super().__init__()
+        self.layer_number = layer_number
+        self.scale = 1.0 / math.sqrt(config.kv_channels)
+        self.attention_dropout = config.attention_dropout
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        sq, b, heads, d = query.shape
+        sk, groups = key.shape[0], key.shape[2]
+        if heads != groups:  # GQA: each group's k/v serves its heads_per_group consecutive query heads
+            key = key.repeat_interleave(heads // groups, dim=2)
+            value = value.repeat_interleave(heads // groups, dim=2)
+        q = query.permute(1, 2, 0, 3).reshape(b * heads, sq, d)
+        k = key.permute(1, 2, 0, 3).reshape(b * heads, sk, d)
+        v = value.permute(1, 2, 0, 3).reshape(b * heads, sk, d)
+        scores = torch.bmm(q, k.transpose(1, 2))  # [b*heads, sq, sk]
+        if attention_mask is None:
+            probs = kernels.scaled_upper_triang_masked_softmax(scores, self.scale)
+        else:
+            probs = kernels.scaled_masked_softmax(scores.view(b, heads, sq, sk), attention_mask, self.scale)
+            probs = probs.view(b * heads, sq, sk)
+        probs = dropout_in_partitioned_region(probs, self.attention_dropout, self.training)
+        context = torch.bmm(probs, v)  # [b*heads, sq, d]
+        return context.view(b, heads, sq, d).permute(2, 0, 1, 3).reshape(sq, b, heads * d)
+
+
+class SelfAttention(nn.Module):
+    """Pre-normed hidden states -> attention output, tensor-parallel over heads.
+
+    forward: hidden ``[s, b, h]`` (``[s/tp, b, h]`` with sequence parallelism), attention_mask (see
+    DotProductAttention), rotary angles ``[s, b, 1, d]`` or None -> ``(output, bias)`` with output
+    ``[s, b, h]`` (``[s/tp, b, h]``) all-reduced (reduce-scattered) over tp, and the projection bias (or
+    None) left for the caller's bias-dropout-add.
+    """
+
+    def __init__(self, config: TransformerConfig, *, layer_number: int, parallel_state: ParallelState,
+                 core_attention: type[nn.Module] = DotProductAttention) -> None:
+        super().__init__()
+        tp_group, device = parallel_state.tp_group, parallel_state.device
+        self.config, self.layer_number = config, layer_number
+        self.groups_per_rank = config.num_query_groups // config.tensor_model_parallel_size
+        self.heads_per_group = config.num_heads_per_group
+        qkv_size = (config.num_attention_heads + 2 * config.num_query_groups) * config.kv_channels
+        common = dict(tp_group=tp_group, sequence_parallel=config.sequence_parallel,
+                      params_dtype=config.params_dtype, device=device)
+        self.linear_qkv = ColumnParallelLinear(config.hidden_size, qkv_size, bias=config.add_qkv_bias,
+                                               init_method=init_method_normal(config.init_method_std), **common)
+        self.core_attention = core_attention(config, layer_number=layer_number, parallel_state=parallel_state)
+        self.linear_proj = RowParallelLinear(
+            config.num_attention_heads * config.kv_channels, config.hidden_size, bias=config.add_bias_linear,
+            input_is_parallel=True, skip_bias_add=True,
+            init_method=scaled_init_method_normal(config.init_method_std, config.num_layers), **common)
+
+    def split_qkv(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``[s, b, groups/tp * (heads_per_group + 2) * d]`` -> q ``[s, b, heads/tp, d]``, k, v ``[s, b, groups/tp, d]``."""
+        s, b, _ = mixed.shape
+        d = self.config.kv_channels
+        mixed = mixed.view(s, b, self.groups_per_rank, self.heads_per_group + 2, d)
+        query = mixed[:, :, :, : self.heads_per_group].reshape(s, b, self.groups_per_rank * self.heads_per_group, d)
+        return query, mixed[:, :, :, self.heads_per_group], mixed[:, :, :, self.heads_per_group + 1]
+
+    def forward(self, hidden: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                rotary_pos_emb: Optional[torch.Tensor] = None):
+        mixed, _ = self.linear_qkv(hidden)  # [s, b, (heads + 2 groups)/tp * d]
+        query, key, value = self.split_qkv(mixed)
+        if rotary_pos_emb is not None:
+            query = apply_rotary_pos_emb(query, rotary_pos_emb)
+            key = apply_rotary_pos_emb(key, rotary_pos_emb)
+        if self.config.recompute_granularity == "selective":
+            context = checkpoint(self.core_attention, query, key, value, attention_mask,
+                                 rng_tracker=get_rng_tracker(query.device))
+        else:
+            context = self.core_attention(query, key, value, attention_mask)  # [s, b, heads/tp * d]
+        return self.linear_proj(context)
+
+
+__all__ = ["DotProductAttention", "SelfAttention", "dropout_in_partitioned_region"]

@@ -1,0 +1,50 @@
+"""The feed-forward block: fc1 column-parallel, GELU or SwiGLU, fc2 row-parallel (Megatron-LM)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_core.config import TransformerConfig
+from megatron_core.parallel_state import ParallelState
+from megatron_core.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    init_method_normal,
+    scaled_init_method_normal,
+)
+
+
+class MLP(nn.Module):
+    """``fc2(act(fc1(x)))`` with fc1 ``[h -> ffn]`` split over tp by columns and fc2 ``[ffn -> h]`` by rows.
+
+    SwiGLU: fc1 produces ``[gate; up]`` (``2 ffn`` rows) with partition stride 2, so every tp rank holds
+    matching halves of both: rank r has rows ``gate[r]`` and ``up[r]`` and computes ``silu(gate_r) * up_r``.
+
+    forward: ``[s, b, h]`` (``[s/tp, b, h]`` with sequence parallelism) -> ``(output, bias)`` where output
+    has the input's shape and is all-reduced (reduce-scattered) over tp, and bias is fc2's bias or None.
+    """
+
+    def __init__(self, config: TransformerConfig, *, layer_number: int, parallel_state: ParallelState) -> None:
+        super().__init__()
+        self.layer_number = layer_number
+        self.swiglu = config.activation == "swiglu"
+        common = dict(tp_group=parallel_state.tp_group, sequence_parallel=config.sequence_parallel,
+                      params_dtype=config.params_dtype, device=parallel_state.device, bias=config.add_bias_linear)
+        fc1_size = 2 * config.ffn_hidden_size if self.swiglu else config.ffn_hidden_size
+        self.linear_fc1 = ColumnParallelLinear(config.hidden_size, fc1_size, stride=2 if self.swiglu else 1,
+                                               init_method=init_method_normal(config.init_method_std), **common)
+        self.linear_fc2 = RowParallelLinear(
+            config.ffn_hidden_size, config.hidden_size, input_is_parallel=True, skip_bias_add=True,
+            init_method=scaled_init_method_normal(config.init_method_std, config.num_layers), **common)
+
+    def activation(self, x: torch.Tensor) -> torch.Tensor:
+        """``[..., ffn/tp]`` (``[..., 2 ffn/tp]`` for SwiGLU) -> ``[..., ffn/tp]``."""
+        if self.swiglu:
+            gate, up = x.chunk(2, dim=-1)
+            return F.silu(gate) * up
+        return F.gelu(x)
+
+    def forward(self, hidden: torch.Tensor):
+        intermediate, _ = self.linear_fc1(hidden)
+        return self.linear_fc2(self.activation(intermediate))

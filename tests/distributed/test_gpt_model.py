@@ -1,0 +1,194 @@
+"""GPTModel at tp 1, 2, 4: layout-independent init, loss and every gathered weight grad equal to tp 1;
+sequence parallelism, recompute and dropout placement; Llama through a spec; a hand-split pipeline."""
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import kernels
+from megatron_core import initialize_model_parallel
+from megatron_core.distributed import finalize_model_grads
+from megatron_core.models import GPTModel, llama_config, llama_model
+from megatron_core.tensor_parallel import model_parallel_seed
+from megatron_core.transformer import MLP, TransformerLayerSpec
+from tests.model_helpers import (
+    SEQ,
+    VOCAB,
+    build_model,
+    full_grads,
+    loss_and_grads,
+    make_batch,
+    run_tiny_model,
+    tiny_config,
+)
+
+LOSS_TOL = dict(rtol=1e-5, atol=1e-6)
+GRAD_TOL = dict(rtol=1e-4, atol=1e-6)
+
+
+@pytest.fixture(autouse=True)
+def _torch_kernels():
+    with kernels.use_backend("torch"):  # parity of layouts; the kernels themselves are tested in tests/kernels
+        yield
+
+
+def _in_worker(tp, overrides, model_kwargs=None):
+    with kernels.use_backend("torch"):
+        return run_tiny_model(tp, overrides, model_kwargs)
+
+
+def _assert_same(reference, results, what):
+    ref_loss, ref_grads = reference
+    gathered = full_grads([grads for _, grads in results])
+    for rank, (loss, _) in enumerate(results):
+        torch.testing.assert_close(loss, ref_loss, **LOSS_TOL, msg=lambda m: f"{what} loss rank {rank}: {m}")
+    assert gathered.keys() == ref_grads.keys()
+    for name, grad in gathered.items():
+        torch.testing.assert_close(grad, ref_grads[name][0], **GRAD_TOL, msg=lambda m: f"{what} grad {name}: {m}")
+
+
+CONFIGS = {
+    "gpt": {},
+    "gqa-rope-swiglu-rmsnorm": dict(num_query_groups=2 * 2, num_attention_heads=8, position_embedding_type="rope",
+                                    activation="swiglu", normalization="RMSNorm"),
+    "untied-nobias": dict(untie_embeddings_and_output_weights=True, add_bias_linear=False),
+}
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_loss_and_grads_match_tp1(distributed, tp, name):
+    overrides = dict(CONFIGS[name])
+    reference = run_tiny_model(1, overrides)
+    _assert_same(reference, distributed(tp, _in_worker, tp, overrides), f"{name} tp={tp}")
+
+
+def test_sequence_parallel_matches_no_sequence_parallel(distributed):
+    overrides = dict(CONFIGS["gqa-rope-swiglu-rmsnorm"])
+    reference = run_tiny_model(1, overrides)
+    _assert_same(reference, distributed(2, _in_worker, 2, {**overrides, "sequence_parallel": True}), "sp tp=2")
+
+
+def _recompute_grads(recompute):
+    with kernels.use_backend("torch"):
+        state = initialize_model_parallel(tensor_model_parallel_size=dist.get_world_size())
+        config = tiny_config(num_layers=4, tensor_model_parallel_size=state.tp_size, hidden_dropout=0.2,
+                             attention_dropout=0.2, sequence_parallel=True, **recompute)
+        model = build_model(config, state)
+        model_parallel_seed(7, tp_rank=state.tp_rank)
+        return loss_and_grads(model, state)
+
+
+@pytest.mark.parametrize("recompute", [
+    dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2),
+    dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=3),
+    dict(recompute_granularity="selective"),
+], ids=["full-uniform", "full-block", "selective"])
+def test_recompute_gives_identical_grads(distributed, recompute):
+    plain = distributed(2, _recompute_grads, {})
+    recomputed = distributed(2, _recompute_grads, recompute)
+    for (loss_a, grads_a), (loss_b, grads_b) in zip(plain, recomputed):
+        assert torch.equal(loss_a, loss_b)
+        for name in grads_a:
+            assert torch.equal(grads_a[name][0], grads_b[name][0]), name
+
+
+def _hidden_dropout_outputs():
+    with kernels.use_backend("torch"):
+        tp = dist.get_world_size() if dist.is_initialized() else 1
+        state = initialize_model_parallel(tensor_model_parallel_size=tp)
+        model = build_model(tiny_config(tensor_model_parallel_size=tp, hidden_dropout=0.3), state,
+                            parallel_output=False)
+        model_parallel_seed(11, tp_rank=state.tp_rank)
+        input_ids, positions, _ = make_batch()
+        return model(input_ids, positions).detach()
+
+
+def test_replicated_dropout_masks_are_identical_across_tp(distributed):
+    reference = _hidden_dropout_outputs()  # tp=1 draws the same default-generator masks
+    for logits in distributed(2, _hidden_dropout_outputs):
+        torch.testing.assert_close(logits, reference, **LOSS_TOL)
+
+
+def test_padded_vocab_never_affects_loss_or_predictions():
+    state = initialize_model_parallel()
+    model = build_model(tiny_config(), state, parallel_output=True)
+    input_ids, positions, labels = make_batch()
+    logits = model(input_ids, positions)
+    assert logits.shape == (2, SEQ, 64) and torch.isinf(logits[..., VOCAB:]).all()
+    loss = model(input_ids, positions, labels=labels)
+    expected = F.cross_entropy(logits[..., :VOCAB].flatten(0, 1), labels.flatten(), reduction="none")
+    torch.testing.assert_close(loss.flatten(), expected, **LOSS_TOL)
+    gathered = build_model(tiny_config(), state, parallel_output=False)(input_ids, positions)
+    assert gathered.shape == (2, SEQ, VOCAB)
+    with pytest.raises(ValueError, match=r"labels must lie in \[0, 50\)"):
+        model(input_ids, positions, labels=torch.full_like(labels, VOCAB))
+
+
+def _llama(tp):
+    with kernels.use_backend("torch"):
+        state = initialize_model_parallel(tensor_model_parallel_size=tp)
+        config = llama_config(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                              ffn_hidden_size=48, tensor_model_parallel_size=tp)
+        torch.manual_seed(5)
+        model = llama_model(config, parallel_state=state, vocab_size=VOCAB, max_sequence_length=SEQ,
+                            make_vocab_size_divisible_by=16)
+        assert "embedding.position_embeddings.weight" not in dict(model.named_parameters())
+        return loss_and_grads(model, state)
+
+
+def test_llama_through_spec_matches_tp1(distributed):
+    _assert_same(_llama(1), distributed(2, _llama, 2), "llama tp=2")
+
+
+class SquaredReLUMLP(MLP):
+    """A user's architecture change: only the activation differs."""
+
+    def activation(self, x):
+        return F.relu(x) ** 2
+
+
+def test_user_spec_swaps_a_submodule():
+    state = initialize_model_parallel()
+    model = build_model(tiny_config(), state, layer_spec=TransformerLayerSpec(mlp=SquaredReLUMLP))
+    assert all(isinstance(layer.mlp, SquaredReLUMLP) for layer in model.decoder.layers)
+    baseline = build_model(tiny_config(), state)
+    input_ids, positions, labels = make_batch()
+    assert not torch.allclose(model(input_ids, positions, labels=labels), baseline(input_ids, positions, labels=labels))
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_hand_split_pipeline_equals_whole_model(tied):
+    whole_state = initialize_model_parallel()
+    reference_loss, reference_grads = loss_and_grads(build_model(tiny_config(num_layers=4), whole_state,
+                                                                 share_embeddings_and_output_weights=tied), whole_state)
+    config = tiny_config(num_layers=4, pipeline_model_parallel_size=2)
+    stages = [dataclasses.replace(whole_state, pp_size=2, pp_rank=r, pp_ranks=(0, 1)) for r in range(2)]
+    first = build_model(config, stages[0], pre_process=True, post_process=False, share_embeddings_and_output_weights=tied)
+    last = build_model(config, stages[1], pre_process=False, post_process=True, share_embeddings_and_output_weights=tied)
+    assert [layer.layer_number for layer in last.decoder.layers] == [3, 4]
+    input_ids, positions, labels = make_batch()
+    sent = first(input_ids, positions)  # [s, b, h]
+    received = sent.detach().requires_grad_()
+    last.set_input_tensor(received)
+    loss = last(None, positions, labels=labels)
+    torch.testing.assert_close(loss, reference_loss, **LOSS_TOL)
+    loss.mean().backward()
+    sent.backward(received.grad)
+    grads = {_global_name(name, shift): param.grad
+             for model, shift in ((first, 0), (last, 2)) for name, param in model.named_parameters()}
+    if tied:  # what finalize_model_grads does over the embedding group
+        grads["embedding.word_embeddings.weight"] = grads["embedding.word_embeddings.weight"] + grads.pop("output_layer.weight")
+    assert grads.keys() == reference_grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, reference_grads[name][0], **GRAD_TOL, msg=lambda m: f"{name}: {m}")
+
+
+def _global_name(name: str, layer_shift: int) -> str:
+    """``decoder.layers.<local>.x`` of a stage -> the whole model's ``decoder.layers.<global>.x``."""
+    parts = name.split(".")
+    if parts[:2] == ["decoder", "layers"]:
+        parts[2] = str(int(parts[2]) + layer_shift)
+    return ".".join(parts)
