@@ -11,6 +11,7 @@ fp32, and writes them to its own row of a ``[programs, hidden]`` buffer that the
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -179,13 +180,18 @@ def _forward_triton(x, weight, bias, eps, rms):
     return y, mean, rstd
 
 
+@functools.lru_cache(maxsize=None)
+def _backward_programs(device: torch.device) -> int:
+    """Backward programs: a few row chunks per SM keep every SM busy and the partial dw / db buffers small."""
+    if device.type == "cuda":
+        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
 def _backward_triton(x, weight, dy, mean, rstd, rms, has_bias):
     rows, hidden = x.shape
     dx = torch.empty_like(x)
-    if x.device.type == "cuda":  # a few row chunks per SM keep all SMs busy and the partials small
-        programs = 4 * torch.cuda.get_device_properties(x.device).multi_processor_count
-    else:
-        programs = 4
+    programs = _backward_programs(x.device)
     per_program = -(-rows // max(1, min(programs, rows)))
     programs = max(1, -(-rows // per_program))
     block, one_block = _dispatch.block_size(hidden, _MAX_BLOCK)

@@ -2,7 +2,7 @@
 
 Nothing of size ``[tokens, vocab]`` is materialised in fp32. The forward reads the logits once: one program
 per row runs an online max / sum-of-exp over vocab blocks and also picks up the target logit (and the sum of
-logits, for label smoothing); the results are ``[tokens]`` fp32 vectors. The backward reads the logits once
+``logit - max``, for label smoothing); the results are ``[tokens]`` fp32 vectors. The backward reads the logits once
 more and writes ``grad_scale * (softmax - (1 - eps) * onehot - eps / V)`` straight into the gradient buffer.
 
 The same pieces serve the vocab-parallel loss: each rank computes ``cross_entropy_shard_stats`` of its shard,

@@ -36,12 +36,24 @@ CASES = [  # (name, tp > 1, sequence_parallel, selective recompute)
 ]
 
 
-def korthikanti_bytes(s: int, b: int, h: int, a: int, t: int, sp: bool, selective: bool) -> float:
-    """Table 2 of arXiv 2205.05198 (16-bit activations)."""
+def korthikanti_bytes(s: int, b: int, h: int, a: int, t: int, sp: bool, selective: bool,
+                      mask_bytes: int = 1) -> float:
+    """Table 2 of arXiv 2205.05198 (16-bit activations, ``mask_bytes`` per dropout-mask element).
+
+    The paper's 1-byte masks are what CUDA's fused dropout saves; on the CPU ``F.dropout`` saves its mask in
+    the activation dtype (2 bytes), which adds the two hidden-dropout masks and the attention-dropout mask
+    again. With ``mask_bytes=2`` the layernorms' fp32 statistics (16 bytes per token) are counted too.
+    """
     attention = 0.0 if selective else 5 * a * s / (h * t)
     if sp:
-        return s * b * h / t * (34 + attention * t)
-    return s * b * h * (10 + 24 / t + attention)
+        paper = s * b * h / t * (34 + attention * t)
+    else:
+        paper = s * b * h * (10 + 24 / t + attention)
+    extra_masks = 2 * s * b * h / (t if sp else 1) + (0 if selective else a * s * s * b / t)
+    if mask_bytes == 1:
+        return paper
+    norm_stats = 2 * 2 * 4 * s * b / (t if sp else 1)  # fp32 mean and rstd of both norms, which the paper omits
+    return paper + (mask_bytes - 1) * extra_masks + norm_stats
 
 
 def measure_layer_bytes(s: int, b: int, h: int, a: int, sp: bool, selective: bool) -> int:
@@ -80,15 +92,16 @@ def main() -> None:
     args = parser.parse_args()
     s, b, h, a, t = args.seq_length, args.micro_batch_size, args.hidden_size, args.heads, args.tp
     print(f"s={s} b={b} h={h} a={a} t={t}, bf16, bytes saved for backward per layer on one rank")
-    print(f"{'case':<32}{'measured':>12}{'formula':>12}{'ratio':>8}")
+    print(f"{'case':<32}{'measured':>12}{'paper (1 B masks)':>19}{'ratio':>7}{'2 B masks (CPU)':>17}{'ratio':>7}")
     for name, parallel, sp, selective in CASES:
         tp = t if parallel else 1
         if tp == 1:
             measured = measure_layer_bytes(s, b, h, a, sp, selective)
         else:
             measured = run_distributed(tp, measure_layer_bytes, s, b, h, a, sp, selective)[0]
-        formula = korthikanti_bytes(s, b, h, a, tp, sp, selective)
-        print(f"{name:<32}{measured:>12,}{formula:>12,.0f}{measured / formula:>8.2f}")
+        paper = korthikanti_bytes(s, b, h, a, tp, sp, selective)
+        cpu = korthikanti_bytes(s, b, h, a, tp, sp, selective, mask_bytes=2)
+        print(f"{name:<32}{measured:>12,}{paper:>19,.0f}{measured / paper:>7.2f}{cpu:>17,.0f}{measured / cpu:>7.3f}")
 
 
 if __name__ == "__main__":

@@ -22,12 +22,12 @@ from torch import nn
 
 from megatron_core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
-    gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
+from megatron_core.tensor_parallel.sequence_parallel_linear import sequence_parallel_linear
 from megatron_core.tensor_parallel.utils import check_ids_in_range, divide, group_rank, group_size, vocab_range
 
 InitMethod = Callable[[torch.Tensor], torch.Tensor]
@@ -100,8 +100,9 @@ class ColumnParallelLinear(nn.Module):
         stride: interleaved blocks per shard (fused QKV / SwiGLU layouts).
         skip_weight_param_allocation: hold no weight; ``forward`` then needs ``weight=`` (tied output layer).
 
-    Communication: forward all-gathers the input along s when sequence_parallel (backward reduce-scatters
-    its gradient), else backward all-reduces the input gradient over tp; gather_output all-gathers the
+    Communication: forward all-gathers the input along s when sequence_parallel (backward all-gathers it
+    again, as only the local chunk is saved, and reduce-scatters its gradient), else backward all-reduces
+    the input gradient over tp; gather_output all-gathers the
     output along the last dim (backward splits it).
 
     Returns from forward: ``(output, output_bias)``, ``output_bias`` None unless ``skip_bias_add``.
@@ -140,12 +141,11 @@ class ColumnParallelLinear(nn.Module):
             raise ValueError(f"ColumnParallelLinear weight must have shape "
                              f"{(self.output_size_per_partition, self.input_size)}, got {tuple(weight.shape)}")
         _check_last_dim("ColumnParallelLinear", input_, self.input_size, "input_size")
-        if self.sequence_parallel:
-            input_parallel = gather_from_sequence_parallel_region(input_, self.tp_group)  # [s, b, in]
-        else:
-            input_parallel = copy_to_tensor_model_parallel_region(input_, self.tp_group)
         bias = None if self.skip_bias_add else self.bias
-        output = F.linear(input_parallel, weight, bias)  # [..., out/tp]
+        if self.sequence_parallel:  # all-gathers s; saves only the local [s/tp, b, in] chunk for backward
+            output = sequence_parallel_linear(input_, weight, bias, self.tp_group)  # [s, b, out/tp]
+        else:
+            output = F.linear(copy_to_tensor_model_parallel_region(input_, self.tp_group), weight, bias)
         output_bias = self.bias if self.skip_bias_add else None
         if self.gather_output:
             output = gather_from_tensor_model_parallel_region(output, self.tp_group)  # [..., out]
