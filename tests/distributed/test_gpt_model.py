@@ -192,3 +192,20 @@ def _global_name(name: str, layer_shift: int) -> str:
     if parts[:2] == ["decoder", "layers"]:
         parts[2] = str(int(parts[2]) + layer_shift)
     return ".".join(parts)
+
+
+def test_explicit_causal_mask_equals_implicit():
+    state = initialize_model_parallel()
+    model = build_model(tiny_config(), state)
+    input_ids, positions, labels = make_batch()
+    causal = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), 1).expand(2, 1, SEQ, SEQ)
+    torch.testing.assert_close(model(input_ids, positions, causal, labels), model(input_ids, positions, None, labels),
+                               **LOSS_TOL)
+    padded = causal.clone()
+    padded[..., :2] = True  # keys 0-1 hidden from every query: rows 0 and 1 are fully masked -> zeros, not NaN
+    assert torch.isfinite(model(input_ids, positions, padded, labels)).all()
+
+
+def test_model_rejects_a_layout_mismatch():
+    with pytest.raises(ValueError, match="config.tensor_model_parallel_size=2 does not match the parallel state's 1"):
+        build_model(tiny_config(tensor_model_parallel_size=2), initialize_model_parallel())
