@@ -61,9 +61,17 @@ def allreduce_embedding_grads(models: Sequence[nn.Module], state: ParallelState)
     if state.embedding_group is None or group_size(state.embedding_group) == 1:
         return
     grads = _tagged_grads(models, "shared_embedding")
-    if len(grads) != 1:
-        raise ValueError(f"expected one tied embedding weight on rank {state.rank} of the embedding group, "
-                         f"found {len(grads)} (pre_process/post_process or the tying flags disagree between stages)")
+    # Both ends must agree on tying before the (large) reduction: a scalar check turns a disagreement into
+    # the same ValueError on both ranks instead of one rank waiting forever.
+    counts = torch.tensor([len(grads), -len(grads)], dtype=torch.float32, device=state.device)
+    dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=state.embedding_group)
+    most, fewest = int(counts[0]), -int(counts[1])
+    if most == 0:
+        return
+    if most != 1 or fewest != 1:
+        raise ValueError(f"the tied embedding weight must appear once on each end of the pipeline, found between "
+                         f"{fewest} and {most} (rank {state.rank} has {len(grads)}): pre_process/post_process or "
+                         "share_embeddings_and_output_weights disagree between the first and last stage")
     _all_reduce_coalesced(grads, state.embedding_group)
 
 

@@ -209,3 +209,61 @@ def test_explicit_causal_mask_equals_implicit():
 def test_model_rejects_a_layout_mismatch():
     with pytest.raises(ValueError, match="config.tensor_model_parallel_size=2 does not match the parallel state's 1"):
         build_model(tiny_config(tensor_model_parallel_size=2), initialize_model_parallel())
+
+
+def _two_stage_pipeline(tied):
+    with kernels.use_backend("torch"):
+        state = initialize_model_parallel(pipeline_model_parallel_size=2)
+        first = state.is_pipeline_first_stage
+        model = build_model(tiny_config(num_layers=4, pipeline_model_parallel_size=2), state, pre_process=first,
+                            post_process=not first, share_embeddings_and_output_weights=tied)
+        input_ids, positions, labels = make_batch()
+        loss = None
+        if first:
+            sent = model(input_ids, positions)  # [s, b, h]
+            dist.send(sent.detach(), state.next_pipeline_rank)
+            grad = torch.empty_like(sent)
+            dist.recv(grad, state.next_pipeline_rank)
+            sent.backward(grad)
+        else:
+            received = torch.empty(SEQ, 2, 16)
+            dist.recv(received, state.prev_pipeline_rank)
+            received.requires_grad_()
+            model.set_input_tensor(received)
+            loss = model(None, positions, labels=labels)
+            loss.mean().backward()
+            dist.send(received.grad, state.prev_pipeline_rank)
+        finalize_model_grads(model, state)  # sums the tied embedding grads over ranks 0 and 1
+        return loss, {_global_name(n, 0 if first else 2): p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_two_pipeline_ranks_with_finalize_equal_whole_model(distributed, tied):
+    state = initialize_model_parallel()
+    ref_loss, ref_grads = loss_and_grads(build_model(tiny_config(num_layers=4), state,
+                                                     share_embeddings_and_output_weights=tied), state)
+    (_, first_grads), (loss, last_grads) = distributed(2, _two_stage_pipeline, tied)
+    torch.testing.assert_close(loss, ref_loss, **LOSS_TOL)
+    if tied:  # both copies of the tied weight received the summed grad
+        torch.testing.assert_close(last_grads.pop("output_layer.weight"), ref_grads["embedding.word_embeddings.weight"][0],
+                                   **GRAD_TOL)
+    merged = {**first_grads, **last_grads}
+    assert merged.keys() == ref_grads.keys()
+    for name, grad in merged.items():
+        torch.testing.assert_close(grad, ref_grads[name][0], **GRAD_TOL, msg=lambda m: f"{name}: {m}")
+
+
+def _disagreeing_stages():
+    state = initialize_model_parallel(pipeline_model_parallel_size=2)
+    first = state.is_pipeline_first_stage
+    model = build_model(tiny_config(num_layers=4, pipeline_model_parallel_size=2), state, pre_process=first,
+                        post_process=not first, share_embeddings_and_output_weights=first)
+    for param in model.parameters():
+        param.grad = torch.zeros_like(param)
+    finalize_model_grads(model, state)
+
+
+def test_tying_disagreement_between_stages_raises_instead_of_hanging(distributed):
+    with pytest.raises(ValueError, match="must appear once on each end of the pipeline, found between 0 and 1") as info:
+        distributed(2, _disagreeing_stages)
+    assert not any("were still running" in note for note in info.value.__notes__)
