@@ -1,4 +1,4 @@
-"""The model's hot path (attention softmax, norms) runs the fused Triton kernels when they can run: here under
+"""The model's hot path (attention softmax, norms, vocab-parallel loss) runs the fused Triton kernels when they can run: here under
 the interpreter (tests/conftest.py sets TRITON_INTERPRET=1), on a GPU compiled. Tiny shapes: each launch is
 interpreted."""
 import pytest
@@ -26,6 +26,8 @@ def test_forward_and_backward_dispatch_to_triton(overrides, norm_op):
         loss.sum().backward()
     assert kernels.last_backend("scaled_upper_triang_masked_softmax") == "triton"
     assert kernels.last_backend(norm_op) == "triton"
+    assert kernels.last_backend("cross_entropy_shard_stats") == "triton"
+    assert kernels.last_backend("cross_entropy_shard_backward") == "triton"
     with kernels.use_backend("torch"):
         reference = build_model(tiny_config(num_layers=1, **overrides), state)(input_ids, positions, labels=labels)
     torch.testing.assert_close(loss, reference, rtol=1e-5, atol=1e-5)
