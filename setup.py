@@ -17,6 +17,8 @@ setup(
         'triton==3.7.1; platform_system == "Linux"',
         "einops",
         "sentencepiece",
+        # GPT-2 byte-level BPE (vocab.json + merges.txt) for --tokenizer-type GPT2BPETokenizer; loads local files.
+        "tokenizers",
         "numpy",
     ],
     extras_require={"test": ["pytest>=7"]},

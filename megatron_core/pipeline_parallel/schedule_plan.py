@@ -1,0 +1,120 @@
+"""The order of forward and backward passes each pipeline rank runs (pure: no communication).
+
+A schedule is, per rank, a list of ``Op(kind, chunk, microbatch)``; the executor in ``schedules.py`` runs it
+and derives every transfer from it (an F of a chunk that is not the model's first receives an activation,
+an F of a chunk that is not the model's last sends one; likewise for gradients of B). Keeping the order
+separate from the communication makes each schedule a few lines and lets ``simulate`` check, without any
+process, that every rank's order can run to completion (no deadlock) and how large the bubble is.
+
+1F1B (PipeDream-Flush, Narayanan et al. 2021): rank r runs ``min(p - r - 1, m)`` warm-up forwards, then
+alternates one forward and one backward, then drains the remaining backwards; it holds at most ``p - r``
+micro-batches' activations. Interleaved 1F1B (same paper, section 2.2): each rank holds v model chunks;
+virtual micro-batch k runs on chunk ``(k // p) % v`` (backward: reversed) for micro-batch
+``(k // (p v)) p + k % p``, with ``2 (p - r - 1) + (v - 1) p`` warm-up forwards. Bubble fraction
+(idle over compute time) is ``(p - 1) / (v m)``.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+    kind: str  # "F" (forward) or "B" (backward)
+    chunk: int  # model chunk index on this rank (0 without interleaving)
+    microbatch: int
+
+
+def no_pipelining_ops(num_microbatches: int, *, forward_only: bool = False) -> list[Op]:
+    """One stage: forward and backward of each micro-batch in turn."""
+    ops = []
+    for mb in range(num_microbatches):
+        ops.append(Op("F", 0, mb))
+        if not forward_only:
+            ops.append(Op("B", 0, mb))
+    return ops
+
+
+def one_f_one_b_ops(pp_rank: int, pp_size: int, num_microbatches: int, *, forward_only: bool = False) -> list[Op]:
+    """The 1F1B order of pipeline rank ``pp_rank``."""
+    m = num_microbatches
+    if forward_only:
+        return [Op("F", 0, mb) for mb in range(m)]
+    warmup = min(pp_size - pp_rank - 1, m)
+    ops = [Op("F", 0, mb) for mb in range(warmup)]
+    for i in range(m - warmup):
+        ops += [Op("F", 0, warmup + i), Op("B", 0, i)]
+    ops += [Op("B", 0, mb) for mb in range(m - warmup, m)]
+    return ops
+
+
+def _virtual(k: int, pp_size: int, vpp_size: int, forward: bool) -> tuple[int, int]:
+    """``(chunk, microbatch)`` of virtual micro-batch ``k``."""
+    group, within = divmod(k, pp_size * vpp_size)
+    chunk = within // pp_size
+    return (chunk if forward else vpp_size - 1 - chunk), group * pp_size + within % pp_size
+
+
+def interleaved_ops(pp_rank: int, pp_size: int, vpp_size: int, num_microbatches: int, *,
+                    forward_only: bool = False) -> list[Op]:
+    """The interleaved 1F1B order of pipeline rank ``pp_rank`` (num_microbatches divisible by pp_size)."""
+    total = num_microbatches * vpp_size
+    forwards = [Op("F", *_virtual(k, pp_size, vpp_size, True)) for k in range(total)]
+    if forward_only:
+        return forwards
+    backwards = [Op("B", *_virtual(k, pp_size, vpp_size, False)) for k in range(total)]
+    warmup = min(2 * (pp_size - pp_rank - 1) + (vpp_size - 1) * pp_size, total)
+    ops = forwards[:warmup]
+    for i in range(total - warmup):
+        ops += [forwards[warmup + i], backwards[i]]
+    return ops + backwards[total - warmup:]
+
+
+def bubble_fraction_formula(pp_size: int, num_microbatches: int, vpp_size: Optional[int] = None) -> float:
+    """``(p - 1) / (v m)``: pipeline idle time over ideal compute time."""
+    return (pp_size - 1) / ((vpp_size or 1) * num_microbatches)
+
+
+def simulate(rank_ops: list[list[Op]], vpp_size: int = 1, *, forward_time: float = 1.0,
+             backward_time: float = 2.0) -> list[float]:
+    """Runs every rank's order with unit-cost passes and instant transfers; returns each rank's finish time.
+
+    An op starts once this rank finished its previous op and its input exists: the activation from the
+    previous model chunk's forward, the gradient from the next chunk's backward (and for B, the own F).
+    Raises ValueError if some rank can never proceed (the orders would deadlock).
+    """
+    p = len(rank_ops)
+    last_chunk = (p - 1, vpp_size - 1)
+    done: dict[tuple[str, int, int, int], float] = {}
+    position, clock = [0] * p, [0.0] * p
+
+    def dependency(rank: int, op: Op) -> list[tuple[str, int, int, int]]:
+        if op.kind == "F":
+            if (rank, op.chunk) == (0, 0):
+                return []
+            prev = (rank - 1, op.chunk) if rank > 0 else (p - 1, op.chunk - 1)
+            return [("F", *prev, op.microbatch)]
+        deps = [("F", rank, op.chunk, op.microbatch)]
+        if (rank, op.chunk) != last_chunk:
+            nxt = (rank + 1, op.chunk) if rank < p - 1 else (0, op.chunk + 1)
+            deps.append(("B", *nxt, op.microbatch))
+        return deps
+
+    while any(position[r] < len(rank_ops[r]) for r in range(p)):
+        progressed = False
+        for rank in range(p):
+            while position[rank] < len(rank_ops[rank]):
+                op = rank_ops[rank][position[rank]]
+                deps = dependency(rank, op)
+                if any(d not in done for d in deps):
+                    break
+                start = max([clock[rank]] + [done[d] for d in deps])
+                clock[rank] = start + (forward_time if op.kind == "F" else backward_time)
+                done[(op.kind, rank, op.chunk, op.microbatch)] = clock[rank]
+                position[rank] += 1
+                progressed = True
+        if not progressed:
+            stuck = {r: rank_ops[r][position[r]] for r in range(p) if position[r] < len(rank_ops[r])}
+            raise ValueError(f"the pipeline orders deadlock; ranks wait at {stuck}")
+    return clock

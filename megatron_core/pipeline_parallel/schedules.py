@@ -1,0 +1,284 @@
+"""Megatron's forward-backward schedules: no pipelining, 1F1B and interleaved 1F1B.
+
+Each schedule is an order of passes from ``schedule_plan`` run by one executor, ``_run``:
+
+- F of (chunk, micro-batch): take the activation from the previous stage (or the data, on the model's first
+  chunk), run ``forward_step_func``, send the output to the next stage (or, on the model's last chunk, turn
+  it into the loss with the returned ``loss_func``). A sent output is deallocated at once (its storage freed,
+  its autograd node kept), so a stage holds activations only for micro-batches whose backward is pending.
+- B: take the output gradient from the next stage (or back-propagate the loss), run backward, send the
+  input gradient to the previous stage.
+
+Transfers are posted in one ``batch_isend_irecv`` per pass: the pass's send plus the receive the next pass
+needs, so receives are always posted ahead and no rank waits on a send. After the last pass,
+``finalize_model_grads`` sums tied-embedding grads over the first and last stage (and sequence-parallel
+grads over tp). If a rank raises, it publishes the error in the default store and sends a placeholder for
+every transfer it still owed; each peer's next receive completes, finds the error, and raises
+``PipelineError`` carrying it (then does the same for its own peers): no rank is left waiting.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatron_core.distributed import finalize_model_grads
+from megatron_core.parallel_state import ParallelState
+from megatron_core.pipeline_parallel.p2p import P2PCommunicator, PendingRecv
+from megatron_core.pipeline_parallel.schedule_plan import (
+    Op,
+    interleaved_ops,
+    no_pipelining_ops,
+    one_f_one_b_ops,
+)
+from megatron_core.pipeline_parallel.timeline import Timeline
+
+ForwardStepFunc = Callable[[Any, nn.Module], tuple[torch.Tensor, Callable]]
+_call_counter = itertools.count()
+
+
+class PipelineError(RuntimeError):
+    """Another pipeline rank failed; the message carries its error."""
+
+
+def get_forward_backward_func(pp_size: int, vpp_size: Optional[int] = None) -> Callable[..., list]:
+    """The schedule for a layout: no pipelining (pp 1), 1F1B, or interleaved 1F1B (vpp > 1)."""
+    if pp_size < 1 or (vpp_size is not None and vpp_size < 1):
+        raise ValueError(f"pp_size must be >= 1 and vpp_size None or >= 1, got pp_size={pp_size}, vpp_size={vpp_size}")
+    if pp_size == 1:
+        if vpp_size not in (None, 1):
+            raise ValueError(f"vpp_size {vpp_size} needs pp_size > 1 (got pp_size 1)")
+        return forward_backward_no_pipelining
+    if vpp_size is not None and vpp_size > 1:
+        return forward_backward_pipelining_with_interleaving
+    return forward_backward_pipelining_without_interleaving
+
+
+def forward_backward_no_pipelining(*, forward_step_func: ForwardStepFunc, data_iterator, model,
+                                   num_microbatches: int, seq_length: int, micro_batch_size: int,
+                                   forward_only: bool = False, parallel_state: ParallelState,
+                                   timeline: Optional[Timeline] = None) -> list:
+    """All micro-batches through one stage, gradients accumulated. Returns the loss_func results."""
+    chunks = _as_chunks(model, 1)
+    _check_common(num_microbatches, parallel_state, chunks, seq_length)
+    ops = no_pipelining_ops(num_microbatches, forward_only=forward_only)
+    return _run(ops, forward_step_func, [data_iterator], chunks, num_microbatches, forward_only, parallel_state,
+                None, timeline)
+
+
+def forward_backward_pipelining_without_interleaving(
+        *, forward_step_func: ForwardStepFunc, data_iterator, model, num_microbatches: int, seq_length: int,
+        micro_batch_size: int, forward_only: bool = False, parallel_state: ParallelState,
+        timeline: Optional[Timeline] = None) -> list:
+    """1F1B over ``parallel_state.pp_size`` stages. Returns the loss_func results on the last stage."""
+    chunks = _as_chunks(model, 1)
+    _check_common(num_microbatches, parallel_state, chunks, seq_length)
+    ops = one_f_one_b_ops(parallel_state.pp_rank, parallel_state.pp_size, num_microbatches, forward_only=forward_only)
+    shape = _tensor_shape(chunks[0], seq_length, micro_batch_size)
+    return _run(ops, forward_step_func, [data_iterator], chunks, num_microbatches, forward_only, parallel_state,
+                shape, timeline)
+
+
+def forward_backward_pipelining_with_interleaving(
+        *, forward_step_func: ForwardStepFunc, data_iterator, model, num_microbatches: int, seq_length: int,
+        micro_batch_size: int, forward_only: bool = False, parallel_state: ParallelState,
+        timeline: Optional[Timeline] = None) -> list:
+    """Interleaved 1F1B: ``model`` is the list of this rank's vpp chunks, ``data_iterator`` one per chunk."""
+    state = parallel_state
+    vpp = state.vpp_size or 1
+    chunks = _as_chunks(model, vpp)
+    if num_microbatches % state.pp_size != 0:
+        raise ValueError(f"num_microbatches {num_microbatches} is not divisible by pipeline_model_parallel_size "
+                         f"{state.pp_size}, which the interleaved schedule requires")
+    iterators = data_iterator if isinstance(data_iterator, (list, tuple)) else None
+    if iterators is None or len(iterators) != vpp:
+        raise ValueError(f"the interleaved schedule needs one data iterator per model chunk ({vpp}), "
+                         f"got {type(data_iterator).__name__}")
+    _check_common(num_microbatches, state, chunks, seq_length)
+    ops = interleaved_ops(state.pp_rank, state.pp_size, vpp, num_microbatches, forward_only=forward_only)
+    shape = _tensor_shape(chunks[0], seq_length, micro_batch_size)
+    return _run(ops, forward_step_func, list(iterators), chunks, num_microbatches, forward_only, state, shape,
+                timeline)
+
+
+def _as_chunks(model: Union[nn.Module, Sequence[nn.Module]], expected: int) -> list[nn.Module]:
+    chunks = [model] if isinstance(model, nn.Module) else list(model)
+    if len(chunks) != expected:
+        raise ValueError(f"expected {expected} model chunk(s) on this rank, got {len(chunks)}")
+    return chunks
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    while not hasattr(model, "set_input_tensor") and hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def _check_common(num_microbatches: int, state: ParallelState, chunks: list[nn.Module], seq_length: int) -> None:
+    if num_microbatches < 1:
+        raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
+    config = getattr(_unwrap(chunks[0]), "config", None)
+    if config is not None and config.sequence_parallel and seq_length % state.tp_size != 0:
+        raise ValueError(f"seq_length {seq_length} is not divisible by tensor_model_parallel_size {state.tp_size} "
+                         "(sequence parallelism splits the sequence)")
+
+
+def _tensor_shape(chunk: nn.Module, seq_length: int, micro_batch_size: int) -> tuple[tuple[int, ...], torch.dtype]:
+    """Shape and dtype of the activations between stages: ``[s(/tp), b, h]`` in the params dtype."""
+    config = getattr(_unwrap(chunk), "config", None)
+    if config is None:
+        raise ValueError("pipeline schedules read hidden_size from model.config; the model chunk has no config")
+    tp = config.tensor_model_parallel_size if config.sequence_parallel else 1
+    return (seq_length // tp, micro_batch_size, config.hidden_size), config.params_dtype
+
+
+class _Executor:
+    """Runs one rank's ops; see the module docstring."""
+
+    def __init__(self, forward_step_func, iterators, chunks, num_microbatches, forward_only, state, shape, timeline):
+        self.forward_step_func, self.iterators, self.chunks = forward_step_func, iterators, chunks
+        self.num_microbatches, self.forward_only, self.state = num_microbatches, forward_only, state
+        self.timeline = timeline
+        self.vpp = len(chunks)
+        self.comm = (P2PCommunicator(state, tensor_shape=shape[0], dtype=shape[1], record=self._record)
+                     if shape is not None else None)
+        self.saved: dict[tuple[int, int], tuple[Optional[torch.Tensor], torch.Tensor]] = {}
+        self.pending: dict[tuple[str, int, int], PendingRecv] = {}
+        self.losses: list = []
+        # The same on every rank, as all ranks run the same sequence of schedules.
+        self.failure_key = f"megatron_core/pipeline_failure/{next(_call_counter)}"
+        self.store = _default_store() if self.comm is not None else None
+
+    def _record(self, kind: str, start: float, end: float, op: Optional[Op] = None) -> None:
+        if self.timeline is not None:
+            self.timeline.record(kind, start, end, op.microbatch if op else None, op.chunk if op else None)
+
+    def first_chunk(self, chunk: int) -> bool:
+        return self.state.is_first_model_chunk(chunk) if self.vpp > 1 else self.state.is_pipeline_first_stage
+
+    def last_chunk(self, chunk: int) -> bool:
+        return self.state.is_last_model_chunk(chunk) if self.vpp > 1 else self.state.is_pipeline_last_stage
+
+    def needs_recv(self, op: Op) -> bool:
+        if self.comm is None:
+            return False
+        return not self.first_chunk(op.chunk) if op.kind == "F" else not self.last_chunk(op.chunk)
+
+    def post(self, send_next=None, send_prev=None, next_op: Optional[Op] = None) -> None:
+        recv_prev = next_op is not None and next_op.kind == "F" and self.needs_recv(next_op)
+        recv_next = next_op is not None and next_op.kind == "B" and self.needs_recv(next_op)
+        if self.comm is None or not (send_next is not None or send_prev is not None or recv_prev or recv_next):
+            return
+        from_prev, from_next = self.comm.post(send_next=send_next, send_prev=send_prev, recv_prev=recv_prev,
+                                              recv_next=recv_next)
+        if next_op is not None and (from_prev or from_next):
+            self.pending[(next_op.kind, next_op.chunk, next_op.microbatch)] = from_prev or from_next
+
+    def take(self, op: Op) -> Optional[torch.Tensor]:
+        pending = self.pending.pop((op.kind, op.chunk, op.microbatch), None)
+        if pending is None:
+            return None
+        tensor = self.comm.wait(pending)
+        if self.store is not None and self.store.check([self.failure_key]):  # a placeholder from a failed peer
+            raise PipelineError(self.store.get(self.failure_key).decode())
+        return tensor
+
+    def forward(self, op: Op, next_op: Optional[Op]) -> None:
+        input_tensor = self.take(op)
+        if input_tensor is not None and not self.forward_only:
+            input_tensor.requires_grad_()
+        start = time.perf_counter()
+        model = self.chunks[op.chunk]
+        _unwrap(model).set_input_tensor(input_tensor)
+        output, loss_func = self.forward_step_func(self.iterators[op.chunk], model)
+        if self.last_chunk(op.chunk):
+            output = self._loss(output, loss_func)
+        self._record("forward", start, time.perf_counter(), op)
+        if not self.forward_only:
+            self.saved[(op.chunk, op.microbatch)] = (input_tensor, output)
+            if self.timeline is not None:
+                self.timeline.max_in_flight = max(self.timeline.max_in_flight, len(self.saved))
+        send = None if self.last_chunk(op.chunk) else output
+        self.post(send_next=send, next_op=next_op)
+        if send is not None:
+            _deallocate(output)  # the communicator keeps the storage until the send completed
+
+    def _loss(self, output: torch.Tensor, loss_func: Callable) -> torch.Tensor:
+        result = loss_func(output)
+        loss, reported = (result[0], result[-1]) if isinstance(result, tuple) else (result, result)
+        self.losses.append(reported)
+        return loss / self.num_microbatches
+
+    def backward(self, op: Op, next_op: Optional[Op]) -> None:
+        output_grad = self.take(op)
+        input_tensor, output = self.saved.pop((op.chunk, op.microbatch))
+        start = time.perf_counter()
+        if output_grad is None:
+            torch.autograd.backward(output)
+        else:
+            torch.autograd.Variable._execution_engine.run_backward(  # the output's storage was freed
+                tensors=(output,), grad_tensors=(output_grad,), keep_graph=False, create_graph=False, inputs=(),
+                allow_unreachable=True, accumulate_grad=True)
+        self._record("backward", start, time.perf_counter(), op)
+        input_grad = None if self.first_chunk(op.chunk) or input_tensor is None else input_tensor.grad
+        self.post(send_prev=input_grad, next_op=next_op)
+
+    def run(self, ops: list[Op]) -> list:
+        if ops:
+            self.post(next_op=ops[0])
+        for index, (op, next_op) in enumerate(zip(ops, ops[1:] + [None])):
+            try:
+                (self.forward if op.kind == "F" else self.backward)(op, next_op)
+            except Exception as error:
+                if self.comm is not None:
+                    self.fail(error, ops[index:])
+                raise
+            if self.comm is not None:
+                self.comm.release_completed_sends()
+        if self.comm is not None:
+            self.comm.release_completed_sends(wait=True)
+        if not self.forward_only:
+            finalize_model_grads(self.chunks, self.state)
+        if self.timeline is not None:
+            self.timeline.stop()
+        return self.losses if self.last_chunk(self.vpp - 1) else []
+
+
+    def fail(self, error: Exception, remaining: list[Op]) -> None:
+        """Publishes the error (unless a peer's came first) and sends a placeholder for every transfer this
+        rank still owed, so that each peer's pending receive completes, finds the error and raises it."""
+        if self.store is not None and not self.store.check([self.failure_key]):
+            self.store.set(self.failure_key, f"pipeline rank {self.state.pp_rank} (global rank {self.state.rank}) "
+                                             f"raised {type(error).__name__}: {error}")
+        placeholder = torch.zeros(self.comm.tensor_shape, dtype=self.comm.dtype, device=self.state.device)
+        for op in remaining:
+            if op.kind == "F" and not self.last_chunk(op.chunk):
+                self.comm.post(send_next=placeholder)
+            elif op.kind == "B" and not self.first_chunk(op.chunk):
+                self.comm.post(send_prev=placeholder)
+        _ABANDONED.append(self.comm)  # never waited for: a peer may be gone; kept alive so the sends can go out
+
+
+_ABANDONED: list[P2PCommunicator] = []
+
+
+def _default_store():
+    """The store of the default process group (used to publish a rank's failure to its peers)."""
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - no store: failures still surface, through the process group timeout
+        return None
+
+
+def _deallocate(output: torch.Tensor) -> None:
+    """Frees the storage of a tensor already sent downstream; its autograd node (grad_fn) stays."""
+    output.data = torch.empty((1,), device=output.device, dtype=output.dtype)
+
+
+def _run(ops, forward_step_func, iterators, chunks, num_microbatches, forward_only, state, shape, timeline) -> list:
+    executor = _Executor(forward_step_func, iterators, chunks, num_microbatches, forward_only, state, shape, timeline)
+    return executor.run(ops)

@@ -1,0 +1,86 @@
+"""Tokenize jsonl or text into Megatron's ``.bin``/``.idx`` format (same flags as Megatron-LM's tool).
+
+Examples::
+
+    python tools/preprocess_data.py --input corpus.jsonl --json-keys text --output-prefix data/corpus \\
+        --tokenizer-type SentencePieceTokenizer --tokenizer-model tok/spm.model --append-eod --workers 2
+    # -> data/corpus_text_document.bin / .idx ; train with --data-path data/corpus_text_document
+
+    python tools/preprocess_data.py --input a.jsonl --output-prefix data/a --tokenizer-type GPT2BPETokenizer \\
+        --vocab-file vocab.json --merge-file merges.txt --append-eod
+
+Plain-text inputs (any extension but .json/.jsonl) give one document per line, or one per file with
+``--document-per-file``. A malformed jsonl line stops the run with its file and line number unless
+``--skip-bad-lines`` is given. Outputs are written atomically.
+"""
+import argparse
+import logging
+import sys
+from typing import List, Optional
+
+from megatron_core.data.preprocess import PreprocessStats, preprocess
+from megatron_core.data.tokenizers import TOKENIZER_TYPES
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    group = parser.add_argument_group("input data")
+    group.add_argument("--input", nargs="+", required=True, help="jsonl (one document per line) or text files")
+    group.add_argument("--json-keys", nargs="+", default=["text"], help="keys to extract from jsonl")
+    group.add_argument("--document-per-file", action="store_true", help="each plain-text file is one document")
+    group.add_argument("--skip-bad-lines", action="store_true", help="skip and count malformed lines")
+    group = parser.add_argument_group("tokenizer")
+    group.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
+    group.add_argument("--tokenizer-model", default=None, help="sentencepiece .model")
+    group.add_argument("--vocab-file", default=None, help="GPT-2 vocab.json")
+    group.add_argument("--merge-file", default=None, help="GPT-2 merges.txt")
+    group.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer vocabulary size")
+    group.add_argument("--append-eod", action="store_true", help="end each document with the eod token")
+    group = parser.add_argument_group("output data")
+    group.add_argument("--output-prefix", required=True, help="writes PREFIX_{key}_document.bin/.idx")
+    group = parser.add_argument_group("runtime")
+    group.add_argument("--workers", type=int, default=1, help="tokenizing processes")
+    group.add_argument("--log-interval", type=int, default=10000, help="documents between progress updates")
+    return parser.parse_args(argv)
+
+
+def _progress_printer():
+    """Returns a callback that redraws one progress line on stderr."""
+    def show(stats: PreprocessStats) -> None:
+        seconds = max(stats.seconds, 1e-9)
+        print(f"\rprocessed {stats.documents} documents, {stats.tokens} tokens "
+              f"({stats.documents / seconds:.0f} docs/s, {stats.tokens / seconds:.0f} tokens/s, "
+              f"{stats.bytes_read / seconds / 1e6:.1f} MB/s)", end="", file=sys.stderr, flush=True)
+    return show
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    tokenizer_args = dict(tokenizer_type=args.tokenizer_type, tokenizer_model=args.tokenizer_model,
+                          vocab_file=args.vocab_file, merge_file=args.merge_file, vocab_size=args.vocab_size)
+    stats = PreprocessStats()
+
+    def progress(s: PreprocessStats) -> None:
+        stats.__dict__.update(s.__dict__)
+        show(s)
+
+    show = _progress_printer()
+    try:
+        prefixes = preprocess(args.input, args.output_prefix, tokenizer_args=tokenizer_args,
+                              json_keys=args.json_keys, append_eod=args.append_eod, workers=args.workers,
+                              skip_bad_lines=args.skip_bad_lines, document_per_file=args.document_per_file,
+                              log_interval=args.log_interval, progress=progress)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"\nerror: {err}", file=sys.stderr)
+        return 2
+    print(file=sys.stderr)
+    for key, prefix in prefixes.items():
+        print(f"{key}: {prefix}.bin / .idx")
+    print(f"documents {stats.documents}, tokens {stats.tokens}, skipped bad lines {stats.skipped_bad_lines}, "
+          f"empty documents {stats.empty_documents}, {stats.seconds:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
