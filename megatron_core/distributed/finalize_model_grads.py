@@ -76,7 +76,11 @@ def allreduce_embedding_grads(models: Sequence[nn.Module], state: ParallelState)
 
 
 def finalize_model_grads(models: Union[nn.Module, Sequence[nn.Module]], state: ParallelState) -> None:
-    """Runs both reductions on this rank's model chunks; every rank of the layout must call it."""
+    """Finishes each chunk's data-parallel grad reduction (``finish_grad_sync()``, when the chunk is wrapped
+    by a data-parallel module that has it), then runs both reductions above. Every rank must call it."""
     models = [models] if isinstance(models, nn.Module) else list(models)
+    for model in models:
+        if hasattr(model, "finish_grad_sync"):
+            model.finish_grad_sync()
     allreduce_sequence_parallel_grads(models, state)
     allreduce_embedding_grads(models, state)

@@ -9,6 +9,10 @@ Each schedule is an order of passes from ``schedule_plan`` run by one executor, 
 - B: take the output gradient from the next stage (or back-propagate the loss), run backward, send the
   input gradient to the previous stage.
 
+Optional keywords beyond Megatron's: ``timeline`` (a ``Timeline`` to record into) and ``grad_scale_func``
+(applied to the loss before backward: the fp16 loss scaler). Model chunks with a ``no_sync()`` context (a
+data-parallel wrapper) run every backward but the last micro-batch's inside it.
+
 Transfers are posted in one ``batch_isend_irecv`` per pass: the pass's send plus the receive the next pass
 needs, so receives are always posted ahead and no rank waits on a send. After the last pass,
 ``finalize_model_grads`` sums tied-embedding grads over the first and last stage (and sequence-parallel
@@ -18,6 +22,7 @@ every transfer it still owed; each peer's next receive completes, finds the erro
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
@@ -61,32 +66,35 @@ def get_forward_backward_func(pp_size: int, vpp_size: Optional[int] = None) -> C
 def forward_backward_no_pipelining(*, forward_step_func: ForwardStepFunc, data_iterator, model,
                                    num_microbatches: int, seq_length: int, micro_batch_size: int,
                                    forward_only: bool = False, parallel_state: ParallelState,
-                                   timeline: Optional[Timeline] = None) -> list:
+                                   timeline: Optional[Timeline] = None,
+                                   grad_scale_func: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> list:
     """All micro-batches through one stage, gradients accumulated. Returns the loss_func results."""
     chunks = _as_chunks(model, 1)
     _check_common(num_microbatches, parallel_state, chunks, seq_length)
     ops = no_pipelining_ops(num_microbatches, forward_only=forward_only)
     return _run(ops, forward_step_func, [data_iterator], chunks, num_microbatches, forward_only, parallel_state,
-                None, timeline)
+                None, timeline, grad_scale_func)
 
 
 def forward_backward_pipelining_without_interleaving(
         *, forward_step_func: ForwardStepFunc, data_iterator, model, num_microbatches: int, seq_length: int,
         micro_batch_size: int, forward_only: bool = False, parallel_state: ParallelState,
-        timeline: Optional[Timeline] = None) -> list:
+        timeline: Optional[Timeline] = None,
+        grad_scale_func: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> list:
     """1F1B over ``parallel_state.pp_size`` stages. Returns the loss_func results on the last stage."""
     chunks = _as_chunks(model, 1)
     _check_common(num_microbatches, parallel_state, chunks, seq_length)
     ops = one_f_one_b_ops(parallel_state.pp_rank, parallel_state.pp_size, num_microbatches, forward_only=forward_only)
     shape = _tensor_shape(chunks[0], seq_length, micro_batch_size)
     return _run(ops, forward_step_func, [data_iterator], chunks, num_microbatches, forward_only, parallel_state,
-                shape, timeline)
+                shape, timeline, grad_scale_func)
 
 
 def forward_backward_pipelining_with_interleaving(
         *, forward_step_func: ForwardStepFunc, data_iterator, model, num_microbatches: int, seq_length: int,
         micro_batch_size: int, forward_only: bool = False, parallel_state: ParallelState,
-        timeline: Optional[Timeline] = None) -> list:
+        timeline: Optional[Timeline] = None,
+        grad_scale_func: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> list:
     """Interleaved 1F1B: ``model`` is the list of this rank's vpp chunks, ``data_iterator`` one per chunk."""
     state = parallel_state
     vpp = state.vpp_size or 1
@@ -102,7 +110,7 @@ def forward_backward_pipelining_with_interleaving(
     ops = interleaved_ops(state.pp_rank, state.pp_size, vpp, num_microbatches, forward_only=forward_only)
     shape = _tensor_shape(chunks[0], seq_length, micro_batch_size)
     return _run(ops, forward_step_func, list(iterators), chunks, num_microbatches, forward_only, state, shape,
-                timeline)
+                timeline, grad_scale_func)
 
 
 def _as_chunks(model: Union[nn.Module, Sequence[nn.Module]], expected: int) -> list[nn.Module]:
@@ -139,8 +147,10 @@ def _tensor_shape(chunk: nn.Module, seq_length: int, micro_batch_size: int) -> t
 class _Executor:
     """Runs one rank's ops; see the module docstring."""
 
-    def __init__(self, forward_step_func, iterators, chunks, num_microbatches, forward_only, state, shape, timeline):
+    def __init__(self, forward_step_func, iterators, chunks, num_microbatches, forward_only, state, shape, timeline,
+                 grad_scale_func=None):
         self.forward_step_func, self.iterators, self.chunks = forward_step_func, iterators, chunks
+        self.grad_scale_func = grad_scale_func
         self.num_microbatches, self.forward_only, self.state = num_microbatches, forward_only, state
         self.timeline = timeline
         self.vpp = len(chunks)
@@ -217,15 +227,23 @@ class _Executor:
         output_grad = self.take(op)
         input_tensor, output = self.saved.pop((op.chunk, op.microbatch))
         start = time.perf_counter()
-        if output_grad is None:
-            torch.autograd.backward(output)
+        chunk = self.chunks[op.chunk]
+        last_microbatch = op.microbatch == self.num_microbatches - 1
+        # A data-parallel wrapper reduces grads only in the backward of the last micro-batch (accumulation).
+        no_sync = chunk.no_sync() if hasattr(chunk, "no_sync") and not last_microbatch else contextlib.nullcontext()
+        with no_sync:
+            self._backward(output, output_grad)
+        self._record("backward", start, time.perf_counter(), op)
+        input_grad = None if self.first_chunk(op.chunk) or input_tensor is None else input_tensor.grad
+        self.post(send_prev=input_grad, next_op=next_op)
+
+    def _backward(self, output: torch.Tensor, output_grad: Optional[torch.Tensor]) -> None:
+        if output_grad is None:  # the loss, on the model's last chunk
+            torch.autograd.backward(self.grad_scale_func(output) if self.grad_scale_func else output)
         else:
             torch.autograd.Variable._execution_engine.run_backward(  # the output's storage was freed
                 tensors=(output,), grad_tensors=(output_grad,), keep_graph=False, create_graph=False, inputs=(),
                 allow_unreachable=True, accumulate_grad=True)
-        self._record("backward", start, time.perf_counter(), op)
-        input_grad = None if self.first_chunk(op.chunk) or input_tensor is None else input_tensor.grad
-        self.post(send_prev=input_grad, next_op=next_op)
 
     def run(self, ops: list[Op]) -> list:
         if ops:
@@ -279,6 +297,7 @@ def _deallocate(output: torch.Tensor) -> None:
     output.data = torch.empty((1,), device=output.device, dtype=output.dtype)
 
 
-def _run(ops, forward_step_func, iterators, chunks, num_microbatches, forward_only, state, shape, timeline) -> list:
-    executor = _Executor(forward_step_func, iterators, chunks, num_microbatches, forward_only, state, shape, timeline)
-    return executor.run(ops)
+def _run(ops, forward_step_func, iterators, chunks, num_microbatches, forward_only, state, shape, timeline,
+         grad_scale_func) -> list:
+    return _Executor(forward_step_func, iterators, chunks, num_microbatches, forward_only, state, shape, timeline,
+                     grad_scale_func).run(ops)
