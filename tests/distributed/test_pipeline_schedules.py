@@ -133,7 +133,7 @@ def test_1f1b_with_tensor_parallel_and_untied_embeddings(distributed):
     _check_against_reference(results, _reference(4, 3, tied=False), 2, tied=False)
 
 
-@pytest.mark.parametrize("pp, m, layers", [(2, 2, 4), (2, 4, 4), (2, 6, 8), (4, 4, 8), (4, 8, 8)])
+@pytest.mark.parametrize("pp, m, layers", [(2, 2, 4), (2, 4, 4), (2, 6, 8), (3, 3, 6), (3, 9, 6), (4, 4, 8), (4, 8, 8)])
 def test_interleaved_matches_no_pipelining(distributed, pp, m, layers):
     _check_against_reference(distributed(pp, _pipeline_run, 1, pp, 2, layers, m), _reference(layers, m), 1)
 

@@ -1,0 +1,158 @@
+"""Our 1F1B / interleaved 1F1B against torch.distributed.pipelining (Schedule1F1B, ScheduleInterleaved1F1B) on
+the same GPT, micro-batches and gloo ranks, side by side in one run.
+
+    python scripts/bench_pipeline.py [--pp 2 --microbatches 8 --layers 8 --hidden 128 --seq 128 --steps 3]
+
+Prints the median step time of each schedule and its ratio to torch's, the measured bubble next to the
+formula (p-1)/(v*m), and each rank's peak resident memory (RSS). Ranks are forked gloo processes on this
+machine (megatron_core.testing), one thread each; the model runs its torch reference kernels.
+"""
+from __future__ import annotations
+
+import argparse
+import resource
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import kernels
+from megatron_core import destroy_model_parallel, initialize_model_parallel
+from megatron_core.config import TransformerConfig
+from megatron_core.models import GPTModel
+from megatron_core.pipeline_parallel import Timeline, get_forward_backward_func
+from megatron_core.pipeline_parallel.schedule_plan import bubble_fraction_formula
+from megatron_core.testing import run_distributed
+
+VOCAB = 512
+
+
+def _config(args, pp: int, vpp) -> TransformerConfig:
+    return TransformerConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=4,
+                             max_position_embeddings=args.seq, hidden_dropout=0.0, attention_dropout=0.0,
+                             pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp)
+
+
+def _chunks(args, state, vpp) -> list[GPTModel]:
+    chunks = []
+    for vp in range(vpp or 1):
+        torch.manual_seed(0)
+        first = state.is_first_model_chunk(vp) if vpp else state.is_pipeline_first_stage
+        last = state.is_last_model_chunk(vp) if vpp else state.is_pipeline_last_stage
+        chunks.append(GPTModel(_config(args, state.pp_size, vpp), parallel_state=state, vocab_size=VOCAB,
+                               max_sequence_length=args.seq, pre_process=first, post_process=last,
+                               vp_stage=vp if vpp else None, share_embeddings_and_output_weights=False))
+    return chunks
+
+
+def _batch(args):
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, VOCAB, (args.micro_batch * args.microbatches, args.seq + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _ours(args, vpp):
+    """Step times and timeline of our schedule on this rank."""
+    state = initialize_model_parallel(pipeline_model_parallel_size=dist.get_world_size(),
+                                      virtual_pipeline_model_parallel_size=vpp)
+    chunks = _chunks(args, state, vpp)
+    tokens, labels = _batch(args)
+    positions = torch.arange(args.seq).expand(args.micro_batch, args.seq)
+    micro = [(t, l) for t, l in zip(tokens.split(args.micro_batch), labels.split(args.micro_batch))]
+
+    def forward_step(iterator, model):
+        t, l = next(iterator)
+        return model(t, positions, labels=l), lambda loss: (loss.mean(), {"lm loss": loss.mean().detach()})
+
+    schedule = get_forward_backward_func(state.pp_size, vpp)
+    times, timeline = [], None
+    for _ in range(args.steps + 1):  # the first step warms up
+        timeline = Timeline()
+        start = time.perf_counter()
+        schedule(forward_step_func=forward_step, data_iterator=[iter(micro) for _ in chunks] if vpp else iter(micro),
+                 model=chunks if vpp else chunks[0], num_microbatches=args.microbatches, seq_length=args.seq,
+                 micro_batch_size=args.micro_batch, parallel_state=state, timeline=timeline)
+        times.append(time.perf_counter() - start)
+    destroy_model_parallel(state)
+    return statistics.median(times[1:]), timeline.measured_bubble(), _peak_rss_mb()
+
+
+class _TorchStage(nn.Module):
+    """Adapts one GPTModel chunk to torch.distributed.pipelining: tensors in, tensors out."""
+
+    def __init__(self, model: GPTModel, seq: int, micro_batch: int) -> None:
+        super().__init__()
+        self.model = model
+        self.register_buffer("positions", torch.arange(seq).expand(micro_batch, seq).clone(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.model.pre_process:
+            return self.model(x, self.positions)
+        self.model.set_input_tensor(x)
+        return self.model(None, self.positions)  # hidden [s, b, h], or logits [b, s, V] on the last stage
+
+
+def _torch_pipelining(args, vpp):
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+    state = initialize_model_parallel(pipeline_model_parallel_size=dist.get_world_size(),
+                                      virtual_pipeline_model_parallel_size=vpp)
+    chunks = _chunks(args, state, vpp)
+    p, v = state.pp_size, vpp or 1
+    stages = [PipelineStage(_TorchStage(chunk, args.seq, args.micro_batch), state.pp_rank + vp * p, p * v,
+                            torch.device("cpu"), group=state.pp_group) for vp, chunk in enumerate(chunks)]
+
+    def loss_fn(logits, target):
+        return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+    schedule = (ScheduleInterleaved1F1B(stages, args.microbatches, loss_fn=loss_fn) if vpp
+                else Schedule1F1B(stages[0], args.microbatches, loss_fn=loss_fn))
+    tokens, labels = _batch(args)
+    times = []
+    for _ in range(args.steps + 1):
+        start = time.perf_counter()
+        if state.is_pipeline_first_stage:
+            schedule.step(tokens)
+        elif state.is_pipeline_last_stage:
+            schedule.step(target=labels, losses=[])
+        else:
+            schedule.step()
+        times.append(time.perf_counter() - start)
+    destroy_model_parallel(state)
+    return statistics.median(times[1:]), None, _peak_rss_mb()
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _bench(which, args, vpp):
+    torch.set_num_threads(1)
+    with kernels.use_backend("torch"):
+        return (_ours if which == "ours" else _torch_pipelining)(args, vpp)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    for flag, default in (("pp", 2), ("microbatches", 8), ("micro-batch", 2), ("layers", 8), ("hidden", 128),
+                          ("seq", 128), ("steps", 3), ("vpp", 2)):
+        parser.add_argument(f"--{flag}", type=int, default=default)
+    args = parser.parse_args()
+    print(f"GPT {args.layers} layers, hidden {args.hidden}, seq {args.seq}; pp={args.pp}, {args.microbatches} "
+          f"micro-batches of {args.micro_batch}; gloo on this machine, 1 thread per rank")
+    print(f"{'schedule':<28}{'ours s/step':>12}{'torch s/step':>14}{'ours/torch':>11}{'bubble':>8}{'formula':>9}"
+          f"{'peak RSS MB/rank (ours | torch)':>34}")
+    for name, vpp in (("1F1B", None), (f"interleaved 1F1B (v={args.vpp})", args.vpp)):
+        ours = run_distributed(args.pp, _bench, "ours", args, vpp, timeout_s=600)
+        theirs = run_distributed(args.pp, _bench, "torch", args, vpp, timeout_s=600)
+        ours_t, theirs_t = max(r[0] for r in ours), max(r[0] for r in theirs)
+        bubble = statistics.mean(r[1] for r in ours)
+        rss = " ".join(f"{o[2]:.0f}|{t[2]:.0f}" for o, t in zip(ours, theirs))
+        print(f"{name:<28}{ours_t:>12.3f}{theirs_t:>14.3f}{ours_t / theirs_t:>11.2f}{bubble:>8.3f}"
+              f"{bubble_fraction_formula(args.pp, args.microbatches, vpp):>9.3f}{rss:>34}")
+
+
+if __name__ == "__main__":
+    main()
