@@ -69,13 +69,20 @@ class Timeline:
 
 
 def gather_timelines(timeline: Timeline, group) -> list[list[dict]]:
-    """All pipeline ranks' events (as dicts, with idle gaps), in pipeline-rank order. Collective over ``group``."""
-    mine = [dataclasses.asdict(e) for e in timeline.with_idle()]
+    """All pipeline ranks' events (as dicts, with idle gaps), in pipeline-rank order, on one time axis.
+    Collective over ``group``.
+
+    Ranks are aligned by their start on ``time.perf_counter`` (CLOCK_MONOTONIC: shared by the processes of one
+    host; across hosts each rank keeps its own origin).
+    """
+    mine = (timeline.origin, [dataclasses.asdict(e) for e in timeline.with_idle()])
     if group is None or dist.get_world_size(group) == 1:
-        return [mine]
+        return [mine[1]]
     gathered: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, mine, group=group)
-    return gathered
+    first = min(origin for origin, _ in gathered)
+    return [[{**e, "start": e["start"] + origin - first, "end": e["end"] + origin - first} for e in events]
+            for origin, events in gathered]
 
 
 def write_chrome_trace(per_rank: list[list[dict]], path: str) -> None:
@@ -122,10 +129,11 @@ def _atomic_write(path: str, data: bytes) -> None:
 
 
 def summarize(per_rank: list[list[dict]], formula: float) -> str:
-    """Per-rank measured bubble (idle + communication over compute) next to the formula."""
+    """Per-rank measured bubble (idle + communication over compute, from the rank's first to its last
+    event) next to the formula."""
     lines = [f"bubble formula (p-1)/(v*m) = {formula:.3f}"]
     for rank, events in enumerate(per_rank):
-        total = max((e["end"] for e in events), default=0.0)
+        total = max((e["end"] for e in events), default=0.0) - min((e["start"] for e in events), default=0.0)
         compute = sum(e["end"] - e["start"] for e in events if e["kind"] in ("forward", "backward"))
         lines.append(f"  pp rank {rank}: measured bubble {(total - compute) / max(compute, 1e-12):.3f}")
     return "\n".join(lines)
