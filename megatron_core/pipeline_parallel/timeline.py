@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import struct
 import time
-import zlib
 from typing import Optional
 
 import torch.distributed as dist
+
+from megatron_core.utils.png import atomic_write, encode_png
 
 COLORS = {"forward": (66, 133, 244), "backward": (52, 168, 83), "send": (251, 188, 5), "recv": (234, 67, 53),
           "idle": (235, 235, 235)}
@@ -95,7 +94,7 @@ def write_chrome_trace(per_rank: list[list[dict]], path: str) -> None:
                 label += f".c{e['chunk']}"
             trace.append({"name": label, "cat": e["kind"], "ph": "X", "pid": 0, "tid": rank,
                           "ts": e["start"] * 1e6, "dur": (e["end"] - e["start"]) * 1e6})
-    _atomic_write(path, json.dumps({"traceEvents": trace, "displayTimeUnit": "ms"}).encode())
+    atomic_write(path, json.dumps({"traceEvents": trace, "displayTimeUnit": "ms"}).encode())
 
 
 def write_png(per_rank: list[list[dict]], path: str, *, width: int = 1200, row_height: int = 28) -> None:
@@ -113,19 +112,7 @@ def write_png(per_rank: list[list[dict]], path: str, *, width: int = 1200, row_h
             if e["kind"] in ("forward", "backward") and x1 - x0 > 2:  # a dark edge separates passes
                 for y in range(rank * row_height + 2, (rank + 1) * row_height - 2):
                     pixels[y][x0] = (40, 40, 40)
-    raw = b"".join(b"\x00" + bytes(c for px in row for c in px) for row in pixels)
-    chunk = lambda tag, data: (struct.pack(">I", len(data)) + tag + data  # noqa: E731
-                               + struct.pack(">I", zlib.crc32(tag + data) & 0xFFFFFFFF))
-    png = (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
-           + chunk(b"IDAT", zlib.compress(raw, 6)) + chunk(b"IEND", b""))
-    _atomic_write(path, png)
-
-
-def _atomic_write(path: str, data: bytes) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
+    atomic_write(path, encode_png(pixels))
 
 
 def summarize(per_rank: list[list[dict]], formula: float) -> str:

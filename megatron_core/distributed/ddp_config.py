@@ -1,0 +1,58 @@
+"""Configuration of the data-parallel wrapper (``DistributedDataParallel``)."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+ZERO_STAGES = (0, 1, 2, 3)
+# Megatron's --data-parallel-sharding-strategy names for each ZeRO stage.
+SHARDING_STRATEGIES = {"no_shard": 0, "optim": 1, "optim_grads": 2, "optim_grads_params": 3}
+
+
+@dataclasses.dataclass(kw_only=True)
+class DistributedDataParallelConfig:
+    """How gradients are reduced over the data-parallel group and what each dp rank keeps.
+
+    Every field is keyword-only; invalid values raise ``ValueError`` naming the value and the fix.
+    """
+
+    zero_stage: int = 0
+    """0: every dp rank keeps everything and all-reduces grads (Megatron ``no_shard``). 1: the optimizer keeps
+    fp32 master weights and states for its 1/dp shard (``--use-distributed-optimizer``, ``optim``); grads are
+    still all-reduced. 2: grads are reduce-scattered and only the 1/dp shard is kept (``optim_grads``).
+    3: parameters are sharded too and all-gathered around each submodule (``optim_grads_params``)."""
+
+    bucket_size: Optional[int] = None
+    """Elements per gradient bucket (stages 0-2); None means Megatron's default max(40M, 1M * dp). At stage 3
+    a bucket holds the parameters of one submodule instead."""
+
+    overlap_grad_reduce: bool = True
+    """Launch each bucket's collective from a backward hook as soon as its grads are ready (else all buckets
+    are reduced by ``finish_grad_sync()``)."""
+
+    grad_reduce_in_fp32: bool = True
+    """Accumulate and reduce grads in fp32 even for bf16/fp16 parameters (4 bytes/param of grads)."""
+
+    average_in_collective: bool = False
+    """True: ReduceOp.AVG inside the collective (NCCL only). False: grads are pre-scaled by 1/dp and summed
+    (Megatron's default; works on every backend)."""
+
+    def __post_init__(self) -> None:
+        if self.zero_stage not in ZERO_STAGES:
+            raise ValueError(f"zero_stage {self.zero_stage!r} is not one of {ZERO_STAGES}: use 0 (no sharding), "
+                             "1 (optimizer states), 2 (+ gradients) or 3 (+ parameters)")
+        if self.bucket_size is not None and (not isinstance(self.bucket_size, int) or self.bucket_size <= 0):
+            raise ValueError(f"bucket_size {self.bucket_size!r} must be a positive number of elements "
+                             "(or None for the default max(40M, 1M * dp))")
+
+    @classmethod
+    def from_sharding_strategy(cls, strategy: str, **kwargs) -> "DistributedDataParallelConfig":
+        """Builds a config from Megatron's ``--data-parallel-sharding-strategy`` name."""
+        if strategy not in SHARDING_STRATEGIES:
+            raise ValueError(f"data_parallel_sharding_strategy {strategy!r} is not one of "
+                             f"{sorted(SHARDING_STRATEGIES)}")
+        return cls(zero_stage=SHARDING_STRATEGIES[strategy], **kwargs)
+
+    def resolved_bucket_size(self, dp_size: int) -> int:
+        """The bucket size in elements for a data-parallel group of ``dp_size`` ranks."""
+        return self.bucket_size if self.bucket_size is not None else max(40_000_000, 1_000_000 * dp_size)

@@ -1,0 +1,241 @@
+"""Buckets: slices of the contiguous parameter and gradient buffers, with their data-parallel collectives.
+
+A bucket holds a few parameters laid out one after another in a flat range of ``numel`` elements (padded to
+a multiple of dp so that it splits evenly). Dp rank r owns the shard ``[r * numel/dp, (r+1) * numel/dp)``.
+
+Storage, per rank (``numel`` elements of the bucket, ``shard = numel / dp``):
+
+| stage | parameters                    | gradients                                              |
+| ----- | ----------------------------- | ------------------------------------------------------ |
+| 0, 1  | full ``[numel]`` (views)      | full ``[numel]``; all-reduced                          |
+| 2     | full ``[numel]`` (views)      | ``[shard]``; a transient ``[numel]`` is reduce-scattered |
+| 3     | ``[shard]``; all-gathered     | as stage 2                                             |
+
+Parameters tagged ``sequence_parallel`` or ``shared_embedding`` keep full (all-reduced) gradients at every
+stage, because ``finalize_model_grads`` all-reduces their whole grad over tp or the embedding group.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterator, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatron_core.tensor_parallel.utils import group_rank, group_size
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketKind:
+    """What a bucket stores: parameter dtype, gradient dtype and whether its grads are reduce-scattered."""
+
+    param_dtype: torch.dtype
+    grad_dtype: torch.dtype
+    shard_grads: bool
+
+
+def _empty(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.empty(0, dtype=dtype, device=device)
+
+
+class Bucket:
+    """The parameters of one bucket and their storage; launches the bucket's collectives.
+
+    Args:
+        index: position in the launch order (the same on every dp rank).
+        kind: dtypes and grad sharding.
+        params: the bucket's parameters, laid out in this order.
+        dp_group: the data-parallel group (None: one rank).
+        shard_params: ZeRO-3: keep only this rank's shard of the parameters.
+    """
+
+    def __init__(self, *, index: int, kind: BucketKind, params: list[nn.Parameter], dp_group,
+                 shard_params: bool) -> None:
+        self.index, self.kind, self.params, self.dp_group = index, kind, list(params), dp_group
+        self.dp_size, self.dp_rank = group_size(dp_group), group_rank(dp_group)
+        self.shard_params = shard_params
+        self.device = self.params[0].device
+        self.shapes = {p: p.shape for p in self.params}
+        self.ranges: dict[nn.Parameter, tuple[int, int]] = {}
+        offset = 0
+        for param in self.params:
+            self.ranges[param] = (offset, offset + param.numel())
+            offset += param.numel()
+        self.numel = -(-offset // self.dp_size) * self.dp_size
+        self.shard_size = self.numel // self.dp_size
+        self.shard_lo = self.dp_rank * self.shard_size
+        self.param_data: Optional[torch.Tensor] = None   # [numel] (stages 0-2)
+        self.param_shard: Optional[torch.Tensor] = None  # [shard]: a view of param_data, or own storage (stage 3)
+        self.grad_data: Optional[torch.Tensor] = None    # [numel]: buffer view, or transient (sharded grads)
+        self.grad_shard: Optional[torch.Tensor] = None   # [shard]
+        self._pending = set(self.params)
+        self.dirty = False      # grads were added since the last launch
+        self.launched = False
+        self._grad_work = self._recv = self._param_work = self._gather_work = self._gathered_data = None
+
+    # ----------------------------------------------------------------------------------------------------------
+    # storage
+    def attach_storage(self, param_storage: torch.Tensor, grad_storage: torch.Tensor) -> None:
+        """Moves the parameters into ``param_storage`` (``[numel]``, or ``[shard]`` at stage 3) and points
+        ``main_grad`` into ``grad_storage`` (``[numel]``, or ``[shard]`` for sharded grads)."""
+        flat = torch.zeros(self.numel, dtype=self.kind.param_dtype, device=self.device)
+        for param, (lo, hi) in self.ranges.items():
+            flat[lo:hi].copy_(param.data.reshape(-1))
+        shard = slice(self.shard_lo, self.shard_lo + self.shard_size)
+        if self.shard_params:
+            param_storage.copy_(flat[shard])
+            self.param_shard = param_storage
+            self.release_params()
+        else:
+            param_storage.copy_(flat)
+            self.param_data, self.param_shard = param_storage, param_storage[shard]
+            self._point_params_at(param_storage)
+        if self.kind.shard_grads:
+            self.grad_shard = grad_storage
+            for param in self.params:
+                param.main_grad = None
+        else:
+            self.grad_data, self.grad_shard = grad_storage, grad_storage[shard]
+            self._point_main_grads_at(grad_storage)
+
+    def _point_params_at(self, data: torch.Tensor) -> None:
+        for param, (lo, hi) in self.ranges.items():
+            param.data = data[lo:hi].view(self.shapes[param])
+
+    def _point_main_grads_at(self, data: torch.Tensor) -> None:
+        for param, (lo, hi) in self.ranges.items():
+            param.main_grad = data[lo:hi].view(self.shapes[param])
+
+    def shard_pieces(self) -> Iterator[tuple[nn.Parameter, int, int, int, int]]:
+        """``(param, param_lo, param_hi, shard_lo, shard_hi)`` for each parameter overlapping this rank's
+        shard: flat element ranges inside the parameter and inside the shard."""
+        for param, (lo, hi) in self.ranges.items():
+            a, b = max(lo, self.shard_lo), min(hi, self.shard_lo + self.shard_size)
+            if a < b:
+                yield param, a - lo, b - lo, a - self.shard_lo, b - self.shard_lo
+
+    # ----------------------------------------------------------------------------------------------------------
+    # gradients
+    def add_grad(self, param: nn.Parameter) -> bool:
+        """Adds ``param.grad`` into the bucket (then frees it); True when every param of the bucket is in."""
+        if self.grad_data is None:  # sharded grads: the transient full bucket
+            self.grad_data = torch.zeros(self.numel, dtype=self.kind.grad_dtype, device=self.device)
+            self._point_main_grads_at(self.grad_data)
+        param.main_grad.add_(param.grad)
+        param.grad = None
+        self.dirty = True
+        self._pending.discard(param)
+        return not self._pending
+
+    @property
+    def ready(self) -> bool:
+        return not self._pending
+
+    def reset_pending(self) -> None:
+        self._pending = set(self.params)
+
+    def launch_grad_sync(self, *, scale: float, op) -> None:
+        """Starts the asynchronous all-reduce (full grads) or reduce-scatter (sharded grads) over dp."""
+        assert not self.launched, f"bucket {self.index} launched twice"
+        if self.grad_data is None:
+            self.grad_data = torch.zeros(self.numel, dtype=self.kind.grad_dtype, device=self.device)
+        if scale != 1.0:
+            self.grad_data.mul_(scale)
+        if self.kind.shard_grads:
+            self._recv = torch.empty(self.shard_size, dtype=self.kind.grad_dtype, device=self.device)
+            if self.dp_size == 1:
+                self._recv.copy_(self.grad_data)
+            else:
+                self._grad_work = dist.reduce_scatter_single(self._recv, self.grad_data, op=op,
+                                                             group=self.dp_group, async_op=True)
+        elif self.dp_size > 1:
+            self._grad_work = dist.all_reduce(self.grad_data, op=op, group=self.dp_group, async_op=True)
+        self.launched, self.dirty = True, False
+
+    def wait_grad_sync(self) -> None:
+        """Waits for the launched collective; sharded grads are added to the shard and the transient freed."""
+        if not self.launched:
+            return
+        if self._grad_work is not None:
+            self._grad_work.wait()
+        if self.kind.shard_grads:
+            self.grad_shard.add_(self._recv)
+            self.grad_data = self._recv = None
+            for param in self.params:
+                param.main_grad = None
+        self._grad_work, self.launched = None, False
+        self.reset_pending()
+
+    def zero_grad(self) -> None:
+        assert not self.launched, f"bucket {self.index}: zero_grad while its collective is in flight"
+        self.grad_shard.zero_()
+        if self.kind.shard_grads:
+            self.grad_data = None
+            for param in self.params:
+                param.main_grad = None
+        else:
+            self.grad_data.zero_()
+        for param in self.params:
+            param.grad = None
+        self.dirty = False
+        self.reset_pending()
+
+    # ----------------------------------------------------------------------------------------------------------
+    # parameters
+    def start_param_sync(self) -> None:
+        """Stages 1-2: all-gathers the updated shards into the full parameters (asynchronous)."""
+        if self.shard_params or self.dp_size == 1:
+            return
+        self._param_work = dist.all_gather_single(self.param_data, self.param_shard.clone(),
+                                                  group=self.dp_group, async_op=True)
+
+    def wait_param_sync(self) -> None:
+        if self._param_work is not None:
+            self._param_work.wait()
+            self._param_work = None
+
+    @property
+    def gathered(self) -> bool:
+        return not self.shard_params or self.param_data is not None
+
+    def start_gather(self) -> None:
+        """Stage 3: starts the all-gather of the full parameters (a no-op if gathered or in flight)."""
+        if self.gathered or self._gather_work is not None or self._gathered_data is not None:
+            return
+        self._gathered_data = torch.empty(self.numel, dtype=self.kind.param_dtype, device=self.device)
+        if self.dp_size == 1:
+            self._gathered_data.copy_(self.param_shard)
+        else:
+            self._gather_work = dist.all_gather_single(self._gathered_data, self.param_shard,
+                                                       group=self.dp_group, async_op=True)
+
+    def wait_gather(self) -> None:
+        """Stage 3: makes every ``param.data`` a view of the gathered full parameters."""
+        if self.gathered:
+            return
+        self.start_gather()
+        if self._gather_work is not None:
+            self._gather_work.wait()
+        self.param_data, self._gathered_data, self._gather_work = self._gathered_data, None, None
+        self._point_params_at(self.param_data)
+
+    def release_params(self) -> None:
+        """Stage 3: frees the full parameters (each ``param.data`` becomes an empty tensor)."""
+        if not self.shard_params:
+            return
+        if self._gather_work is not None:  # a prefetch nobody used: finish it to keep the collectives paired
+            self._gather_work.wait()
+        self.param_data = self._gathered_data = self._gather_work = None
+        for param in self.params:
+            param.data = _empty(self.kind.param_dtype, self.device)
+
+    def load_full(self, param: nn.Parameter, full: torch.Tensor) -> None:
+        """Stage 3: writes this rank's shard of ``full`` (the whole parameter) into the shard storage."""
+        lo, hi = self.ranges[param]
+        flat = full.reshape(-1).to(self.kind.param_dtype)
+        for piece_param, p_lo, p_hi, s_lo, s_hi in self.shard_pieces():
+            if piece_param is param:
+                self.param_shard[s_lo:s_hi].copy_(flat[p_lo:p_hi])
+        if self.param_data is not None:
+            self.param_data[lo:hi].copy_(flat)

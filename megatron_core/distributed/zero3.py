@@ -1,0 +1,128 @@
+"""ZeRO-3: gather each submodule's parameters just before it runs (forward and backward), free them after.
+
+A *unit* is a module that owns parameters directly (``module.parameters(recurse=False)``); its parameters form
+its buckets. The wrapped root module is always a unit and also owns every *tied* parameter: one registered in
+more than one module, or tagged ``shared_embedding`` (GPTModel's output layer reads the embedding weight
+through a forward argument). Tied parameters therefore stay gathered for the whole forward and backward.
+
+Forward: a pre-hook all-gathers the unit (waiting for a prefetch already in flight) and starts the
+all-gather of the unit that ran next in the previous forward; a post-hook frees the unit and registers a
+hook on its outputs. Backward: that output hook gathers the unit again before its backward runs and
+prefetches the unit that ran before it in this forward; a unit is freed as soon as all its parameters'
+grads are accumulated (``DistributedDataParallel`` calls ``on_bucket_grads_done``), and whatever is still
+gathered when backward ends is freed then. A module called twice is gathered twice in forward and once in
+backward (its grads accumulate once). All ranks issue the same collectives in the same order, because the
+hooks fire in the same order on every dp rank.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable, Optional
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from megatron_core.distributed.param_and_grad_buffer import Bucket
+
+_TIED_TAGS = ("shared_embedding",)
+
+
+def plan_units(root: nn.Module) -> dict[nn.Module, list[nn.Parameter]]:
+    """Maps each unit (root first, then modules in registration order) to the trainable parameters it gathers."""
+    owners: dict[nn.Parameter, set[int]] = {}
+    for module in root.modules():
+        for param in module._parameters.values():
+            if param is not None:
+                owners.setdefault(param, set()).add(id(module))
+    tied = [p for p, mods in owners.items()
+            if p.requires_grad and (len(mods) > 1 or any(getattr(p, tag, False) for tag in _TIED_TAGS))]
+    units: dict[nn.Module, list[nn.Parameter]] = {root: list(tied)}
+    seen = set(tied)
+    for module in root.modules():
+        for param in module.parameters(recurse=False):
+            if param.requires_grad and param not in seen:
+                seen.add(param)
+                units.setdefault(module, []).append(param)
+    return units
+
+
+def _tensors_requiring_grad(output: Any) -> Iterable[torch.Tensor]:
+    if isinstance(output, torch.Tensor):
+        if output.requires_grad:
+            yield output
+    elif isinstance(output, (list, tuple)):
+        for item in output:
+            yield from _tensors_requiring_grad(item)
+    elif isinstance(output, dict):
+        for item in output.values():
+            yield from _tensors_requiring_grad(item)
+
+
+class ParameterGatherer:
+    """Installs the gather / prefetch / free hooks of ZeRO-3 on ``units``.
+
+    Args:
+        root: the wrapped module (the first unit).
+        unit_buckets: each unit and its buckets (one per bucket kind).
+    Collectives: all-gather over dp of each unit's shards in forward and again in backward.
+    """
+
+    def __init__(self, root: nn.Module, unit_buckets: dict[nn.Module, list[Bucket]]) -> None:
+        self.root, self.unit_buckets = root, unit_buckets
+        self.in_backward = False
+        self._order: list[nn.Module] = []       # units in the order their forward ran (this forward)
+        self._last_order: list[nn.Module] = []  # ... in the previous forward (forward prefetch)
+        self._handles: list[RemovableHandle] = []
+        for unit in unit_buckets:
+            self._handles.append(unit.register_forward_pre_hook(self._pre_forward))
+            self._handles.append(unit.register_forward_hook(self._post_forward))
+
+    def _gather(self, unit: nn.Module) -> None:
+        for bucket in self.unit_buckets[unit]:
+            bucket.start_gather()
+        for bucket in self.unit_buckets[unit]:
+            bucket.wait_gather()
+
+    def _prefetch(self, unit: Optional[nn.Module]) -> None:
+        if unit is not None:
+            for bucket in self.unit_buckets[unit]:
+                bucket.start_gather()
+
+    def _release(self, unit: nn.Module) -> None:
+        for bucket in self.unit_buckets[unit]:
+            bucket.release_params()
+
+    def _pre_forward(self, unit: nn.Module, args: Any) -> None:
+        if unit is self.root and not self.in_backward:
+            self._last_order, self._order = (self._order or self._last_order), []
+        self._gather(unit)
+        if not self.in_backward:
+            self._order.append(unit)
+            position = len(self._order)
+            self._prefetch(self._last_order[position] if position < len(self._last_order) else None)
+
+    def _post_forward(self, unit: nn.Module, args: Any, output: Any) -> None:
+        if torch.is_grad_enabled():
+            for tensor in _tensors_requiring_grad(output):
+                tensor.register_hook(lambda grad, unit=unit: self._pre_backward(unit))
+        self._release(unit)
+
+    def _pre_backward(self, unit: nn.Module) -> None:
+        self.in_backward = True
+        if all(bucket.gathered for bucket in self.unit_buckets[unit]):
+            return
+        self._gather(unit)
+        if unit in self._order:
+            position = len(self._order) - 1 - self._order[::-1].index(unit)
+            self._prefetch(self._order[position - 1] if position > 0 else None)
+
+    def on_backward_end(self) -> None:
+        """Frees every unit still gathered (e.g. parameters that received no grad)."""
+        for unit in self.unit_buckets:
+            self._release(unit)
+        self.in_backward = False
+
+    def remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []

@@ -1,0 +1,218 @@
+"""The pretraining loop: build the layout, model chunks, optimizer and data from the flags, then train with
+the pipeline schedule, evaluate, log, checkpoint and exit cleanly on request."""
+from __future__ import annotations
+
+import argparse
+import datetime
+import logging
+import os
+import signal
+import time
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_core import initialize_model_parallel
+from megatron_core.checkpointing import (
+    load_model_weights,
+    load_optimizer_and_rng,
+    read_metadata,
+    save_checkpoint,
+)
+from megatron_core.models import GPTModel
+from megatron_core.pipeline_parallel import get_forward_backward_func
+from megatron_core.tensor_parallel import model_parallel_seed
+from megatron_core.training.arguments import transformer_config
+from megatron_core.training.data import build_datasets, build_run_tokenizer, micro_batches, take
+from megatron_core.training.lr_scheduler import LRScheduler
+from megatron_core.training.metrics import MetricsWriter, format_log_line
+from megatron_core.training.optimizer_setup import build_optimizer, wrap_data_parallel
+from megatron_core.training.state import Run, reduce_losses, step_record
+
+logger = logging.getLogger(__name__)
+
+
+def initialize_distributed(args: argparse.Namespace) -> None:
+    """Process group from torchrun's environment (or a single process); nccl with CUDA, gloo without."""
+    if dist.is_initialized():
+        return
+    backend = args.distributed_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl":  # CUDA-only path
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29517"))
+    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes))
+
+
+def build_run(args: argparse.Namespace) -> Run:
+    """Everything a training run holds, from the flags (collective: every rank calls it)."""
+    initialize_distributed(args)
+    config = transformer_config(args)
+    state = initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                                      config.virtual_pipeline_model_parallel_size)
+    micro_per_step = args.micro_batch_size * state.dp_size
+    global_batch = args.global_batch_size or micro_per_step
+    if global_batch % micro_per_step != 0:
+        raise ValueError(f"--global-batch-size {global_batch} is not divisible by --micro-batch-size "
+                         f"{args.micro_batch_size} x data-parallel size {state.dp_size}")
+    tokenizer = build_run_tokenizer(args)
+    torch.manual_seed(args.seed)  # the same on every rank: layout-independent initialization
+    chunks = [_build_chunk(args, config, state, tokenizer.vocab_size, vp) for vp in range(state.vpp_size or 1)]
+    model_parallel_seed(args.seed + 100 * state.pp_rank, tp_rank=state.tp_rank, device=state.device)
+    chunks = wrap_data_parallel(args, chunks, state)
+    optimizer = build_optimizer(args, chunks, state)
+    scheduler = LRScheduler(max_lr=args.lr, min_lr=args.min_lr, warmup_iters=args.lr_warmup_iters,
+                            decay_iters=args.lr_decay_iters, decay_style=args.lr_decay_style)
+    train, valid, _ = build_datasets(args, tokenizer, global_batch)
+    return Run(args=args, config=config, state=state, chunks=chunks, optimizer=optimizer, scheduler=scheduler,
+               tokenizer=tokenizer, train_dataset=train, valid_dataset=valid, global_batch=global_batch,
+               num_microbatches=global_batch // micro_per_step)
+
+
+def _build_chunk(args, config, state, vocab_size: int, vp: int) -> GPTModel:
+    vpp = state.vpp_size
+    first = state.is_first_model_chunk(vp) if vpp else state.is_pipeline_first_stage
+    last = state.is_last_model_chunk(vp) if vpp else state.is_pipeline_last_stage
+    torch.manual_seed(args.seed)
+    return GPTModel(config, parallel_state=state, vocab_size=vocab_size, max_sequence_length=args.seq_length,
+                    pre_process=first, post_process=last, vp_stage=vp if vpp else None,
+                    make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
+
+
+def forward_step(data_iterator, model):
+    """Megatron's GPT forward step: per-token loss, then the loss-mask average."""
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], labels=batch["labels"])
+
+    def loss_func(per_token_loss: torch.Tensor):
+        mask = batch["loss_mask"]
+        loss = (per_token_loss.float() * mask).sum() / mask.sum().clamp(min=1)
+        return loss, {"lm loss": loss.detach()}
+
+    return output, loss_func
+
+
+def run_schedule(run: Run, batches: list[dict], *, forward_only: bool) -> list:
+    state = run.state
+    schedule = get_forward_backward_func(state.pp_size, state.vpp_size)
+    iterators = [iter(batches) for _ in run.chunks] if state.vpp_size else iter(batches)
+    scale = getattr(run.optimizer, "scale_loss", None) if run.config.fp16 else None
+    return schedule(forward_step_func=forward_step, data_iterator=iterators,
+                    model=run.chunks if state.vpp_size else run.chunks[0], num_microbatches=len(batches),
+                    seq_length=run.args.seq_length, micro_batch_size=run.args.micro_batch_size,
+                    forward_only=forward_only, parallel_state=state, grad_scale_func=scale)
+
+
+def train_step(run: Run, batches: list[dict]) -> dict:
+    lr = run.scheduler.apply(run.optimizer.param_groups)
+    for chunk in run.chunks:
+        if hasattr(chunk, "zero_grad_buffer"):
+            chunk.zero_grad_buffer()
+    run.optimizer.zero_grad()
+    losses = run_schedule(run, batches, forward_only=False)
+    update_ok, grad_norm, _ = run.optimizer.step()
+    if update_ok:
+        run.scheduler.step()
+    return {"lm_loss": reduce_losses(losses, run.state), "lr": lr, "grad_norm": grad_norm, "skipped": not update_ok}
+
+
+def evaluate(run: Run, iteration: int, writer: MetricsWriter) -> Optional[float]:
+    if run.valid_dataset is None or run.args.eval_iters == 0:
+        return None
+    for chunk in run.chunks:
+        chunk.eval()
+    iterator = micro_batches(run.valid_dataset, consumed_samples=run.valid_consumed, state=run.state,
+                             micro_batch_size=run.args.micro_batch_size, device=run.state.device)
+    total = 0.0
+    with torch.no_grad():
+        for _ in range(run.args.eval_iters):
+            total += reduce_losses(run_schedule(run, take(iterator, run.num_microbatches), forward_only=True), run.state)
+    run.valid_consumed += run.args.eval_iters * run.global_batch
+    for chunk in run.chunks:
+        chunk.train()
+    loss = total / run.args.eval_iters
+    writer.write({"split": "valid", "iteration": iteration, "lm_loss": loss, "ppl": float(torch.tensor(loss).exp())})
+    if run.is_logging_rank:
+        print(f" validation loss at iteration {iteration} | lm loss value: {loss:.6E} | lm loss PPL: "
+              f"{float(torch.tensor(loss).exp()):.6E} |", flush=True)
+    return loss
+
+
+def save(run: Run, iteration: int) -> None:
+    save_checkpoint(run.args.save, iteration=iteration, model_chunks=run.chunks, config=run.config,
+                    state=run.state, true_vocab_size=run.tokenizer.vocab_size, consumed_samples=run.consumed_samples,
+                    optimizer=run.optimizer, scheduler=run.scheduler, run_config=run.args_dict(),
+                    layout_extra={"zero_stage": run.args.zero_stage})
+    if run.is_logging_rank:
+        print(f" saved checkpoint at iteration {iteration} to {run.args.save}", flush=True)
+
+
+def load(run: Run) -> int:
+    """Loads ``--load``; returns the iteration to continue from (0 with --finetune)."""
+    args = run.args
+    folder, metadata = read_metadata(args.load)
+    load_model_weights(folder, metadata, model_chunks=run.chunks, config=run.config, state=run.state)
+    if args.finetune:
+        return 0
+    load_optimizer_and_rng(folder, metadata, state=run.state, optimizer=None if args.no_load_optim else run.optimizer,
+                           load_rng=not args.no_load_rng, layout_extra={"zero_stage": args.zero_stage})
+    if metadata.get("scheduler"):
+        run.scheduler.load_state_dict(metadata["scheduler"])
+    run.consumed_samples = metadata["consumed_samples"]
+    if run.is_logging_rank:
+        print(f" loaded checkpoint {folder} (iteration {metadata['iteration']})", flush=True)
+    return metadata["iteration"]
+
+
+def pretrain(args: argparse.Namespace) -> list[float]:
+    """Trains as the flags say; returns the training losses (the same on every rank)."""
+    run = build_run(args)
+    start = load(run) if args.load else 0
+    stop_requested = {"signal": False}
+    if args.exit_signal_handler:
+        signal.signal(signal.SIGTERM, lambda *_: stop_requested.update(signal=True))
+    writer = MetricsWriter(args.metrics_file, args.tensorboard_dir, enabled=run.is_logging_rank)
+    iterator = (micro_batches(run.train_dataset, consumed_samples=run.consumed_samples, state=run.state,
+                              micro_batch_size=args.micro_batch_size, device=run.state.device)
+                if run.train_dataset is not None else None)
+    losses, iteration = [], start
+    while not args.skip_train and iteration < args.train_iters:
+        begin = time.perf_counter()
+        result = train_step(run, take(iterator, run.num_microbatches))
+        iteration += 1
+        run.consumed_samples += run.global_batch
+        losses.append(result["lm_loss"])
+        record = step_record(run, iteration, result, time.perf_counter() - begin)
+        writer.write(record)
+        if iteration % args.log_interval == 0 and run.is_logging_rank:
+            print(format_log_line(record, train_iters=args.train_iters, consumed_samples=run.consumed_samples,
+                                  global_batch=run.global_batch), flush=True)
+        if iteration % args.eval_interval == 0:
+            evaluate(run, iteration, writer)
+        if _should_stop(run, iteration, stop_requested):
+            break
+    if args.save and iteration > start:
+        save(run, iteration)
+    writer.close()
+    if args.loss_curve_png and run.is_logging_rank and losses:
+        from megatron_core.training.plots import write_loss_curve_png
+        write_loss_curve_png(losses, args.loss_curve_png, first_iteration=start + 1)
+    return losses
+
+
+def _should_stop(run: Run, iteration: int, stop_requested: dict) -> bool:
+    """Periodic saves; and whether --exit-interval or a SIGTERM (with --exit-signal-handler) ends the run."""
+    args = run.args
+    stop = bool(args.exit_interval and iteration % args.exit_interval == 0)
+    if args.exit_signal_handler:  # every rank must agree, or the final save would hang
+        flag = torch.tensor([1.0 if stop_requested["signal"] else 0.0], device=run.state.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        stop = stop or bool(flag.item())
+    if args.save and args.save_interval and iteration % args.save_interval == 0 and not stop \
+            and iteration < args.train_iters:
+        save(run, iteration)
+    return stop
+
+
+__all__ = ["pretrain", "build_run", "forward_step", "train_step", "evaluate"]

@@ -1,0 +1,88 @@
+"""Throughput and model-FLOPs accounting, Megatron-style log lines, a JSON-lines metrics file, TensorBoard."""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import time
+from typing import Optional
+
+import torch
+
+from megatron_core.config import TransformerConfig
+
+PEAK_TFLOPS_BF16 = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0}
+
+
+def gpt_flops_per_iteration(config: TransformerConfig, *, batch_size: int, seq_length: int,
+                            padded_vocab_size: int) -> float:
+    """Model FLOPs of one training iteration (forward + backward) of a GPT, Megatron-LM's formula:
+    ``12 B s L h^2 (q/h (1 + g/a + s/h) + f/h * (3/2 if SwiGLU) + V / (2 L h))`` with q = a * kv_channels."""
+    h, layers = config.hidden_size, config.num_layers
+    query_ratio = config.kv_channels * config.num_attention_heads / h
+    attention = (1 + config.num_query_groups / config.num_attention_heads + seq_length / h) * query_ratio
+    mlp = config.ffn_hidden_size / h * (1.5 if config.activation == "swiglu" else 1.0)
+    logits = padded_vocab_size / (2 * layers * h)
+    return 12.0 * batch_size * seq_length * layers * h * h * (attention + mlp + logits)
+
+
+def peak_tflops_per_device(device: torch.device, override: Optional[float] = None) -> Optional[float]:
+    """Dense bf16 peak of the device (None when unknown, e.g. a CPU: MFU is then not reported)."""
+    if override:
+        return override
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)  # CUDA-only path
+    return next((peak for key, peak in PEAK_TFLOPS_BF16.items() if key in name), None)
+
+
+def memory_bytes(device: torch.device) -> int:
+    """Peak allocated device memory on CUDA; the process's peak resident set on the CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))  # CUDA-only path
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class MetricsWriter:
+    """Appends one JSON object per line (rank 0 only); TensorBoard scalars when a directory is given."""
+
+    def __init__(self, path: Optional[str], tensorboard_dir: Optional[str], *, enabled: bool) -> None:
+        self.enabled = enabled
+        self.file = open(path, "a", encoding="utf-8") if (path and enabled) else None
+        self.tensorboard = None
+        if tensorboard_dir and enabled:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as error:
+                raise ValueError("--tensorboard-dir needs the tensorboard package: pip install tensorboard") from error
+            self.tensorboard = SummaryWriter(log_dir=tensorboard_dir)
+
+    def write(self, record: dict) -> None:
+        if self.file is not None:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+            os.fsync(self.file.fileno())
+        if self.tensorboard is not None:
+            prefix = record.get("split", "train")
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and key not in ("iteration",):
+                    self.tensorboard.add_scalar(f"{prefix}/{key}", value, record["iteration"])
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+
+
+def format_log_line(record: dict, *, train_iters: int, consumed_samples: int, global_batch: int) -> str:
+    """Megatron's training log line."""
+    def fmt(value, spec):
+        return "n/a" if value is None else format(value, spec)
+    return (f" [{time.strftime('%Y-%m-%d %H:%M:%S')}] iteration {record['iteration']:8d}/{train_iters:8d} |"
+            f" consumed samples: {consumed_samples:12d} | elapsed time per iteration (ms): {record['ms_per_iter']:.1f} |"
+            f" learning rate: {record['lr']:.3E} | global batch size: {global_batch:5d} |"
+            f" lm loss: {fmt(record['lm_loss'], '.6E')} | loss scale: {record['loss_scale']:.1f} |"
+            f" grad norm: {fmt(record['grad_norm'], '.3f')} | number of skipped iterations: {record['skipped']:3d} |"
+            f" tokens/s: {record['tokens_per_sec']:.0f} | TFLOP/s/rank: {record['tflops_per_rank']:.3f} |"
+            f" MFU: {fmt(record['mfu'], '.2%')} | mem: {record['mem_bytes'] / 2**20:.0f} MiB |")

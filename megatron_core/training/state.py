@@ -1,0 +1,77 @@
+"""What a training run holds, and the per-iteration record (loss averaged over micro-batches and replicas)."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatron_core.config import TransformerConfig
+from megatron_core.parallel_state import ParallelState
+from megatron_core.training.metrics import gpt_flops_per_iteration, memory_bytes, peak_tflops_per_device
+
+
+@dataclasses.dataclass
+class Run:
+    args: argparse.Namespace
+    config: TransformerConfig
+    state: ParallelState
+    chunks: list[nn.Module]
+    optimizer: Any
+    scheduler: Any
+    tokenizer: Any
+    train_dataset: Any
+    valid_dataset: Any
+    global_batch: int
+    num_microbatches: int
+    consumed_samples: int = 0
+    valid_consumed: int = 0
+
+    @property
+    def is_logging_rank(self) -> bool:
+        return self.state.rank == 0
+
+    def args_dict(self) -> dict:
+        return {k: v for k, v in vars(self.args).items() if isinstance(v, (int, float, str, bool, list, type(None)))}
+
+    @property
+    def padded_vocab_size(self) -> int:
+        chunk = self.chunks[0]
+        while not hasattr(chunk, "padded_vocab_size") and hasattr(chunk, "module"):
+            chunk = chunk.module
+        return chunk.padded_vocab_size
+
+
+def reduce_losses(losses: list, state: ParallelState) -> float:
+    """Mean "lm loss" over this step's micro-batches (last stage) and over data-parallel replicas, on every rank."""
+    local = torch.stack([entry["lm loss"].float() for entry in losses]).mean() if losses else torch.zeros(())
+    value = local.reshape(1).to(state.device)
+    if dist.is_initialized():
+        if state.pp_group is not None and state.pp_size > 1:  # only the last stage holds the loss
+            dist.all_reduce(value, group=state.pp_group)
+        if state.dp_group is not None and state.dp_size > 1:
+            dist.all_reduce(value, group=state.dp_group)
+            value /= state.dp_size
+    return float(value.item())
+
+
+def step_record(run: Run, iteration: int, result: dict, seconds: float) -> dict:
+    """One metrics-file line: loss, grad norm, lr, loss scale, throughput, TFLOP/s per rank, MFU, memory."""
+    tokens = run.global_batch * run.args.seq_length
+    flops = gpt_flops_per_iteration(run.config, batch_size=run.global_batch, seq_length=run.args.seq_length,
+                                    padded_vocab_size=run.padded_vocab_size)
+    tflops_per_rank = flops / seconds / run.state.world_size / 1e12
+    peak = peak_tflops_per_device(run.state.device, getattr(run.args, "peak_tflops", None))
+    scale = run.optimizer.get_loss_scale() if hasattr(run.optimizer, "get_loss_scale") else 1.0
+    grad_norm = result["grad_norm"]
+    return {"iteration": iteration, "lm_loss": result["lm_loss"],
+            "grad_norm": None if grad_norm is None else float(grad_norm), "lr": result["lr"],
+            "loss_scale": float(scale), "skipped": int(result["skipped"]), "ms_per_iter": seconds * 1e3,
+            "tokens_per_sec": tokens / seconds, "tflops_per_rank": tflops_per_rank,
+            "mfu": None if peak is None else tflops_per_rank / peak, "mem_bytes": memory_bytes(run.state.device)}
+
+
+__all__ = ["Run", "reduce_losses", "step_record"]
