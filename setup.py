@@ -20,6 +20,8 @@ setup(
         # GPT-2 byte-level BPE (vocab.json + merges.txt) for --tokenizer-type GPT2BPETokenizer; loads local files.
         "tokenizers",
         "numpy",
+        # Checkpoints: tensors without pickle (loading never executes code), memory-mapped partial reads.
+        "safetensors",
     ],
     extras_require={"test": ["pytest>=7"]},
 )

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from megatron_core import initialize_model_parallel
+from megatron_core.checkpointing.layout import merge_shards
 from megatron_core.config import TransformerConfig
 from megatron_core.distributed import finalize_model_grads
 from megatron_core.models import GPTModel
@@ -52,11 +53,7 @@ def run_tiny_model(tp: int, config_overrides: dict, model_kwargs: dict | None = 
 
 def unshard(shards: list[torch.Tensor], dim: int | None, stride: int) -> torch.Tensor:
     """Reassembles the full tensor from the tp shards of a parameter (or its grad)."""
-    if dim is None:
-        return shards[0]
-    tp = len(shards)
-    blocks = [shard.chunk(stride, dim) for shard in shards]
-    return torch.cat([blocks[i % tp][i // tp] for i in range(stride * tp)], dim)
+    return merge_shards(shards, dim, stride)
 
 
 def full_grads(per_rank: list[dict]) -> dict[str, torch.Tensor]:

@@ -16,7 +16,7 @@ hooks fire in the same order on every dp rank.
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 from torch import nn
@@ -64,11 +64,13 @@ class ParameterGatherer:
     Args:
         root: the wrapped module (the first unit).
         unit_buckets: each unit and its buckets (one per bucket kind).
+        backward_started: called from the first backward hook (queues the end-of-backward callback).
     Collectives: all-gather over dp of each unit's shards in forward and again in backward.
     """
 
-    def __init__(self, root: nn.Module, unit_buckets: dict[nn.Module, list[Bucket]]) -> None:
-        self.root, self.unit_buckets = root, unit_buckets
+    def __init__(self, root: nn.Module, unit_buckets: dict[nn.Module, list[Bucket]], *,
+                 backward_started: Callable[[], None]) -> None:
+        self.root, self.unit_buckets, self._backward_started = root, unit_buckets, backward_started
         self.in_backward = False
         self._order: list[nn.Module] = []       # units in the order their forward ran (this forward)
         self._last_order: list[nn.Module] = []  # ... in the previous forward (forward prefetch)
@@ -109,6 +111,7 @@ class ParameterGatherer:
 
     def _pre_backward(self, unit: nn.Module) -> None:
         self.in_backward = True
+        self._backward_started()
         if all(bucket.gathered for bucket in self.unit_buckets[unit]):
             return
         self._gather(unit)

@@ -5,6 +5,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron_core import destroy_model_parallel, initialize_model_parallel
+from megatron_core.checkpointing.layout import merge_shards
 from megatron_core.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -30,18 +31,11 @@ def _shards():
     return column.weight.detach(), row.weight.detach(), emb.weight.detach()
 
 
-def _unstride(shards, stride):
-    """Reassembles a strided dim-0 partition: block i of rank r is block r + i * tp of the full weight."""
-    tp = len(shards)
-    blocks = [shard.chunk(stride, 0) for shard in shards]
-    return torch.cat([blocks[i % tp][i // tp] for i in range(stride * tp)], 0)
-
-
 @pytest.mark.parametrize("tp", [2, 4])
 def test_shards_at_any_tp_concatenate_to_the_tp1_weight(distributed, tp):
     column, row, emb = (layer.weight.detach() for layer in _build_layers(None))
     results = distributed(tp, _shards)
-    assert torch.equal(_unstride([r[0] for r in results], STRIDE), column)
+    assert torch.equal(merge_shards([r[0] for r in results], 0, STRIDE), column)
     assert torch.equal(torch.cat([r[1] for r in results], 1), row)
     assert torch.equal(torch.cat([r[2] for r in results], 0), emb)
 

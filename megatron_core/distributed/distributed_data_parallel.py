@@ -1,0 +1,252 @@
+"""``DistributedDataParallel``: bucketed, overlapped gradient reduction over dp, and ZeRO stages 2-3.
+
+Wraps any ``nn.Module``. Gradients land in contiguous buffers (``param.main_grad`` is a view) cut into
+buckets, in reverse registration order (roughly the order backward produces them). A hook on each
+parameter's grad accumulator (``register_post_accumulate_grad_hook``) moves the grad into its bucket and,
+once every parameter of the bucket has its grad, launches the bucket's asynchronous collective, so the
+communication overlaps the rest of backward. Buckets are launched strictly in index order (a ready bucket
+waits for the ones before it), so every dp rank issues the same collectives in the same order.
+
+Collectives per backward: stages 0-1 all-reduce each bucket's grads over dp (none inside ``no_sync()``);
+stages 2-3 reduce-scatter each bucket into the rank's 1/dp grad shard after every backward (``no_sync()``
+does not defer them: keeping full grads across micro-batches would undo the grad sharding). Stage 3 also
+all-gathers parameters around every submodule (see ``zero3``).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatron_core.distributed.ddp_config import DistributedDataParallelConfig
+from megatron_core.distributed.param_and_grad_buffer import Bucket, BucketKind
+from megatron_core.distributed.zero3 import ParameterGatherer, plan_units
+from megatron_core.tensor_parallel.utils import group_size
+
+logger = logging.getLogger(__name__)
+
+_FULL_GRAD_TAGS = ("sequence_parallel", "shared_embedding")
+
+
+class DistributedDataParallel(nn.Module):
+    """Data-parallel wrapper of ``module`` over ``dp_group`` (ZeRO stage from ``config``).
+
+    Args:
+        module: any module; its trainable parameters move into the buffers (stage 3: into 1/dp shards).
+        config: bucket size, stage, overlap, grad dtype.
+        dp_group: the group to reduce over (``state.dp_cp_group`` with context parallelism, else
+            ``state.dp_group``); None means one rank.
+
+    Per-rank shapes: the wrapped module's forward is unchanged (stage 3 parameters are full while in use).
+    Attributes not found on the wrapper are looked up on ``module``.
+    """
+
+    def __init__(self, module: nn.Module, *, config: DistributedDataParallelConfig, dp_group) -> None:
+        super().__init__()
+        if not isinstance(config, DistributedDataParallelConfig):
+            raise ValueError(f"config must be a DistributedDataParallelConfig, got {type(config).__name__}")
+        self.module, self.config, self.dp_group = module, config, dp_group
+        self.dp_size = group_size(dp_group)
+        if config.average_in_collective and dp_group is not None and dist.get_backend(dp_group) == "gloo":
+            raise ValueError("average_in_collective=True needs ReduceOp.AVG, which the gloo backend lacks; "
+                             "use average_in_collective=False (grads are pre-scaled by 1/dp)")
+        self._reduce_op = dist.ReduceOp.AVG if config.average_in_collective else dist.ReduceOp.SUM
+        self._grad_scale = 1.0 if config.average_in_collective else 1.0 / self.dp_size
+        self._sync_enabled, self._next_launch, self._callback_queued = True, 0, False
+        self.launch_log: list[int] = []  # bucket indices in launch order since the last zero_grad_buffer()
+        self.buckets = self._build_buckets()
+        self._param_to_bucket = {p: b for b in self.buckets for p in b.params}
+        self._allocate_storage()
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_accumulated)
+                       for p in self._param_to_bucket]
+        self.gatherer: Optional[ParameterGatherer] = None
+        if config.zero_stage == 3:
+            units = {unit: [b for b in self.buckets if b.params[0] in set(params)]
+                     for unit, params in self._units.items()}
+            self.gatherer = ParameterGatherer(module, units, backward_started=self._queue_backward_end)
+
+    # ----------------------------------------------------------------------------------------------------------
+    # construction
+    def _kind(self, param: nn.Parameter) -> BucketKind:
+        grad_dtype = torch.float32 if self.config.grad_reduce_in_fp32 else param.dtype
+        shard_grads = self.config.zero_stage >= 2 and not any(getattr(param, t, False) for t in _FULL_GRAD_TAGS)
+        return BucketKind(param.dtype, grad_dtype, shard_grads)
+
+    def _build_buckets(self) -> list[Bucket]:
+        """Stages 0-2: greedy buckets of ``bucket_size`` elements over the parameters in reverse order.
+        Stage 3: one bucket per unit and kind, units in reverse order."""
+        groups: list[tuple[BucketKind, list[nn.Parameter]]] = []
+        if self.config.zero_stage == 3:
+            self._units = plan_units(self.module)
+            for params in reversed(list(self._units.values())):
+                by_kind: dict[BucketKind, list[nn.Parameter]] = {}
+                for param in params:
+                    by_kind.setdefault(self._kind(param), []).append(param)
+                groups.extend(by_kind.items())
+        else:
+            limit = self.config.resolved_bucket_size(self.dp_size)
+            params = list(dict.fromkeys(p for p in self.module.parameters() if p.requires_grad))
+            open_groups: dict[BucketKind, list[nn.Parameter]] = {}
+            for param in reversed(params):
+                kind = self._kind(param)
+                group = open_groups.setdefault(kind, [])
+                group.append(param)
+                if sum(p.numel() for p in group) >= limit:
+                    groups.append((kind, open_groups.pop(kind)))
+            groups.extend(open_groups.items())
+        return [Bucket(index=i, kind=kind, params=params, dp_group=self.dp_group,
+                       shard_params=self.config.zero_stage == 3) for i, (kind, params) in enumerate(groups)]
+
+    def _allocate_storage(self) -> None:
+        """One contiguous parameter buffer and one gradient buffer per bucket kind, cut into the buckets."""
+        self.param_buffers: dict[BucketKind, torch.Tensor] = {}
+        self.grad_buffers: dict[BucketKind, torch.Tensor] = {}
+        for kind in dict.fromkeys(b.kind for b in self.buckets):
+            buckets = [b for b in self.buckets if b.kind == kind]
+            device = buckets[0].device
+            param_sizes = [b.shard_size if b.shard_params else b.numel for b in buckets]
+            grad_sizes = [b.shard_size if kind.shard_grads else b.numel for b in buckets]
+            params = torch.empty(sum(param_sizes), dtype=kind.param_dtype, device=device)
+            grads = torch.zeros(sum(grad_sizes), dtype=kind.grad_dtype, device=device)
+            self.param_buffers[kind], self.grad_buffers[kind] = params, grads
+            for bucket, p_views, g_views in zip(buckets, params.split(param_sizes), grads.split(grad_sizes)):
+                bucket.attach_storage(p_views, g_views)
+
+    # ----------------------------------------------------------------------------------------------------------
+    # forward and attribute access
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(super().__getattr__("module"), name)
+
+    # ----------------------------------------------------------------------------------------------------------
+    # gradient synchronization
+    def _syncing(self) -> bool:
+        return self._sync_enabled or self.config.zero_stage >= 2
+
+    def _queue_backward_end(self) -> None:
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
+
+    def _on_grad_accumulated(self, param: nn.Parameter) -> None:
+        bucket = self._param_to_bucket[param]
+        self._queue_backward_end()
+        if bucket.launched:
+            if not bucket.kind.shard_grads:
+                raise RuntimeError(
+                    f"a grad arrived for bucket {bucket.index}, already all-reduced in this step: wrap all but the "
+                    "last micro-batch's backward in no_sync(), or call finish_grad_sync() and zero_grad_buffer() "
+                    "between steps")
+            bucket.wait_grad_sync()
+        if bucket.add_grad(param):
+            if self.gatherer is not None:
+                bucket.release_params()
+            if self.config.overlap_grad_reduce and self._syncing():
+                self._launch_in_order(force=False)
+
+    def _launch_in_order(self, *, force: bool) -> None:
+        """Launches buckets from the next unlaunched one while they are ready (all, with ``force``; buckets
+        that received no grad at all are skipped, the same on every rank)."""
+        while self._next_launch < len(self.buckets):
+            bucket = self.buckets[self._next_launch]
+            if not (bucket.ready or force):
+                return
+            if bucket.dirty and not bucket.launched:
+                bucket.launch_grad_sync(scale=self._grad_scale, op=self._reduce_op)
+                self.launch_log.append(bucket.index)
+            self._next_launch += 1
+
+    def _on_backward_end(self) -> None:
+        self._callback_queued = False
+        if self._syncing():
+            self._launch_in_order(force=True)
+        self._next_launch = 0
+        for bucket in self.buckets:
+            if not bucket.launched:
+                bucket.reset_pending()
+        if self.gatherer is not None:
+            self.gatherer.on_backward_end()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Gradient accumulation: grads of backward passes inside are only accumulated (stages 0-1)."""
+        previous, self._sync_enabled = self._sync_enabled, False
+        try:
+            yield
+        finally:
+            self._sync_enabled = previous
+
+    def start_grad_sync(self) -> None:
+        """Launches the collective of every bucket holding unreduced grads (in bucket order)."""
+        for bucket in self.buckets:
+            if bucket.dirty and not bucket.launched:
+                bucket.launch_grad_sync(scale=self._grad_scale, op=self._reduce_op)
+                self.launch_log.append(bucket.index)
+
+    def finish_grad_sync(self) -> None:
+        """Launches what is left and waits for every bucket's collective. Afterwards each rank holds the
+        dp-summed (x 1/dp) grads: full ``main_grad`` (stages 0-1), or its 1/dp shard (stages 2-3)."""
+        self.start_grad_sync()
+        for bucket in self.buckets:
+            bucket.wait_grad_sync()
+        self._next_launch = 0
+
+    def zero_grad_buffer(self) -> None:
+        """Zeros every grad buffer and shard (call once per step, before the first micro-batch)."""
+        for bucket in self.buckets:
+            bucket.wait_grad_sync()
+            bucket.zero_grad()
+        self._next_launch, self.launch_log = 0, []
+        for param in self.module.parameters():
+            param.grad = None
+
+    # ----------------------------------------------------------------------------------------------------------
+    # parameters
+    def start_param_sync(self) -> None:
+        """Stages 1-2: all-gathers the optimizer's updated shards into the full parameters."""
+        for bucket in self.buckets:
+            bucket.start_param_sync()
+
+    def finish_param_sync(self) -> None:
+        for bucket in self.buckets:
+            bucket.wait_param_sync()
+
+    @contextlib.contextmanager
+    def gathered_parameters(self) -> Iterator[None]:
+        """Stage 3: every parameter is full inside the context (e.g. for export); a no-op otherwise."""
+        for bucket in self.buckets:
+            bucket.wait_gather()
+        try:
+            yield
+        finally:
+            for bucket in self.buckets:
+                bucket.release_params()
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """The wrapped module's state dict (no ``module.`` prefix) with full tensors at every stage."""
+        with self.gathered_parameters():
+            state = self.module.state_dict(*args, **kwargs)
+            if self.config.zero_stage == 3:
+                state = {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True, assign: bool = False):
+        """Loads full tensors into the wrapped module (stage 3: each rank keeps its shard)."""
+        if assign:
+            raise ValueError("assign=True would replace the buffer views; load with assign=False")
+        with self.gathered_parameters():
+            result = self.module.load_state_dict(state_dict, strict=strict)
+            if self.config.zero_stage == 3:
+                for bucket in self.buckets:
+                    for param in bucket.params:
+                        bucket.load_full(param, param.data)
+        return result
