@@ -14,7 +14,7 @@ from megatron_core.parallel_state import ParallelState
 
 def unwrap(model: nn.Module) -> nn.Module:
     """The model inside data-parallel (or other) wrappers that expose ``.module``."""
-    while hasattr(model, "module") and not hasattr(model, "decoder"):
+    while isinstance(getattr(model, "module", None), nn.Module):
         model = model.module
     return model
 

@@ -121,7 +121,8 @@ def _as_chunks(model: Union[nn.Module, Sequence[nn.Module]], expected: int) -> l
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
-    while not hasattr(model, "set_input_tensor") and hasattr(model, "module"):
+    """The innermost module inside wrappers (data parallel, ...) that hold it as ``.module``."""
+    while isinstance(getattr(model, "module", None), nn.Module):
         model = model.module
     return model
 

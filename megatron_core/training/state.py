@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatron_core.checkpointing.layout import unwrap
 from megatron_core.config import TransformerConfig
 from megatron_core.parallel_state import ParallelState
 from megatron_core.training.metrics import gpt_flops_per_iteration, memory_bytes, peak_tflops_per_device
@@ -39,10 +40,7 @@ class Run:
 
     @property
     def padded_vocab_size(self) -> int:
-        chunk = self.chunks[0]
-        while not hasattr(chunk, "padded_vocab_size") and hasattr(chunk, "module"):
-            chunk = chunk.module
-        return chunk.padded_vocab_size
+        return unwrap(self.chunks[0]).padded_vocab_size
 
 
 def reduce_losses(losses: list, state: ParallelState) -> float:
