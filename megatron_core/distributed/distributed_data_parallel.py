@@ -78,15 +78,15 @@ class DistributedDataParallel(nn.Module):
 
     def _build_buckets(self) -> list[Bucket]:
         """Stages 0-2: greedy buckets of ``bucket_size`` elements over the parameters in reverse order.
-        Stage 3: one bucket per unit and kind, units in reverse order."""
+        Stage 3: one bucket per unit, kind and 1-D or not, units in reverse order."""
         groups: list[tuple[BucketKind, list[nn.Parameter]]] = []
         if self.config.zero_stage == 3:
             self._units = plan_units(self.module)
             for params in reversed(list(self._units.values())):
-                by_kind: dict[BucketKind, list[nn.Parameter]] = {}
+                by_kind: dict[tuple[BucketKind, bool], list[nn.Parameter]] = {}
                 for param in params:
-                    by_kind.setdefault(self._kind(param), []).append(param)
-                groups.extend(by_kind.items())
+                    by_kind.setdefault((self._kind(param), param.dim() <= 1), []).append(param)
+                groups.extend((kind, group) for (kind, _), group in by_kind.items())
         else:
             limit = self.config.resolved_bucket_size(self.dp_size)
             params = list(dict.fromkeys(p for p in self.module.parameters() if p.requires_grad))
@@ -129,8 +129,9 @@ class DistributedDataParallel(nn.Module):
 
     # ----------------------------------------------------------------------------------------------------------
     # gradient synchronization
-    def _syncing(self) -> bool:
-        return self._sync_enabled or self.config.zero_stage >= 2
+    def _may_launch(self, bucket: Bucket) -> bool:
+        """Sharded grads are reduce-scattered after every backward; full grads not inside ``no_sync()``."""
+        return self._sync_enabled or bucket.kind.shard_grads
 
     def _queue_backward_end(self) -> None:
         if not self._callback_queued:
@@ -150,7 +151,7 @@ class DistributedDataParallel(nn.Module):
         if bucket.add_grad(param):
             if self.gatherer is not None:
                 bucket.release_params()
-            if self.config.overlap_grad_reduce and self._syncing():
+            if self.config.overlap_grad_reduce:
                 self._launch_in_order(force=False)
 
     def _launch_in_order(self, *, force: bool) -> None:
@@ -158,17 +159,17 @@ class DistributedDataParallel(nn.Module):
         that received no grad at all are skipped, the same on every rank)."""
         while self._next_launch < len(self.buckets):
             bucket = self.buckets[self._next_launch]
-            if not (bucket.ready or force):
+            may_launch = self._may_launch(bucket)
+            if may_launch and not (bucket.ready or force):
                 return
-            if bucket.dirty and not bucket.launched:
+            if may_launch and bucket.dirty and not bucket.launched:
                 bucket.launch_grad_sync(scale=self._grad_scale, op=self._reduce_op)
                 self.launch_log.append(bucket.index)
             self._next_launch += 1
 
     def _on_backward_end(self) -> None:
         self._callback_queued = False
-        if self._syncing():
-            self._launch_in_order(force=True)
+        self._launch_in_order(force=True)
         self._next_launch = 0
         for bucket in self.buckets:
             if not bucket.launched:

@@ -10,7 +10,9 @@ all-gather of the unit that ran next in the previous forward; a post-hook frees 
 hook on its outputs. Backward: that output hook gathers the unit again before its backward runs and
 prefetches the unit that ran before it in this forward; a unit is freed as soon as all its parameters'
 grads are accumulated (``DistributedDataParallel`` calls ``on_bucket_grads_done``), and whatever is still
-gathered when backward ends is freed then. A module called twice is gathered twice in forward and once in
+gathered when backward ends is freed then. A parameter that a unit returns (a bias under ``skip_bias_add``)
+is used by the caller: its bucket (stage-3 buckets keep 1-D and other parameters apart) then stays gathered
+until the root's forward ends and is gathered again when the root's backward starts. A module called twice is gathered twice in forward and once in
 backward (its grads accumulate once). All ranks issue the same collectives in the same order, because the
 hooks fire in the same order on every dp rank.
 """
@@ -46,16 +48,15 @@ def plan_units(root: nn.Module) -> dict[nn.Module, list[nn.Parameter]]:
     return units
 
 
-def _tensors_requiring_grad(output: Any) -> Iterable[torch.Tensor]:
+def _tensors(output: Any) -> Iterable[torch.Tensor]:
     if isinstance(output, torch.Tensor):
-        if output.requires_grad:
-            yield output
+        yield output
     elif isinstance(output, (list, tuple)):
         for item in output:
-            yield from _tensors_requiring_grad(item)
+            yield from _tensors(item)
     elif isinstance(output, dict):
         for item in output.values():
-            yield from _tensors_requiring_grad(item)
+            yield from _tensors(item)
 
 
 class ParameterGatherer:
@@ -72,6 +73,7 @@ class ParameterGatherer:
                  backward_started: Callable[[], None]) -> None:
         self.root, self.unit_buckets, self._backward_started = root, unit_buckets, backward_started
         self.in_backward = False
+        self.deferred: set[Bucket] = set()  # buckets whose params a unit returned: kept until the root's end
         self._order: list[nn.Module] = []       # units in the order their forward ran (this forward)
         self._last_order: list[nn.Module] = []  # ... in the previous forward (forward prefetch)
         self._handles: list[RemovableHandle] = []
@@ -92,7 +94,8 @@ class ParameterGatherer:
 
     def _release(self, unit: nn.Module) -> None:
         for bucket in self.unit_buckets[unit]:
-            bucket.release_params()
+            if bucket not in self.deferred:
+                bucket.release_params()
 
     def _pre_forward(self, unit: nn.Module, args: Any) -> None:
         if unit is self.root and not self.in_backward:
@@ -104,14 +107,28 @@ class ParameterGatherer:
             self._prefetch(self._last_order[position] if position < len(self._last_order) else None)
 
     def _post_forward(self, unit: nn.Module, args: Any, output: Any) -> None:
+        outputs = list(_tensors(output))
+        returned = {id(t) for t in outputs}
+        for bucket in self.unit_buckets[unit]:
+            if any(id(p) in returned for p in bucket.params):
+                self.deferred.add(bucket)  # e.g. a bias returned by skip_bias_add, used by the caller
         if torch.is_grad_enabled():
-            for tensor in _tensors_requiring_grad(output):
-                tensor.register_hook(lambda grad, unit=unit: self._pre_backward(unit))
+            for tensor in outputs:
+                if tensor.requires_grad and not isinstance(tensor, nn.Parameter):
+                    tensor.register_hook(lambda grad, unit=unit: self._pre_backward(unit))
         self._release(unit)
+        if unit is self.root:
+            for bucket in self.deferred:
+                bucket.release_params()
 
     def _pre_backward(self, unit: nn.Module) -> None:
         self.in_backward = True
         self._backward_started()
+        if unit is self.root:
+            for bucket in self.deferred:
+                bucket.start_gather()
+            for bucket in self.deferred:
+                bucket.wait_gather()
         if all(bucket.gathered for bucket in self.unit_buckets[unit]):
             return
         self._gather(unit)
@@ -122,7 +139,8 @@ class ParameterGatherer:
     def on_backward_end(self) -> None:
         """Frees every unit still gathered (e.g. parameters that received no grad)."""
         for unit in self.unit_buckets:
-            self._release(unit)
+            for bucket in self.unit_buckets[unit]:
+                bucket.release_params()
         self.in_backward = False
 
     def remove_hooks(self) -> None:

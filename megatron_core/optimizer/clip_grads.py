@@ -1,0 +1,79 @@
+"""Global gradient norm, zero counting and the inf/nan check over tp, pp and dp, counting each unique
+parameter element once.
+
+Per rank, a piece of a gradient is counted when
+- its parameter is tp-partitioned (``tensor_model_parallel``), or this is tp rank 0 (replicated over tp);
+- it is not the last stage's copy of a tied embedding: ``shared_embedding`` params count on the first
+  pipeline stage only.
+Pieces that are 1/dp shards (distributed optimizer) are summed over dp; full pieces (stage 0) are the same
+on every dp rank and are not. The sum is then all-reduced over the model-parallel group (tp x pp).
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatron_core.parallel_state import ParallelState
+from megatron_core.tensor_parallel.utils import group_size
+
+
+def counts_once(param: nn.Parameter, state: Optional[ParallelState]) -> bool:
+    """Whether this rank's copy of ``param`` contributes to norms and zero counts."""
+    if state is None:
+        return True
+    if getattr(param, "shared_embedding", False) and not state.is_pipeline_first_stage:
+        return False
+    return bool(getattr(param, "tensor_model_parallel", False)) or state.tp_rank == 0
+
+
+def _all_reduce(value: torch.Tensor, group, op=dist.ReduceOp.SUM) -> None:
+    if group is not None and group_size(group) > 1:
+        dist.all_reduce(value, op=op, group=group)
+
+
+def reduce_over_ranks(sharded: torch.Tensor, replicated: torch.Tensor, *, dp_group, mp_group) -> torch.Tensor:
+    """Sum of per-rank partial values: ``sharded`` over dp, then plus ``replicated`` over tp x pp."""
+    _all_reduce(sharded, dp_group)
+    total = sharded + replicated
+    _all_reduce(total, mp_group)
+    return total
+
+
+def global_norm_and_zeros(grads: Sequence[tuple[torch.Tensor, bool]], *, dp_group, mp_group,
+                          device: torch.device, count_zeros: bool) -> tuple[float, Optional[int]]:
+    """L2 norm (and zero count) of ``grads``: ``(grad, is_dp_shard)`` pairs this rank counts.
+
+    Collectives: all-reduce (sum) over dp of the sharded part, then over ``mp_group``.
+    """
+    sums = torch.zeros(2, 2, dtype=torch.float64, device=device)  # [sharded, replicated] x [sq, zeros]
+    for grad, is_shard in grads:
+        row = 0 if is_shard else 1
+        sums[row, 0] += grad.double().pow(2).sum().to(device)
+        if count_zeros:
+            sums[row, 1] += (grad == 0).sum().to(device)
+    total = reduce_over_ranks(sums[0].clone(), sums[1].clone(), dp_group=dp_group, mp_group=mp_group)
+    return math.sqrt(total[0].item()), (int(total[1].item()) if count_zeros else None)
+
+
+def clip_by_norm_(grads: Sequence[torch.Tensor], *, max_norm: float, total_norm: float) -> None:
+    """Scales ``grads`` in place by ``max_norm / (total_norm + 1e-6)`` when that is below 1 (Megatron's rule,
+    the same as ``torch.nn.utils.clip_grad_norm_``)."""
+    coefficient = max_norm / (total_norm + 1.0e-6)
+    if coefficient < 1.0:
+        torch._foreach_mul_(list(grads), coefficient)
+
+
+def found_inf_or_nan(grads: Sequence[torch.Tensor], *, dp_group, mp_group, device: torch.device) -> bool:
+    """True if any rank's grad has an inf or nan. Collectives: all-reduce (max) over dp and ``mp_group``."""
+    local = torch.zeros(1, dtype=torch.float32, device=device)
+    for grad in grads:
+        if not torch.isfinite(grad).all():
+            local.fill_(1.0)
+            break
+    _all_reduce(local, dp_group, dist.ReduceOp.MAX)
+    _all_reduce(local, mp_group, dist.ReduceOp.MAX)
+    return bool(local.item() > 0)

@@ -1,0 +1,222 @@
+"""``MegatronOptimizer``: fp32 master weights, loss scaling, global-norm clipping, the distributed optimizer
+(ZeRO 1-3: master weights and states for this rank's 1/dp shard only) and CPU offload, in one class.
+
+The optimizer works on *pieces*: for a stage-0 or plain module, every parameter whole; for a stage 1-3
+``DistributedDataParallel`` chunk, the part of each parameter inside this rank's shard of each bucket. Each
+piece has an fp32 master tensor: the model storage itself when that is already fp32 (and not offloaded),
+else an fp32 copy (on the host with offload). ``torch.optim.AdamW`` / ``SGD`` updates the masters; the
+updated values are copied back into the model storage and, at stages 1-2, all-gathered over dp.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Callable, Optional, Sequence
+
+import torch
+from torch import nn
+
+from megatron_core.distributed import DistributedDataParallel
+from megatron_core.optimizer.clip_grads import clip_by_norm_, counts_once, found_inf_or_nan, global_norm_and_zeros
+from megatron_core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
+from megatron_core.optimizer.optimizer_config import OptimizerConfig
+from megatron_core.parallel_state import ParallelState
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class _Piece:
+    param: nn.Parameter
+    model: torch.Tensor                              # 1-D view of the model storage this piece updates
+    grad: Callable[[], Optional[torch.Tensor]]       # 1-D grad of the same elements (dp-reduced)
+    master: torch.Tensor                             # fp32 1-D; ``model`` itself when aliased
+    aliased: bool
+    is_shard: bool                                   # a 1/dp shard (summed over dp in the norm)
+    decay: bool
+
+
+def _chunk_pieces(chunk: nn.Module) -> list[tuple[nn.Parameter, torch.Tensor, Callable, bool, int]]:
+    """``(param, model_view, grad_fn, is_shard, ndim)`` of a model chunk."""
+    pieces = []
+    if isinstance(chunk, DistributedDataParallel):
+        for bucket in chunk.buckets:
+            if chunk.config.zero_stage == 0:
+                for param, (lo, hi) in bucket.ranges.items():
+                    grad = bucket.grad_data[lo:hi]
+                    pieces.append((param, bucket.param_data[lo:hi], lambda g=grad: g, False,
+                                   len(bucket.shapes[param])))
+            else:
+                for param, _, _, s_lo, s_hi in bucket.shard_pieces():
+                    grad = bucket.grad_shard[s_lo:s_hi]
+                    pieces.append((param, bucket.param_shard[s_lo:s_hi], lambda g=grad: g, True,
+                                   len(bucket.shapes[param])))
+        return pieces
+    for param in dict.fromkeys(p for p in chunk.parameters() if p.requires_grad):
+        grad_fn = lambda p=param: None if p.grad is None else p.grad.view(-1)  # noqa: E731
+        pieces.append((param, param.data.view(-1), grad_fn, False, param.dim()))
+    return pieces
+
+
+class MegatronOptimizer:
+    """See the module docstring. Build it with ``get_optimizer``.
+
+    Args:
+        config: the optimizer settings.
+        chunks: the model chunks (plain modules or ``DistributedDataParallel``).
+        parallel_state: the layout (for the norm over tp and pp); None means no model parallelism.
+    """
+
+    def __init__(self, config: OptimizerConfig, chunks: Sequence[nn.Module], *,
+                 parallel_state: Optional[ParallelState]) -> None:
+        self.config, self.chunks, self.state = config, list(chunks), parallel_state
+        self.ddp_chunks = [c for c in self.chunks if isinstance(c, DistributedDataParallel)]
+        sharded = [c for c in self.ddp_chunks if c.config.zero_stage >= 1]
+        self.dp_group = sharded[0].dp_group if sharded else None
+        self.mp_group = parallel_state.mp_group if parallel_state is not None else None
+        self.device = parallel_state.device if parallel_state is not None else torch.device("cpu")
+        host = torch.device("cpu") if config.optimizer_cpu_offload else None
+        self.pieces: list[_Piece] = []
+        for chunk in self.chunks:
+            for param, model, grad_fn, is_shard, ndim in _chunk_pieces(chunk):
+                aliased = model.dtype == torch.float32 and host is None
+                master = model if aliased else model.detach().to(host or model.device, torch.float32).clone()
+                self.pieces.append(_Piece(param, model, grad_fn, master, aliased, is_shard, decay=ndim >= 2))
+        self.optimizer = self._build_inner() if self.pieces else None
+        self.grad_scaler: Optional[ConstantGradScaler] = None
+        if config.loss_scale is not None:
+            self.grad_scaler = ConstantGradScaler(config.loss_scale)
+        elif config.fp16:
+            self.grad_scaler = DynamicGradScaler(
+                initial_scale=config.initial_loss_scale, min_scale=config.min_loss_scale,
+                growth_interval=config.loss_scale_window, hysteresis=config.hysteresis)
+
+    def _build_inner(self) -> torch.optim.Optimizer:
+        config = self.config
+        groups = [{"params": [p.master for p in self.pieces if p.decay], "weight_decay": config.weight_decay},
+                  {"params": [p.master for p in self.pieces if not p.decay], "weight_decay": 0.0}]
+        groups = [g for g in groups if g["params"]]
+        if config.optimizer == "adam":
+            return torch.optim.AdamW(groups, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2),
+                                     eps=config.adam_eps)
+        return torch.optim.SGD(groups, lr=config.lr, momentum=config.sgd_momentum)
+
+    # ----------------------------------------------------------------------------------------------------------
+    # loss scaling
+    def get_loss_scale(self) -> torch.Tensor:
+        """The current loss scale (1.0 without a scaler)."""
+        return torch.tensor(self.grad_scaler.scale if self.grad_scaler else 1.0, dtype=torch.float32)
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss * loss_scale``: pass as the schedules' ``grad_scale_func`` or call before ``backward``."""
+        return loss * self.grad_scaler.scale if self.grad_scaler else loss
+
+    # ----------------------------------------------------------------------------------------------------------
+    # the step
+    def _prepare_master_grads(self) -> list[torch.Tensor]:
+        grads = []
+        for piece in self.pieces:
+            grad = piece.grad()
+            if grad is not None and (grad.dtype != torch.float32 or grad.device != piece.master.device):
+                grad = grad.to(piece.master.device, torch.float32)
+            piece.master.grad = grad
+            if grad is not None:
+                grads.append(grad)
+        return grads
+
+    def _clear_master_grads(self) -> None:
+        for piece in self.pieces:
+            piece.master.grad = None
+
+    @torch.no_grad()
+    def step(self) -> tuple[bool, Optional[float], Optional[int]]:
+        """Unscales and checks the grads (with a loss scaler), clips by the global norm, updates, and writes
+        the new parameters back (all-gathered over dp at stages 1-2).
+
+        Returns:
+            ``(update_successful, grad_norm, num_zeros_in_grad)``: ``(False, None, None)`` when an inf/nan
+            grad made the step skip; ``num_zeros_in_grad`` is None unless ``log_num_zeros_in_grad``.
+        Collectives: all-reduce over dp (sharded stages) and tp x pp of the norm (and the inf flag);
+        all-gather over dp of the updated parameters (stages 1-2).
+        """
+        for chunk in self.ddp_chunks:
+            chunk.finish_grad_sync()  # a no-op after finalize_model_grads
+        grads = self._prepare_master_grads()
+        if self.grad_scaler is not None:
+            torch._foreach_mul_(grads, 1.0 / self.grad_scaler.scale)
+            found_inf = found_inf_or_nan(grads, dp_group=self.dp_group, mp_group=self.mp_group, device=self.device)
+            self.grad_scaler.update(found_inf)
+            if found_inf:
+                self._clear_master_grads()
+                logger.info("inf/nan in the grads: step skipped, loss scale now %g", self.grad_scaler.scale)
+                return False, None, None
+        counted = [(p.master.grad, p.is_shard) for p in self.pieces
+                   if p.master.grad is not None and counts_once(p.param, self.state)]
+        grad_norm, num_zeros = global_norm_and_zeros(counted, dp_group=self.dp_group, mp_group=self.mp_group,
+                                                     device=self.device,
+                                                     count_zeros=self.config.log_num_zeros_in_grad)
+        if self.config.clip_grad > 0:
+            clip_by_norm_(grads, max_norm=self.config.clip_grad, total_norm=grad_norm)
+        if self.optimizer is not None:
+            self.optimizer.step()
+        self._clear_master_grads()
+        self._copy_masters_to_model()
+        return True, grad_norm, num_zeros
+
+    def _copy_masters_to_model(self) -> None:
+        for piece in self.pieces:
+            if not piece.aliased:
+                piece.model.copy_(piece.master)
+        for chunk in self.ddp_chunks:
+            chunk.start_param_sync()
+        for chunk in self.ddp_chunks:
+            chunk.finish_param_sync()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zeros the model grads (each DDP chunk's buffers; ``.grad`` of plain modules)."""
+        for chunk in self.chunks:
+            if isinstance(chunk, DistributedDataParallel):
+                chunk.zero_grad_buffer()
+            else:
+                chunk.zero_grad(set_to_none=set_to_none)
+        self._clear_master_grads()
+
+    # ----------------------------------------------------------------------------------------------------------
+    # state
+    @property
+    def param_groups(self) -> list[dict]:
+        """The inner optimizer's groups (e.g. to set ``lr`` from a scheduler)."""
+        return self.optimizer.param_groups if self.optimizer is not None else []
+
+    def state_dict(self) -> dict:
+        """This rank's state: the inner optimizer's, the fp32 master pieces (when not the model storage) and
+        the loss scaler's, as tensors."""
+        scaler = {k: torch.tensor(v) for k, v in self.grad_scaler.state_dict().items()} if self.grad_scaler else {}
+        return {"optimizer": self.optimizer.state_dict() if self.optimizer is not None else {},
+                "master_weights": [p.master.detach().clone() for p in self.pieces if not p.aliased],
+                "grad_scaler": scaler}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        """Restores ``state_dict()`` of an optimizer built over the same model, layout and config."""
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+        masters = [p for p in self.pieces if not p.aliased]
+        if len(masters) != len(state["master_weights"]):
+            raise ValueError(f"the state has {len(state['master_weights'])} master pieces, this optimizer "
+                             f"{len(masters)}: load it into an optimizer of the same model, layout and config")
+        for piece, saved in zip(masters, state["master_weights"]):
+            piece.master.copy_(saved)
+        if self.grad_scaler is not None and state["grad_scaler"]:
+            self.grad_scaler.load_state_dict({k: v.item() for k, v in state["grad_scaler"].items()})
+        self._copy_masters_to_model()
+
+    def master_weight_bytes(self) -> int:
+        return sum(p.master.numel() * p.master.element_size() for p in self.pieces if not p.aliased)
+
+    def optimizer_state_bytes(self) -> int:
+        """Bytes of the inner optimizer's per-element states (``step`` counters excluded)."""
+        if self.optimizer is None:
+            return 0
+        return sum(v.numel() * v.element_size() for s in self.optimizer.state.values() for k, v in s.items()
+                   if isinstance(v, torch.Tensor) and k != "step")

@@ -1,0 +1,63 @@
+"""``OptimizerConfig``: Megatron's optimizer settings (names follow Megatron's ``OptimizerConfig`` / flags)."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+OPTIMIZERS = ("adam", "sgd")
+
+
+@dataclasses.dataclass(kw_only=True)
+class OptimizerConfig:
+    """Optimizer, precision, loss scaling, clipping and offload. Invalid values raise ``ValueError``."""
+
+    optimizer: str = "adam"
+    """``adam``: AdamW (decoupled weight decay), as Megatron's ``--optimizer adam``. ``sgd``: SGD with momentum
+    (L2 weight decay added to the grad, as ``torch.optim.SGD``)."""
+    lr: float = 1e-3
+    weight_decay: float = 0.01
+    """Applied to parameters with 2 or more dims only: biases and norm weights (1-D) get none, as Megatron's
+    default ``no_weight_decay_cond``."""
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    sgd_momentum: float = 0.9
+    clip_grad: float = 1.0
+    """Clip by global L2 norm (``--clip-grad``); 0 disables clipping (the norm is still returned)."""
+    bf16: bool = False
+    """bf16 model: fp32 master weights, no loss scaling (``--bf16``)."""
+    fp16: bool = False
+    """fp16 model: fp32 master weights and loss scaling (``--fp16``)."""
+    loss_scale: Optional[float] = None
+    """A static loss scale (``--loss-scale``); None with fp16 means dynamic loss scaling."""
+    initial_loss_scale: float = 2.0 ** 32
+    min_loss_scale: float = 1.0
+    loss_scale_window: int = 1000
+    """Good steps after which the dynamic scale doubles."""
+    hysteresis: int = 2
+    """Overflowing steps (since the last growth) tolerated before the dynamic scale halves."""
+    optimizer_cpu_offload: bool = False
+    """Keep master weights and optimizer states on the host and run the update there
+    (``--optimizer-cpu-offload``)."""
+    log_num_zeros_in_grad: bool = False
+    """Count zero grad elements (``--log-num-zeros-in-grad``); else ``step()`` returns None for it."""
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer {self.optimizer!r} is not one of {OPTIMIZERS}")
+        if self.fp16 and self.bf16:
+            raise ValueError("fp16=True and bf16=True were both set: choose one precision (--fp16 or --bf16)")
+        for name in ("lr", "weight_decay", "clip_grad", "adam_eps", "sgd_momentum"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} {getattr(self, name)} must be >= 0")
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"{name} {getattr(self, name)} must be in [0, 1)")
+        if self.loss_scale is not None and self.loss_scale <= 0:
+            raise ValueError(f"loss_scale {self.loss_scale} must be > 0 (or None for dynamic scaling)")
+        if self.initial_loss_scale <= 0 or self.min_loss_scale <= 0:
+            raise ValueError(f"initial_loss_scale {self.initial_loss_scale} and min_loss_scale "
+                             f"{self.min_loss_scale} must be > 0")
+        if self.loss_scale_window < 1 or self.hysteresis < 1:
+            raise ValueError(f"loss_scale_window {self.loss_scale_window} and hysteresis {self.hysteresis} "
+                             "must be >= 1")

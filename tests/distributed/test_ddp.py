@@ -1,0 +1,170 @@
+"""DistributedDataParallel: buckets overlap backward, ZeRO-3 gathers/frees around modules (tied parameters, a
+module used twice, state_dict export), shards shrink memory, and the fp16 loss scaler skips and recovers."""
+import contextlib
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_core import initialize_model_parallel
+from megatron_core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron_core.optimizer import OptimizerConfig, get_optimizer, memory_report
+from tests.distributed.test_optimizer_parity import OPT, Net, net_batch, reference_adamw
+
+
+def _overlap_events(stage: int):
+    """Records collectives and the input's grad (computed last in backward) in the order they happen."""
+    state = initialize_model_parallel()
+    torch.manual_seed(0)
+    ddp = DistributedDataParallel(Net(), config=DistributedDataParallelConfig(zero_stage=stage, bucket_size=100),
+                                  dp_group=state.dp_group)
+    events = []
+    originals = {name: getattr(dist, name) for name in ("all_reduce", "reduce_scatter_single")}
+
+    def recorder(name):
+        def call(*args, **kwargs):
+            events.append((name, kwargs.get("async_op", False)))
+            return originals[name](*args, **kwargs)
+        return call
+
+    x, y = net_batch(0)
+    x.requires_grad_(True)
+    x.register_hook(lambda grad: events.append(("input_grad", None)))
+    try:
+        for name in originals:
+            setattr(dist, name, recorder(name))
+        F.mse_loss(ddp(x), y).backward()
+        events.append(("backward_returned", None))
+        ddp.finish_grad_sync()
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+    return events, ddp.launch_log, len(ddp.buckets)
+
+
+def test_first_bucket_collective_launched_before_backward_finishes(distributed):
+    for stage, collective in ((0, "all_reduce"), (2, "reduce_scatter_single")):
+        events, launch_log, num_buckets = distributed(2, _overlap_events, stage)[0]
+        names = [name for name, _ in events]
+        assert num_buckets >= 3 and launch_log == list(range(num_buckets))
+        first = names.index(collective)
+        assert first < names.index("input_grad") < names.index("backward_returned"), names
+        assert events[first][1] is True  # asynchronous: backward continues while it runs
+        assert names.count(collective) == num_buckets
+
+
+# ------------------------------------------------------------------------------------------------------------
+class TiedNet(nn.Module):
+    """Embedding and output layer share one weight; ``block`` runs twice in each forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.block, self.norm = nn.Embedding(12, 8), nn.Linear(8, 8), nn.LayerNorm(8)
+        self.head = nn.Linear(8, 12, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        hidden = self.embed(ids)
+        hidden = self.block(torch.tanh(self.block(hidden)))
+        return self.head(self.norm(hidden))
+
+
+def _tied_loss(model, step, rows=slice(None)):
+    g = torch.Generator().manual_seed(step)
+    ids, labels = torch.randint(0, 12, (8,), generator=g), torch.randint(0, 12, (8,), generator=g)
+    return F.cross_entropy(model(ids[rows]), labels[rows])
+
+
+def _train_tied(stage: int):
+    state = initialize_model_parallel()
+    torch.manual_seed(0)
+    ddp = DistributedDataParallel(TiedNet(), config=DistributedDataParallelConfig(zero_stage=stage),
+                                  dp_group=state.dp_group)
+    optimizer = get_optimizer(OptimizerConfig(**OPT), ddp, parallel_state=state)
+    rows = 8 // state.dp_size
+    released = []
+    for step in range(5):
+        optimizer.zero_grad()
+        for i in range(2):
+            lo = state.dp_rank * rows + i * rows // 2
+            with ddp.no_sync() if i == 0 else contextlib.nullcontext():
+                (_tied_loss(ddp, step, slice(lo, lo + rows // 2)) / 2).backward()
+            released.append(all(p.numel() == 0 for p in ddp.module.parameters()))
+        finalize_model_grads([ddp], state)
+        assert optimizer.step()[0]
+    return ddp.state_dict(), all(released), memory_report(ddp, optimizer)
+
+
+def test_zero3_tied_parameters_and_module_used_twice(distributed):
+    torch.manual_seed(0)
+    reference, _ = reference_adamw(TiedNet(), _tied_loss)
+    (ref_params, ref_released, ref_report), = distributed(1, _train_tied, 0)
+    assert not ref_released
+    for params, released, report in distributed(2, _train_tied, 3):
+        assert released  # every parameter is freed outside forward and backward
+        assert params.keys() == reference.keys()
+        for name, value in params.items():
+            torch.testing.assert_close(value, reference[name], rtol=0, atol=1e-5)
+        # 1/dp of the parameters (up to padding) and of the grads, masters alias the fp32 shards
+        assert report.parameters <= ref_report.parameters / 2 + 4 * 8
+        assert report.optimizer_states <= ref_report.optimizer_states / 2 + 8 * 8
+
+
+def _load_and_export(stage: int):
+    state = initialize_model_parallel()
+    torch.manual_seed(dist.get_rank())  # different weights per rank: load_state_dict makes them equal
+    ddp = DistributedDataParallel(Net(), config=DistributedDataParallelConfig(zero_stage=stage),
+                                  dp_group=state.dp_group)
+    torch.manual_seed(7)
+    ddp.load_state_dict(Net().state_dict())
+    x, _ = net_batch(0)
+    with torch.no_grad():
+        return ddp(x), ddp.state_dict()
+
+
+def test_state_dict_round_trip_at_stage3(distributed):
+    torch.manual_seed(7)
+    reference = Net()
+    x, _ = net_batch(0)
+    for output, state in distributed(2, _load_and_export, 3):
+        torch.testing.assert_close(output, reference(x).detach())
+        for name, value in reference.state_dict().items():
+            assert torch.equal(state[name], value)
+
+
+# ------------------------------------------------------------------------------------------------------------
+def _fp16_scaler(hysteresis: int):
+    state = initialize_model_parallel()
+    torch.manual_seed(0)
+    ddp = DistributedDataParallel(Net().half(), config=DistributedDataParallelConfig(zero_stage=1),
+                                  dp_group=state.dp_group)
+    config = OptimizerConfig(**OPT, fp16=True, initial_loss_scale=2.0 ** 10, loss_scale_window=2,
+                             hysteresis=hysteresis)
+    optimizer = get_optimizer(config, ddp, parallel_state=state)
+    history = []
+    for step in range(6):
+        x, y = net_batch(step)
+        if step in (1, 2) and state.dp_rank == 0:
+            x[0, 0] = float("inf")  # an overflow on one rank must skip the step on all
+        before = [p.detach().clone() for p in ddp.module.parameters()]
+        optimizer.zero_grad()
+        loss = F.mse_loss(ddp(x.half()).float(), y)
+        optimizer.scale_loss(loss).backward()
+        finalize_model_grads([ddp], state)
+        ok, norm, _ = optimizer.step()
+        unchanged = all(torch.equal(a, b) for a, b in zip(before, ddp.module.parameters()))
+        history.append((ok, norm is None, unchanged, float(optimizer.get_loss_scale())))
+    return history
+
+
+def test_fp16_overflow_skips_and_backs_off_then_grows(distributed):
+    h1 = distributed(2, _fp16_scaler, 1)
+    assert h1[0] == h1[1]
+    # step 0 fine; 1 and 2 overflow (skip, params unchanged, scale halved each time); 3, 4 fine -> doubled
+    assert [(ok, none, same) for ok, none, same, _ in h1[0]] == [
+        (True, False, False), (False, True, True), (False, True, True), (True, False, False),
+        (True, False, False), (True, False, False)]
+    assert [scale for *_, scale in h1[0]] == [1024.0, 512.0, 256.0, 256.0, 512.0, 512.0]
+    h2 = distributed(2, _fp16_scaler, 2)[0]  # hysteresis 2: the first overflow keeps the scale
+    assert [scale for *_, scale in h2] == [1024.0, 1024.0, 512.0, 512.0, 1024.0, 1024.0]

