@@ -1,0 +1,86 @@
+"""pretrain_gpt's loop at several layouts against the single-process run (fp32, no dropout): 10 iterations of
+losses to 1e-5 relative; bf16 within 2e-2; exact resume; checkpoints that load at another layout."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BASE = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
+        "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "10", "--lr", "1e-3",
+        "--min-lr", "1e-4", "--lr-warmup-iters", "2", "--eval-interval", "1000", "--log-interval", "1000",
+        "--seed", "7"]
+
+
+def _train(argv):
+    import kernels
+    from megatron_core.training.arguments import parse_args
+    from megatron_core.training.loop import pretrain
+    with kernels.use_backend("torch"):
+        return pretrain(parse_args(BASE + list(argv)))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    from megatron_core.testing import run_distributed
+    return run_distributed(1, _train, [])[0]
+
+
+def _layout(tp, pp, dp, extra=()):
+    return ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp), *extra]
+
+
+LAYOUTS = {
+    "tp2": (2, _layout(2, 1, 1)),
+    "pp2": (2, _layout(1, 2, 1)),
+    "dp2-zero0": (2, _layout(1, 1, 2)),
+    "dp2-zero1": (2, _layout(1, 1, 2, ["--zero-stage", "1"])),
+    "dp2-zero2": (2, _layout(1, 1, 2, ["--zero-stage", "2"])),
+    "dp2-zero3": (2, _layout(1, 1, 2, ["--zero-stage", "3"])),
+    "tp2-pp2": (4, _layout(2, 2, 1)),
+    "pp2-vpp2": (2, _layout(1, 2, 1, ["--num-layers-per-virtual-pipeline-stage", "1"])),
+    "tp2-sp": (2, _layout(2, 1, 1, ["--sequence-parallel"])),
+}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_losses_match_single_process(distributed, reference, name):
+    world, argv = LAYOUTS[name]
+    losses = distributed(world, _train, argv)[0]
+    assert len(losses) == 10 and losses[-1] < losses[0]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), rtol=1e-5, atol=0)
+
+
+def test_bf16_stays_close_to_fp32(distributed, reference):
+    losses = distributed(2, _train, _layout(1, 1, 2, ["--bf16"]))[0]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), rtol=2e-2, atol=0)
+
+
+def test_resume_is_exact(distributed, tmp_path):
+    straight = distributed(2, _train, _layout(1, 2, 1, ["--train-iters", "20"]))[0]
+    save = ["--save", str(tmp_path), "--train-iters", "20", "--exit-interval", "10"]
+    first = distributed(2, _train, _layout(1, 2, 1, save))[0]
+    second = distributed(2, _train, _layout(1, 2, 1, ["--load", str(tmp_path), "--train-iters", "20"]))[0]
+    assert (tmp_path / "latest_checkpointed_iteration.txt").read_text() == "10"
+    assert first + second == straight
+
+
+def test_checkpoint_loads_at_another_layout(distributed, tmp_path):
+    distributed(4, _train, _layout(2, 2, 1, ["--save", str(tmp_path)]))
+    metadata = json.loads((tmp_path / "iter_0000010" / "metadata.json").read_text())
+    assert metadata["layout"]["tp"] == 2 and metadata["true_vocab_size"] == 257
+    continued = ["--load", str(tmp_path), "--train-iters", "12", "--no-load-optim", "--no-load-rng"]
+    single = distributed(1, _train, continued)[0]
+    sharded = distributed(2, _train, _layout(1, 1, 2, ["--zero-stage", "1", *continued]))[0]
+    assert len(single) == 2
+    torch.testing.assert_close(torch.tensor(sharded), torch.tensor(single), rtol=1e-5, atol=0)
+
+
+def test_unknown_flag_suggests_the_close_match():
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), "--tensor-model-paralel-size", "2"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "did you mean --tensor-model-parallel-size?" in proc.stderr
