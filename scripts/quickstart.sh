@@ -10,7 +10,7 @@ rm -f outputs/quickstart_metrics.jsonl
 OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc-per-node 4 pretrain_gpt.py \
   --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 \
   --num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 128 \
-  --micro-batch-size 4 --global-batch-size 16 --train-iters 60 --lr 3e-3 --min-lr 3e-4 --lr-warmup-iters 6 \
-  --log-interval 5 --eval-interval 30 --eval-iters 2 \
+  --micro-batch-size 4 --global-batch-size 16 --train-iters 150 --lr 3e-3 --min-lr 3e-4 --lr-warmup-iters 10 \
+  --log-interval 10 --eval-interval 50 --eval-iters 2 \
   --metrics-file outputs/quickstart_metrics.jsonl --loss-curve-png outputs/quickstart_loss.png "$@"
 echo "loss curve: outputs/quickstart_loss.png; metrics: outputs/quickstart_metrics.jsonl"

@@ -84,3 +84,26 @@ def test_unknown_flag_suggests_the_close_match():
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "did you mean --tensor-model-parallel-size?" in proc.stderr
+
+
+def test_sigterm_saves_a_loadable_checkpoint_and_exits_0(distributed, tmp_path):
+    import signal
+    import time
+    metrics = tmp_path / "metrics.jsonl"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    command = [sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *BASE, "--train-iters", "100000",
+               "--exit-signal-handler", "--save", str(tmp_path / "ckpt"), "--metrics-file", str(metrics)]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-2000:]
+    iteration = int((tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text())
+    assert iteration >= 3 and f"saved checkpoint at iteration {iteration}" in out
+    from megatron_core.checkpointing import read_metadata
+    folder, metadata = read_metadata(str(tmp_path / "ckpt"))
+    assert metadata["iteration"] == iteration and not any(p.name.endswith(".partial") for p in (tmp_path / "ckpt").iterdir())
+    resumed = distributed(1, _train, ["--load", str(tmp_path / "ckpt"), "--train-iters", str(iteration + 2)])[0]
+    assert len(resumed) == 2
