@@ -169,6 +169,9 @@ def validate_args(args: argparse.Namespace) -> None:
     if args.num_layers_per_virtual_pipeline_stage is not None and args.pipeline_model_parallel_size == 1:
         raise ValueError("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
     args.zero_stage = zero_stage(args)
+    if args.lr_warmup_iters > args.lr_decay_iters:
+        raise ValueError(f"--lr-warmup-iters {args.lr_warmup_iters} is larger than --lr-decay-iters "
+                         f"{args.lr_decay_iters} (default: --train-iters); shorten the warmup")
     if args.min_lr > args.lr:
         raise ValueError(f"--min-lr {args.min_lr} is larger than --lr {args.lr}")
 
