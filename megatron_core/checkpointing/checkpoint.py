@@ -3,14 +3,14 @@
     DIR/latest_checkpointed_iteration.txt      the newest complete checkpoint (updated last, atomically)
     DIR/iter_0000020/metadata.json             iteration, consumed samples, vocab, layout, config, scheduler,
                                                every tensor's global shape and tp partition, file checksums
-    DIR/iter_0000020/model_tp00_pp000.safetensors   model shards (written by dp rank 0 of each tp x pp)
-    DIR/iter_0000020/optim_rank00000.safetensors    optimizer state of each rank (+ optim_rank00000.json)
+    DIR/iter_0000020/model_tp00_pp000.safetensors   the tp x pp shard of the weights and of the optimizer
+                                                    states ``optim/<state>/<name>`` (written by dp rank 0)
     DIR/iter_0000020/rng_rank00000.safetensors      RNG states of each rank
 
 Saving writes into ``iter_N.partial``, fsyncs every file, renames the folder to ``iter_N`` and only then
-replaces the pointer file, so a crash never leaves a partial checkpoint that looks complete. Model weights
-load at any tp/pp layout (shards are merged by their partition record and re-split; the vocab padding is
-recomputed from the true vocab size). Optimizer and RNG states load at the same layout only.
+replaces the pointer file, so a crash never leaves a partial checkpoint that looks complete. Weights and
+optimizer states load at any tp/pp/dp layout and ZeRO stage (shards are merged by their partition record and
+re-split; the vocab padding is recomputed from the true vocab size); RNG states at the same layout only.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import hashlib
 import json
 import os
 import shutil
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -34,6 +34,7 @@ from megatron_core.checkpointing.layout import (
     repad_vocab,
     take_shard,
 )
+from megatron_core.checkpointing.optimizer_state import collect_optimizer_state, restore_optimizer_state
 from megatron_core.config import TransformerConfig
 from megatron_core.parallel_state import ParallelState
 from megatron_core.tensor_parallel import get_rng_tracker
@@ -68,37 +69,6 @@ def _layout(state: ParallelState, extra: dict) -> dict:
     return {"tp": state.tp_size, "pp": state.pp_size, "dp": state.dp_size, "vpp": state.vpp_size, **extra}
 
 
-def flatten_state(tree: Any, prefix: str = "") -> tuple[dict[str, torch.Tensor], Any]:
-    """Splits a nested dict/list of tensors and plain values into ``{path: tensor}`` and a JSON skeleton."""
-    if isinstance(tree, torch.Tensor):
-        return {prefix: tree.detach().cpu().contiguous()}, {"__tensor__": prefix}
-    if isinstance(tree, dict):
-        tensors, skeleton = {}, {}
-        for key, value in tree.items():
-            sub_tensors, skeleton[str(key)] = flatten_state(value, f"{prefix}/{key}")
-            tensors.update(sub_tensors)
-        return tensors, {"__dict__": skeleton, "__int_keys__": [str(k) for k in tree if isinstance(k, int)]}
-    if isinstance(tree, (list, tuple)):
-        tensors, items = {}, []
-        for i, value in enumerate(tree):
-            sub_tensors, item = flatten_state(value, f"{prefix}/{i}")
-            tensors.update(sub_tensors)
-            items.append(item)
-        return tensors, {"__list__": items}
-    return {}, tree
-
-
-def unflatten_state(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
-    if isinstance(skeleton, dict) and "__tensor__" in skeleton:
-        return tensors[skeleton["__tensor__"]]
-    if isinstance(skeleton, dict) and "__dict__" in skeleton:
-        int_keys = set(skeleton["__int_keys__"])
-        return {(int(k) if k in int_keys else k): unflatten_state(v, tensors) for k, v in skeleton["__dict__"].items()}
-    if isinstance(skeleton, dict) and "__list__" in skeleton:
-        return [unflatten_state(v, tensors) for v in skeleton["__list__"]]
-    return skeleton
-
-
 def save_checkpoint(directory: str, *, iteration: int, model_chunks: Sequence[nn.Module], config: TransformerConfig,
                     state: ParallelState, true_vocab_size: int, consumed_samples: int,
                     optimizer: Optional[Any] = None, scheduler: Optional[Any] = None,
@@ -111,11 +81,14 @@ def save_checkpoint(directory: str, *, iteration: int, model_chunks: Sequence[nn
         shutil.rmtree(partial, ignore_errors=True)
         os.makedirs(partial)
     _barrier()
-    records = _save_model_shards(partial, model_chunks, config, state)
+    with full_parameters(model_chunks):
+        named = global_named_parameters(model_chunks, config, state)
+        tensors = {name: (param.detach().cpu().contiguous(), param) for name, param in named.items()}
+    optimizer_scalars = None
     if optimizer is not None:
-        tensors, skeleton = flatten_state(optimizer.state_dict())
-        save_file(tensors, os.path.join(partial, f"optim_rank{rank:05d}.safetensors"))
-        _fsync_write(os.path.join(partial, f"optim_rank{rank:05d}.json"), json.dumps(skeleton).encode())
+        optim_tensors, optimizer_scalars = collect_optimizer_state(optimizer, named, state)
+        tensors.update(optim_tensors)
+    records = _save_shard(partial, tensors, state)
     save_file(_rng_tensors(state.device), os.path.join(partial, f"rng_rank{rank:05d}.safetensors"))
     gathered = [records]
     if dist.is_initialized():
@@ -125,7 +98,7 @@ def save_checkpoint(directory: str, *, iteration: int, model_chunks: Sequence[nn
     if rank == 0:
         _write_metadata(partial, gathered, iteration=iteration, state=state, true_vocab_size=true_vocab_size,
                         consumed_samples=consumed_samples, scheduler=scheduler, run_config=run_config,
-                        layout_extra=layout_extra or {})
+                        layout_extra=layout_extra or {}, optimizer=optimizer_scalars)
         if os.path.exists(final):
             shutil.rmtree(final)
         os.replace(partial, final)
@@ -134,18 +107,28 @@ def save_checkpoint(directory: str, *, iteration: int, model_chunks: Sequence[nn
     return final
 
 
-def _save_model_shards(folder: str, chunks, config, state) -> dict:
-    """Writes this rank's model shards if it is dp rank 0; returns ``{name: record}``."""
+@contextlib.contextmanager
+def full_parameters(chunks: Sequence[nn.Module]) -> Iterator[None]:
+    """Every parameter full inside the block (ZeRO-3 wrappers gather theirs; a no-op otherwise)."""
+    with contextlib.ExitStack() as stack:
+        for chunk in chunks:
+            if hasattr(chunk, "gathered_parameters"):
+                stack.enter_context(chunk.gathered_parameters())
+        yield
+
+
+def _save_shard(folder: str, tensors: dict[str, tuple[torch.Tensor, nn.Parameter]], state: ParallelState) -> dict:
+    """dp rank 0 of each tp x pp writes its tensors (weights and optimizer states) into one file; returns
+    ``{name: record}`` with each tensor's tp partition (an optimizer state shares its parameter's)."""
     if state.dp_rank != 0 or state.cp_rank != 0:
         return {}
     file = f"model_tp{state.tp_rank:02d}_pp{state.pp_rank:03d}.safetensors"
-    named = global_named_parameters(chunks, config, state)
-    save_file({name: p.detach().cpu().contiguous() for name, p in named.items()}, os.path.join(folder, file))
+    save_file({name: tensor for name, (tensor, _) in tensors.items()}, os.path.join(folder, file))
     records = {}
-    for name, param in named.items():
+    for name, (tensor, param) in tensors.items():
         dim, stride = partition_record(param)
-        records[name] = {"file": file, "tp_rank": state.tp_rank, "local_shape": list(param.shape),
-                         "partition_dim": dim, "stride": stride, "dtype": str(param.dtype)}
+        records[name] = {"file": file, "tp_rank": state.tp_rank, "local_shape": list(tensor.shape),
+                         "partition_dim": dim, "stride": stride, "dtype": str(tensor.dtype)}
     return records
 
 
@@ -166,7 +149,7 @@ def _write_metadata(folder: str, gathered: list[dict], **info) -> None:
         "format": "megatron_core/1", "iteration": info["iteration"], "consumed_samples": info["consumed_samples"],
         "true_vocab_size": info["true_vocab_size"], "layout": _layout(state, info["layout_extra"]),
         "config": info["run_config"] or {}, "scheduler": scheduler.state_dict() if scheduler else None,
-        "tensors": tensors,
+        "optimizer": info["optimizer"], "tensors": tensors,
         "checksums": {f: _sha256(os.path.join(folder, f)) for f in sorted(os.listdir(folder))},
     }
     _fsync_write(os.path.join(folder, "metadata.json"), json.dumps(metadata, indent=1).encode())
@@ -219,67 +202,96 @@ def _verify(folder: str, metadata: dict, files: set[str]) -> None:
 
 
 def load_model_weights(folder: str, metadata: dict, *, model_chunks: Sequence[nn.Module], config: TransformerConfig,
-                       state: ParallelState) -> None:
-    """Copies every local parameter from the checkpoint, merging and re-splitting tp shards as needed."""
-    named = global_named_parameters(model_chunks, config, state)
-    tensors = metadata["tensors"]
-    needed = {s["file"] for name in named for s in tensors.get(_source_name(name, tensors), {}).get("shards", {}).values()}
-    _verify(folder, metadata, needed)
-    with contextlib.ExitStack() as stack:
-        handles = {file: stack.enter_context(safe_open(os.path.join(folder, file), framework="pt")) for file in needed}
-        for name, param in named.items():
-            _load_parameter(name, param, handles, folder, metadata, state)
+                       state: ParallelState, optimizer: Optional[Any] = None) -> None:
+    """Copies every local parameter from the checkpoint, merging and re-splitting tp shards as needed; with
+    ``optimizer``, also its master weights and states (without it, call ``optimizer.reload_model_params()``).
+    Collective with ZeRO-3 wrappers (they gather and re-shard)."""
+    with full_parameters(model_chunks):
+        named = global_named_parameters(model_chunks, config, state)
+        with ShardReader(folder, metadata, state) as reader:
+            for name, param in named.items():
+                shard = reader.read(name, param)
+                if shard is None:
+                    raise ValueError(f"checkpoint {folder} has no tensor {name!r} (was it written for another "
+                                     "model shape?)")
+                with torch.no_grad():
+                    param.copy_(shard.to(param.dtype))
+            _store_gathered(model_chunks)
+            if optimizer is not None:
+                if metadata.get("optimizer") is None:
+                    raise ValueError(f"checkpoint {folder} holds no optimizer state; pass --no-load-optim")
+                restore_optimizer_state(optimizer, {id(p): n for n, p in named.items()}, metadata["optimizer"],
+                                        reader.read)
 
 
-def _load_parameter(name: str, param: nn.Parameter, handles: dict, folder: str, metadata: dict,
-                    state: ParallelState) -> None:
-    tensors = metadata["tensors"]
-    source = _source_name(name, tensors)
-    if source not in tensors:
-        raise ValueError(f"checkpoint {folder} has no tensor {name!r} (was it written for another model shape?)")
-    entry = tensors[source]
-    shards = [handles[s["file"]].get_tensor(source) for _, s in sorted(entry["shards"].items(), key=lambda kv: int(kv[0]))]
-    full = merge_shards(shards, entry["partition_dim"], entry["stride"])
-    if name in VOCAB_PARAMS:  # padded to a multiple that depends on tp: re-pad from the true vocab
-        full = repad_vocab(full, metadata["true_vocab_size"], param.shape[0] * state.tp_size)
-    dim, stride = partition_record(param)
-    shard = take_shard(full, dim, stride, state.tp_rank, state.tp_size)
-    if tuple(shard.shape) != tuple(param.shape):
-        raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(full.shape)} (shard {tuple(shard.shape)}) "
-                         f"but the model expects a shard of {tuple(param.shape)}: another model shape?")
-    with torch.no_grad():
-        param.copy_(shard.to(param.dtype))
+def _store_gathered(chunks: Sequence[nn.Module]) -> None:
+    """ZeRO-3: writes the loaded full parameters into each rank's persistent shard."""
+    for chunk in chunks:
+        if getattr(getattr(chunk, "config", None), "zero_stage", 0) == 3:
+            for bucket in chunk.buckets:
+                for param in bucket.params:
+                    bucket.load_full(param, param.data)
+
+
+class ShardReader:
+    """Reads checkpoint tensors re-split for this rank's tp shard, verifying each file's checksum once."""
+
+    def __init__(self, folder: str, metadata: dict, state: ParallelState) -> None:
+        self.folder, self.metadata, self.state = folder, metadata, state
+        self.tensors = metadata["tensors"]
+        self._stack = contextlib.ExitStack()
+        self._handles: dict[str, Any] = {}
+
+    def __enter__(self) -> "ShardReader":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._stack.close()
+
+    def _handle(self, file: str):
+        if file not in self._handles:
+            _verify(self.folder, self.metadata, {file})
+            self._handles[file] = self._stack.enter_context(safe_open(os.path.join(self.folder, file), framework="pt"))
+        return self._handles[file]
+
+    def read(self, name: str, param: nn.Parameter) -> Optional[torch.Tensor]:
+        """Tensor ``name`` as this rank's shard of ``param`` (its partition record and tp-local shape), or None."""
+        source = _source_name(name, self.tensors)
+        if source not in self.tensors:
+            return None
+        entry = self.tensors[source]
+        shards = [self._handle(s["file"]).get_tensor(source)
+                  for _, s in sorted(entry["shards"].items(), key=lambda kv: int(kv[0]))]
+        full = merge_shards(shards, entry["partition_dim"], entry["stride"])
+        if name.endswith(VOCAB_PARAMS):  # padded to a multiple that depends on tp: re-pad from the true vocab
+            full = repad_vocab(full, self.metadata["true_vocab_size"], param.shape[0] * self.state.tp_size)
+        dim, stride = partition_record(param)
+        shard = take_shard(full, dim, stride, self.state.tp_rank, self.state.tp_size)
+        if tuple(shard.shape) != tuple(param.shape):
+            raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(full.shape)} (shard {tuple(shard.shape)}) "
+                             f"but the model expects a shard of {tuple(param.shape)}: another model shape?")
+        return shard
 
 
 def _source_name(name: str, tensors: dict) -> str:
     """A tied output layer saved without its own copy (pipeline size 1) loads from the word embedding."""
-    if name == "output_layer.weight" and name not in tensors:
-        return "embedding.word_embeddings.weight"
+    if name.endswith("output_layer.weight") and name not in tensors:
+        return name[: -len("output_layer.weight")] + "embedding.word_embeddings.weight"
     return name
 
 
-def load_optimizer_and_rng(folder: str, metadata: dict, *, state: ParallelState, optimizer: Optional[Any],
-                           load_rng: bool, layout_extra: Optional[dict] = None) -> None:
-    """Restores this rank's optimizer and RNG states (the same layout only)."""
+def load_rng(folder: str, metadata: dict, *, state: ParallelState, layout_extra: Optional[dict] = None) -> bool:
+    """Restores this rank's RNG states when the checkpoint has the same layout; returns whether it did."""
     rank = dist.get_rank() if dist.is_initialized() else 0
-    layout = _layout(state, layout_extra or {})
-    if optimizer is not None:
-        if metadata["layout"] != layout:
-            raise ValueError(f"optimizer states were saved at layout {metadata['layout']} and cannot be loaded at "
-                             f"{layout} yet; pass --no-load-optim to load the weights only")
-        files = {f"optim_rank{rank:05d}.safetensors", f"optim_rank{rank:05d}.json"}
-        _verify(folder, metadata, files)
-        with safe_open(os.path.join(folder, f"optim_rank{rank:05d}.safetensors"), framework="pt") as handle:
-            tensors = {key: handle.get_tensor(key) for key in handle.keys()}
-        skeleton = json.load(open(os.path.join(folder, f"optim_rank{rank:05d}.json"), encoding="utf-8"))
-        optimizer.load_state_dict(unflatten_state(skeleton, tensors))
-    if load_rng and metadata["layout"] == layout:
-        file = f"rng_rank{rank:05d}.safetensors"
-        _verify(folder, metadata, {file})
-        with safe_open(os.path.join(folder, file), framework="pt") as handle:
-            torch.set_rng_state(handle.get_tensor("cpu"))
-            if state.device.type == "cuda" and "cuda" in handle.keys():  # CUDA-only path
-                torch.cuda.set_rng_state(handle.get_tensor("cuda"), state.device)
-            tracker = {k.split("/", 1)[1]: handle.get_tensor(k) for k in handle.keys() if k.startswith("tracker/")}
-            if tracker:
-                get_rng_tracker(state.device).set_states(tracker)
+    if metadata["layout"] != _layout(state, layout_extra or {}):
+        return False
+    file = f"rng_rank{rank:05d}.safetensors"
+    _verify(folder, metadata, {file})
+    with safe_open(os.path.join(folder, file), framework="pt") as handle:
+        torch.set_rng_state(handle.get_tensor("cpu"))
+        if state.device.type == "cuda" and "cuda" in handle.keys():  # CUDA-only path
+            torch.cuda.set_rng_state(handle.get_tensor("cuda"), state.device)
+        tracker = {k.split("/", 1)[1]: handle.get_tensor(k) for k in handle.keys() if k.startswith("tracker/")}
+        if tracker:
+            get_rng_tracker(state.device).set_states(tracker)
+    return True

@@ -34,27 +34,30 @@ class _Piece:
     aliased: bool
     is_shard: bool                                   # a 1/dp shard (summed over dp in the norm)
     decay: bool
+    param_range: tuple[int, int]                     # the flat elements [lo, hi) of the parameter it covers
+    param_shape: tuple[int, ...]                     # the parameter's (tp-local) shape, even when freed (ZeRO-3)
 
 
-def _chunk_pieces(chunk: nn.Module) -> list[tuple[nn.Parameter, torch.Tensor, Callable, bool, int]]:
-    """``(param, model_view, grad_fn, is_shard, ndim)`` of a model chunk."""
+def _chunk_pieces(chunk: nn.Module) -> list[tuple]:
+    """``(param, model_view, grad_fn, is_shard, (param_lo, param_hi), param_shape)`` of a model chunk."""
     pieces = []
     if isinstance(chunk, DistributedDataParallel):
         for bucket in chunk.buckets:
+            shapes = bucket.shapes
             if chunk.config.zero_stage == 0:
                 for param, (lo, hi) in bucket.ranges.items():
                     grad = bucket.grad_data[lo:hi]
-                    pieces.append((param, bucket.param_data[lo:hi], lambda g=grad: g, False,
-                                   len(bucket.shapes[param])))
+                    pieces.append((param, bucket.param_data[lo:hi], lambda g=grad: g, False, (0, hi - lo),
+                                   tuple(shapes[param])))
             else:
-                for param, _, _, s_lo, s_hi in bucket.shard_pieces():
+                for param, p_lo, p_hi, s_lo, s_hi in bucket.shard_pieces():
                     grad = bucket.grad_shard[s_lo:s_hi]
-                    pieces.append((param, bucket.param_shard[s_lo:s_hi], lambda g=grad: g, True,
-                                   len(bucket.shapes[param])))
+                    pieces.append((param, bucket.param_shard[s_lo:s_hi], lambda g=grad: g, True, (p_lo, p_hi),
+                                   tuple(shapes[param])))
         return pieces
     for param in dict.fromkeys(p for p in chunk.parameters() if p.requires_grad):
         grad_fn = lambda p=param: None if p.grad is None else p.grad.view(-1)  # noqa: E731
-        pieces.append((param, param.data.view(-1), grad_fn, False, param.dim()))
+        pieces.append((param, param.data.view(-1), grad_fn, False, (0, param.numel()), tuple(param.shape)))
     return pieces
 
 
@@ -78,10 +81,11 @@ class MegatronOptimizer:
         host = torch.device("cpu") if config.optimizer_cpu_offload else None
         self.pieces: list[_Piece] = []
         for chunk in self.chunks:
-            for param, model, grad_fn, is_shard, ndim in _chunk_pieces(chunk):
+            for param, model, grad_fn, is_shard, param_range, shape in _chunk_pieces(chunk):
                 aliased = model.dtype == torch.float32 and host is None
                 master = model if aliased else model.detach().to(host or model.device, torch.float32).clone()
-                self.pieces.append(_Piece(param, model, grad_fn, master, aliased, is_shard, decay=ndim >= 2))
+                self.pieces.append(_Piece(param, model, grad_fn, master, aliased, is_shard, decay=len(shape) >= 2,
+                                          param_range=param_range, param_shape=shape))
         self.optimizer = self._build_inner() if self.pieces else None
         self.grad_scaler: Optional[ConstantGradScaler] = None
         if config.loss_scale is not None:
@@ -171,6 +175,14 @@ class MegatronOptimizer:
             chunk.start_param_sync()
         for chunk in self.ddp_chunks:
             chunk.finish_param_sync()
+
+    @torch.no_grad()
+    def reload_model_params(self) -> None:
+        """Copies the model's parameters into the fp32 master weights (after loading new weights into the
+        model without the optimizer state, as Megatron's ``reload_model_params``)."""
+        for piece in self.pieces:
+            if not piece.aliased:
+                piece.master.copy_(piece.model)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zeros the model grads (each DDP chunk's buffers; ``.grad`` of plain modules)."""

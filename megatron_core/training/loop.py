@@ -14,12 +14,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_core import initialize_model_parallel
-from megatron_core.checkpointing import (
-    load_model_weights,
-    load_optimizer_and_rng,
-    read_metadata,
-    save_checkpoint,
-)
+from megatron_core.checkpointing import load_model_weights, load_rng, read_metadata, save_checkpoint
 from megatron_core.models import GPTModel
 from megatron_core.pipeline_parallel import get_forward_backward_func
 from megatron_core.tensor_parallel import model_parallel_seed
@@ -152,11 +147,15 @@ def load(run: Run) -> int:
     """Loads ``--load``; returns the iteration to continue from (0 with --finetune)."""
     args = run.args
     folder, metadata = read_metadata(args.load)
-    load_model_weights(folder, metadata, model_chunks=run.chunks, config=run.config, state=run.state)
+    load_optim = not (args.finetune or args.no_load_optim)
+    load_model_weights(folder, metadata, model_chunks=run.chunks, config=run.config, state=run.state,
+                       optimizer=run.optimizer if load_optim else None)
+    if not load_optim:
+        run.optimizer.reload_model_params()
     if args.finetune:
         return 0
-    load_optimizer_and_rng(folder, metadata, state=run.state, optimizer=None if args.no_load_optim else run.optimizer,
-                           load_rng=not args.no_load_rng, layout_extra={"zero_stage": args.zero_stage})
+    if not args.no_load_rng:
+        load_rng(folder, metadata, state=run.state, layout_extra={"zero_stage": args.zero_stage})
     if metadata.get("scheduler"):
         run.scheduler.load_state_dict(metadata["scheduler"])
     run.consumed_samples = metadata["consumed_samples"]

@@ -26,6 +26,55 @@ def gpt_flops_per_iteration(config: TransformerConfig, *, batch_size: int, seq_l
     return 12.0 * batch_size * seq_length * layers * h * h * (attention + mlp + logits)
 
 
+def _layer_forward_flops(config: TransformerConfig, *, batch_size: int, seq_length: int) -> tuple[float, float]:
+    """(whole layer, core attention) forward FLOPs of one layer: a third of the formula's per-layer terms."""
+    h = config.hidden_size
+    query_ratio = config.kv_channels * config.num_attention_heads / h
+    attention = (1 + config.num_query_groups / config.num_attention_heads + seq_length / h) * query_ratio
+    mlp = config.ffn_hidden_size / h * (1.5 if config.activation == "swiglu" else 1.0)
+    per_token = 4.0 * batch_size * seq_length * h * h
+    return per_token * (attention + mlp), per_token * seq_length / h * query_ratio
+
+
+def recomputed_layers_per_chunk(config: TransformerConfig, layers_per_chunk: int) -> int:
+    """Layers of one model chunk whose forward full recompute runs again in backward (0 without it)."""
+    if config.recompute_granularity != "full":
+        return 0
+    if config.recompute_method == "uniform":
+        return layers_per_chunk
+    return min(config.recompute_num_layers, layers_per_chunk)
+
+
+def recompute_flops_per_iteration(config: TransformerConfig, *, batch_size: int, seq_length: int) -> float:
+    """Forward FLOPs spent again in backward by activation recompute (not model FLOPs: MFU leaves them out,
+    hardware FLOPs = ``gpt_flops_per_iteration + recompute_flops_per_iteration``).
+
+    Full recompute adds one forward of every recomputed layer ("uniform": all layers; "block": the first
+    ``recompute_num_layers`` of each model chunk); selective adds the core-attention forward (``QK^T`` and
+    ``softmax V``: ``4 B s^2 a d`` per layer).
+    """
+    layer, core_attention = _layer_forward_flops(config, batch_size=batch_size, seq_length=seq_length)
+    if config.recompute_granularity == "selective":
+        return core_attention * config.num_layers
+    chunks = config.pipeline_model_parallel_size * (config.virtual_pipeline_model_parallel_size or 1)
+    return layer * chunks * recomputed_layers_per_chunk(config, config.num_layers // chunks)
+
+
+def hardware_flops_per_iteration(config: TransformerConfig, *, batch_size: int, seq_length: int,
+                                 padded_vocab_size: int) -> float:
+    """Model FLOPs plus the recomputed forward FLOPs: what the device actually executes."""
+    return (gpt_flops_per_iteration(config, batch_size=batch_size, seq_length=seq_length,
+                                    padded_vocab_size=padded_vocab_size)
+            + recompute_flops_per_iteration(config, batch_size=batch_size, seq_length=seq_length))
+
+
+def mfu(model_flops: float, seconds: float, *, num_devices: int, peak_tflops: Optional[float]) -> Optional[float]:
+    """Model-FLOPs utilization: achieved model FLOP/s per device over the device peak (None if unknown)."""
+    if not peak_tflops or seconds <= 0:
+        return None
+    return model_flops / seconds / num_devices / (peak_tflops * 1e12)
+
+
 def peak_tflops_per_device(device: torch.device, override: Optional[float] = None) -> Optional[float]:
     """Dense bf16 peak of the device (None when unknown, e.g. a CPU: MFU is then not reported)."""
     if override:

@@ -1,0 +1,282 @@
+"""Offline checkpoint conversion between tp/pp/dp layouts, one tensor at a time (no process group).
+
+A *source* is any checkpoint seen as a list of full tensors under global names, each with its tp partition
+record and a function that reads it (``read_mcore_checkpoint`` here, ``hf_gpt2.read_hf_gpt2`` for Hugging
+Face). ``write_mcore_checkpoint`` re-splits every tensor for the target tp, assigns it to the pipeline stage
+that owns it and streams it into ``model_tp{r}_pp{p}.safetensors`` (header first, then tensor by tensor), so
+peak memory stays near the largest tensor. Optimizer states (``optim/<state>/<param>``) are converted like
+their parameters; vocab-padded tensors (names ending in a ``VOCAB_PARAMS`` entry) lose their padding on read
+and are re-padded for the target tp on write.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+from typing import Any, Callable, Optional
+
+import torch
+from safetensors import safe_open
+
+from megatron_core.checkpointing.checkpoint import read_metadata
+from megatron_core.checkpointing.layout import merge_shards, repad_vocab, take_shard
+from megatron_core.checkpointing.streaming import ProgressBar, StreamingSafetensorsWriter, parse_dtype
+from megatron_core.config import TransformerConfig
+from megatron_core.tensor_parallel import vocab_size_with_padding
+
+FORMAT = "megatron_core/1"
+LATEST = "latest_checkpointed_iteration.txt"
+VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
+OPTIM_PREFIX = "optim/"
+
+
+def parameter_name(name: str) -> str:
+    """The parameter a tensor belongs to: ``optim/exp_avg/decoder.layers.0.x`` -> ``decoder.layers.0.x``."""
+    return name.split("/", 2)[2] if name.startswith(OPTIM_PREFIX) else name
+
+
+def is_vocab_tensor(name: str) -> bool:
+    return parameter_name(name).endswith(VOCAB_PARAMS)
+
+
+@dataclasses.dataclass
+class SourceTensor:
+    """One full tensor of a source checkpoint (vocab padding removed), read on demand by ``load()``."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    partition_dim: Optional[int]
+    stride: int
+    load: Callable[[], torch.Tensor]
+
+
+@dataclasses.dataclass
+class SourceCheckpoint:
+    """A checkpoint as full tensors plus what metadata.json records besides them."""
+
+    description: str
+    tensors: list[SourceTensor]
+    true_vocab_size: int
+    flags: dict
+    iteration: int = 0
+    consumed_samples: int = 0
+    scheduler: Optional[dict] = None
+    optimizer: Any = None
+    layout: dict = dataclasses.field(default_factory=dict)
+
+
+def _sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def fsync_write(path: str, data: bytes) -> None:
+    """Writes ``data`` to ``path`` atomically (temporary file, fsync, rename)."""
+    with open(f"{path}.tmp", "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(f"{path}.tmp", path)
+
+
+def read_mcore_checkpoint(load_dir: str, iteration: Optional[int] = None) -> SourceCheckpoint:
+    """The newest (or given) checkpoint of ``load_dir`` as a ``SourceCheckpoint``; nothing is read yet
+    but metadata.json. Raises ValueError naming the file and tensor for a missing or mismatched shard."""
+    folder, metadata = read_metadata(load_dir, iteration)
+    if metadata.get("format") != FORMAT:
+        raise ValueError(f"{folder}/metadata.json has format {metadata.get('format')!r}, expected {FORMAT!r}")
+    reader = _ShardReader(folder, metadata)
+    tensors = [reader.source_tensor(name, entry) for name, entry in metadata["tensors"].items()]
+    return SourceCheckpoint(description=folder, tensors=tensors, true_vocab_size=metadata["true_vocab_size"],
+                            flags=dict(metadata.get("config") or {}), iteration=metadata.get("iteration", 0),
+                            consumed_samples=metadata.get("consumed_samples", 0),
+                            scheduler=metadata.get("scheduler"), optimizer=metadata.get("optimizer"),
+                            layout=dict(metadata.get("layout") or {}))
+
+
+class _ShardReader:
+    """Reads and merges the tp shards of one tensor at a time, verifying each file's sha256 once."""
+
+    def __init__(self, folder: str, metadata: dict) -> None:
+        self.folder, self.metadata, self.verified = folder, metadata, set()
+        self.tp = int(metadata.get("layout", {}).get("tp", 1))
+
+    def source_tensor(self, name: str, entry: dict) -> SourceTensor:
+        ranks = {int(r) for r in entry["shards"]}
+        needed = {0} if entry["partition_dim"] is None else set(range(self.tp))
+        if not needed <= ranks:
+            raise ValueError(f"checkpoint {self.folder}: tensor {name!r} has no shard for tp rank(s) "
+                             f"{sorted(needed - ranks)} in metadata.json (layout tp {self.tp})")
+        shape = list(entry["global_shape"])
+        if is_vocab_tensor(name):
+            shape[0] = self.metadata["true_vocab_size"]
+        return SourceTensor(name=name, shape=tuple(shape), dtype=parse_dtype(entry["dtype"]),
+                            partition_dim=entry["partition_dim"], stride=entry["stride"],
+                            load=lambda: self.load(name, entry, sorted(needed)))
+
+    def _read_shard(self, name: str, shard: dict) -> torch.Tensor:
+        file = shard["file"]
+        path = os.path.join(self.folder, file)
+        if not os.path.exists(path):
+            raise ValueError(f"checkpoint file {path} (shard of tensor {name!r}) is missing")
+        if file not in self.verified:
+            expected = self.metadata.get("checksums", {}).get(file)
+            if expected is not None and _sha256(path) != expected:
+                raise ValueError(f"checkpoint file {path} is corrupt: its sha256 does not match metadata.json "
+                                 f"(needed for tensor {name!r})")
+            self.verified.add(file)
+        with safe_open(path, framework="pt") as handle:
+            if name not in handle.keys():
+                raise ValueError(f"checkpoint file {path} has no tensor {name!r} although metadata.json says so")
+            tensor = handle.get_tensor(name)
+        if list(tensor.shape) != list(shard["shape"]):
+            raise ValueError(f"checkpoint file {path}: tensor {name!r} has shape {list(tensor.shape)} but "
+                             f"metadata.json records {shard['shape']}")
+        return tensor
+
+    def load(self, name: str, entry: dict, ranks: list[int]) -> torch.Tensor:
+        shards = [self._read_shard(name, entry["shards"][str(r)]) for r in ranks]
+        full = merge_shards(shards, entry["partition_dim"], entry["stride"])
+        if list(full.shape) != list(entry["global_shape"]):
+            raise ValueError(f"checkpoint {self.folder}: the shards of tensor {name!r} merge to {list(full.shape)}, "
+                             f"not the global shape {entry['global_shape']} of metadata.json")
+        return full[: self.metadata["true_vocab_size"]] if is_vocab_tensor(name) else full
+
+
+def pipeline_stage_of(name: str, config: TransformerConfig) -> int:
+    """The pipeline rank that holds tensor ``name`` in a model built with ``config``."""
+    param = parameter_name(name)
+    pp, vpp = config.pipeline_model_parallel_size, config.virtual_pipeline_model_parallel_size
+    if param.startswith("embedding."):
+        return 0
+    if param.startswith(("decoder.final_layernorm.", "output_layer.")):
+        return pp - 1
+    if param.startswith("decoder.layers."):
+        layer = int(param.split(".")[2])
+        for rank in range(pp):
+            for vp in range(vpp or 1):
+                offset, count = config.pipeline_layer_range(rank, vp if vpp else None)
+                if offset <= layer < offset + count:
+                    return rank
+        raise ValueError(f"tensor {name!r} names layer {layer} but the model has {config.num_layers} layers")
+    raise ValueError(f"tensor {name!r} is not a GPT parameter this converter knows (embedding.*, decoder.*, "
+                     "output_layer.*, optionally under optim/<state>/)")
+
+
+def plan_target_tensors(source: SourceCheckpoint, *, tied: bool, pp: int, no_optim: bool) -> list[tuple[str, SourceTensor]]:
+    """``[(target name, source tensor)]``: drops optimizer states with ``no_optim``; a tied output layer is
+    stored as a copy of the word embedding only when pp > 1 (the last stage holds it)."""
+    names = {t.name for t in source.tensors}
+    plan = []
+    for tensor in source.tensors:
+        if no_optim and tensor.name.startswith(OPTIM_PREFIX):
+            continue
+        if tied and pp == 1 and parameter_name(tensor.name) == "output_layer.weight":
+            continue
+        plan.append((tensor.name, tensor))
+        if tied and pp > 1 and parameter_name(tensor.name) == "embedding.word_embeddings.weight":
+            copy = tensor.name[: -len("embedding.word_embeddings.weight")] + "output_layer.weight"
+            if copy not in names:
+                plan.append((copy, tensor))
+    return plan
+
+
+def _target_shape(name: str, tensor: SourceTensor, padded_vocab: int, tp: int) -> tuple[int, ...]:
+    shape = list(tensor.shape)
+    if is_vocab_tensor(name):
+        shape[0] = padded_vocab
+    dim = tensor.partition_dim
+    if dim is not None and shape[dim] % (tensor.stride * tp) != 0:
+        raise ValueError(f"tensor {name!r} of shape {tuple(shape)} cannot be split over tensor_model_parallel_size "
+                         f"{tp} (dim {dim} with stride {tensor.stride})")
+    if dim is not None:
+        shape[dim] //= tp
+    return tuple(shape)
+
+
+def write_mcore_checkpoint(source: SourceCheckpoint, save_dir: str, *, config: TransformerConfig, flags: dict,
+                           data_parallel_size: int = 1, no_optim: bool = False, progress: bool = True) -> str:
+    """Writes ``source`` as a checkpoint for the layout of ``config`` (its tp and pp sizes) under
+    ``save_dir/iter_N`` (atomically: ``iter_N.partial``, fsync, rename, then the pointer file).
+
+    Args:
+        config: the target model config (validated: heads, groups, ffn divisible by tp, layers by pp).
+        flags: the run flags metadata.json records as ``config`` (already set for the target layout).
+        data_parallel_size: recorded as the layout's dp (dp sharding happens at load time).
+        no_optim: drop optimizer states (``optim/`` tensors and metadata["optimizer"]).
+    Returns: the checkpoint folder.
+    """
+    if data_parallel_size < 1:
+        raise ValueError(f"target data-parallel size must be >= 1, got {data_parallel_size}")
+    tp, pp = config.tensor_model_parallel_size, config.pipeline_model_parallel_size
+    padded_vocab = vocab_size_with_padding(source.true_vocab_size, tensor_model_parallel_size=tp,
+                                           make_vocab_size_divisible_by=int(flags.get("make_vocab_size_divisible_by", 128)))
+    tied = not (flags.get("untie_embeddings_and_output_weights") or config.untie_embeddings_and_output_weights)
+    plan = [(name, tensor, pipeline_stage_of(name, config), _target_shape(name, tensor, padded_vocab, tp))
+            for name, tensor in plan_target_tensors(source, tied=tied, pp=pp, no_optim=no_optim)]
+    final = os.path.join(save_dir, f"iter_{source.iteration:07d}")
+    partial = f"{final}.partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    os.makedirs(partial)
+    records = _stream_tensors(partial, plan, tp=tp, padded_vocab=padded_vocab,
+                              true_vocab=source.true_vocab_size, progress=progress)
+    layout = {"tp": tp, "pp": pp, "dp": data_parallel_size, "vpp": config.virtual_pipeline_model_parallel_size,
+              "zero_stage": source.layout.get("zero_stage", flags.get("zero_stage", 0))}
+    metadata = {"format": FORMAT, "iteration": source.iteration, "consumed_samples": source.consumed_samples,
+                "true_vocab_size": source.true_vocab_size, "layout": layout, "config": flags,
+                "scheduler": source.scheduler, "optimizer": None if no_optim else source.optimizer,
+                "tensors": records,
+                "checksums": {f: _sha256(os.path.join(partial, f)) for f in sorted(os.listdir(partial))}}
+    fsync_write(os.path.join(partial, "metadata.json"), json.dumps(metadata, indent=1).encode())
+    if os.path.exists(final):
+        shutil.rmtree(final)
+    os.replace(partial, final)
+    fsync_write(os.path.join(save_dir, LATEST), str(source.iteration).encode())
+    return final
+
+
+def _stream_tensors(folder: str, plan: list, *, tp: int, padded_vocab: int, true_vocab: int,
+                    progress: bool) -> dict:
+    """Declares every file's tensors, then reads each source tensor once and writes its tp shards."""
+    declared: dict[str, list] = {}
+    records = {}
+    for name, tensor, stage, shard_shape in plan:
+        shards = {}
+        for rank in range(tp):
+            file = f"model_tp{rank:02d}_pp{stage:03d}.safetensors"
+            declared.setdefault(file, []).append((name, tensor.dtype, shard_shape))
+            shards[str(rank)] = {"file": file, "shape": list(shard_shape)}
+        global_shape = [padded_vocab if is_vocab_tensor(name) and d == 0 else n for d, n in enumerate(tensor.shape)]
+        records[name] = {"partition_dim": tensor.partition_dim, "stride": tensor.stride, "dtype": str(tensor.dtype),
+                         "shards": shards, "global_shape": global_shape}
+    bar = ProgressBar(len(plan), "converting") if progress else None
+    with contextlib.ExitStack() as stack:
+        writers = {file: StreamingSafetensorsWriter(os.path.join(folder, file), tensors)
+                   for file, tensors in declared.items()}
+        for writer in writers.values():
+            stack.callback(writer._file.close)
+        for name, tensor, stage, shard_shape in plan:
+            full = tensor.load()
+            if tuple(full.shape) != tensor.shape:
+                raise ValueError(f"{name!r}: read shape {tuple(full.shape)}, expected {tensor.shape}")
+            if is_vocab_tensor(name):
+                full = repad_vocab(full, true_vocab, padded_vocab)
+            for rank in range(tp):
+                shard = take_shard(full, tensor.partition_dim, tensor.stride, rank, tp)
+                writers[records[name]["shards"][str(rank)]["file"]].write(name, shard.to(tensor.dtype))
+            if bar:
+                bar.update(name)
+        for writer in writers.values():
+            writer.close()
+    return records
+
+
+__all__ = ["SourceTensor", "SourceCheckpoint", "read_mcore_checkpoint", "write_mcore_checkpoint",
+           "plan_target_tensors", "pipeline_stage_of", "parameter_name", "is_vocab_tensor", "VOCAB_PARAMS"]

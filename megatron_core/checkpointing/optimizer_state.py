@@ -1,0 +1,101 @@
+"""Optimizer states in the layout-independent form: one tensor per (state, parameter), shaped like the
+parameter's tp shard, so they reshard across tp, pp, dp and ZeRO stages exactly like the weights.
+
+The optimizer (``megatron_core.optimizer.MegatronOptimizer``) keeps, per *piece* (a parameter, or with
+ZeRO 1-3 this dp rank's slice of its flattened elements ``[lo, hi)``), an fp32 master (unless it is the model
+storage itself) and the inner optimizer's state (Adam ``exp_avg`` / ``exp_avg_sq``, SGD
+``momentum_buffer``). Saving gathers the slices of every dp rank to dp rank 0, which writes
+``optim/<state>/<global parameter name>``; loading cuts each rank's slices out of the re-split tensors.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_core.parallel_state import ParallelState
+
+INNER_STATES = ("exp_avg", "exp_avg_sq", "momentum_buffer")
+
+
+def _piece_states(optimizer: Any, piece: Any) -> dict[str, torch.Tensor]:
+    states = {} if piece.aliased else {"master": piece.master}
+    inner = optimizer.optimizer.state.get(piece.master, {}) if optimizer.optimizer is not None else {}
+    states.update({key: inner[key] for key in INNER_STATES if isinstance(inner.get(key), torch.Tensor)})
+    return {key: value.detach().reshape(-1).float().cpu() for key, value in states.items()}
+
+
+def collect_optimizer_state(optimizer: Any, named: dict[str, Any],
+                            state: ParallelState) -> tuple[dict[str, tuple[torch.Tensor, Any]], dict]:
+    """``({"optim/<state>/<name>": (tensor shaped like the param's tp shard, param)}, scalars)`` on dp rank 0
+    (empty tensors elsewhere); ``named`` maps this rank's global parameter names to its parameters. Collective over the data(-and-context)-parallel group when ZeRO shards it."""
+    names = {id(param): name for name, param in named.items()}
+    mine = [(names[id(piece.param)], piece.param_range, piece.param_shape, _piece_states(optimizer, piece))
+            for piece in optimizer.pieces]
+    sharded = any(piece.is_shard for piece in optimizer.pieces)
+    gathered = [mine]
+    if sharded and dist.is_initialized() and state.dp_cp_group is not None and state.dp_cp_size > 1:
+        gathered = [None] * state.dp_cp_size if state.dp_cp_rank == 0 else None
+        dist.gather_object(mine, gathered, dst=state.dp_cp_ranks[0], group=state.dp_cp_group)
+    scalars = _scalars(optimizer)
+    if state.dp_cp_rank != 0:
+        return {}, scalars
+    flat: dict[str, torch.Tensor] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    for pieces in gathered:
+        for name, (lo, hi), shape, states in pieces:
+            shapes[name] = shape
+            for key, values in states.items():
+                buffer = flat.setdefault(f"optim/{key}/{name}", torch.zeros(_numel(shape), dtype=torch.float32))
+                buffer[lo:hi] = values
+    tensors = {}
+    for key, buffer in flat.items():
+        name = key.split("/", 2)[2]
+        tensors[key] = (buffer.view(shapes[name]), named[name])
+    return tensors, scalars
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
+
+
+def _scalars(optimizer: Any) -> dict:
+    steps = [float(s["step"]) for s in (optimizer.optimizer.state.values() if optimizer.optimizer else [])
+             if "step" in s]
+    scaler = optimizer.grad_scaler.state_dict() if optimizer.grad_scaler is not None else None
+    return {"step": max(steps) if steps else 0.0,
+            "grad_scaler": {k: float(v) for k, v in scaler.items()} if scaler else None}
+
+
+@torch.no_grad()
+def restore_optimizer_state(optimizer: Any, names: dict[int, str], scalars: dict,
+                            read: Callable[[str, Any], Optional[torch.Tensor]]) -> None:
+    """Fills each piece's master and inner state from ``read(tensor name, parameter)`` (the tensor re-split
+    for this rank's tp shard, or None when the checkpoint lacks it)."""
+    cache: dict[str, Optional[torch.Tensor]] = {}
+    for piece in optimizer.pieces:
+        name = names[id(piece.param)]
+        lo, hi = piece.param_range
+        inner = optimizer.optimizer.state[piece.master] if optimizer.optimizer is not None else {}
+        for key in ("master",) + INNER_STATES:
+            if key == "master" and piece.aliased:
+                continue
+            full_name = f"optim/{key}/{name}"
+            if full_name not in cache:
+                cache[full_name] = read(full_name, piece.param)
+            full = cache[full_name]
+            if full is None:
+                continue
+            values = full.reshape(-1)[lo:hi].to(piece.master.device, torch.float32)
+            if key == "master":
+                piece.master.copy_(values)
+            else:
+                inner[key] = values.clone()
+        if optimizer.optimizer is not None and any(k in inner for k in INNER_STATES):
+            inner["step"] = torch.tensor(scalars.get("step", 0.0), dtype=torch.float32)
+    if optimizer.grad_scaler is not None and scalars.get("grad_scaler"):
+        optimizer.grad_scaler.load_state_dict(scalars["grad_scaler"])

@@ -1,0 +1,89 @@
+"""Write a safetensors file tensor by tensor: the header (every name, dtype and shape) goes first, then each
+tensor's bytes are appended as they are produced, so a writer never holds more than one tensor in memory.
+The files are ordinary safetensors files (``safe_open`` / ``load_file`` read them)."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from typing import Optional, Sequence, TextIO
+
+import torch
+
+_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+           torch.bool: "BOOL"}
+
+
+def parse_dtype(text: str) -> torch.dtype:
+    """``"torch.float32"`` (as metadata.json records it) -> ``torch.float32``."""
+    dtype = getattr(torch, text.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype) or dtype not in _DTYPES:
+        raise ValueError(f"unsupported tensor dtype {text!r} (known: {sorted(str(d) for d in _DTYPES)})")
+    return dtype
+
+
+class StreamingSafetensorsWriter:
+    """A safetensors file whose tensors are declared up front and then written one at a time, in order.
+
+    Args:
+        path: the file to write (written to ``path + ".tmp"``, fsynced and renamed by ``close``).
+        tensors: ``[(name, dtype, shape)]`` in the order ``write`` will receive them.
+    """
+
+    def __init__(self, path: str, tensors: Sequence[tuple[str, torch.dtype, Sequence[int]]]) -> None:
+        self.path, self._order, self._next = path, [name for name, _, _ in tensors], 0
+        header, offset = {}, 0
+        self._expected: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+        for name, dtype, shape in tensors:
+            size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            header[name] = {"dtype": _DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+            self._expected[name] = (dtype, tuple(shape))
+            offset += size
+        header["__metadata__"] = {"format": "pt"}
+        encoded = json.dumps(header, separators=(",", ":")).encode()
+        encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
+        self._file = open(f"{path}.tmp", "wb")
+        self._file.write(len(encoded).to_bytes(8, "little") + encoded)
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        """Appends ``tensor`` (must be the next declared name, with its dtype and shape)."""
+        expected_name = self._order[self._next] if self._next < len(self._order) else None
+        dtype, shape = self._expected.get(name, (None, None))
+        if name != expected_name or tensor.dtype != dtype or tuple(tensor.shape) != shape:
+            raise ValueError(f"{self.path}: expected tensor {expected_name!r} next as {dtype} {shape}, got {name!r} "
+                             f"{tensor.dtype} {tuple(tensor.shape)}")
+        data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+        self._file.write(data.numpy().tobytes())
+        self._next += 1
+
+    def close(self) -> None:
+        """Checks every declared tensor was written, fsyncs and renames the file into place."""
+        if self._next != len(self._order):
+            raise ValueError(f"{self.path}: {len(self._order) - self._next} declared tensors were never written "
+                             f"(first: {self._order[self._next]!r})")
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        os.replace(f"{self.path}.tmp", self.path)
+
+
+class ProgressBar:
+    """A one-line progress bar redrawn on stderr: ``[#####.....] 12/148 decoder.layers.1...``."""
+
+    def __init__(self, total: int, label: str, stream: Optional[TextIO] = None, width: int = 30) -> None:
+        self.total, self.label, self.count, self.width = max(total, 1), label, 0, width
+        self.stream = stream or sys.stderr
+
+    def update(self, item: str) -> None:
+        self.count += 1
+        filled = self.width * self.count // self.total
+        line = f"\r{self.label} [{'#' * filled}{'.' * (self.width - filled)}] {self.count}/{self.total} {item[:60]:<60}"
+        self.stream.write(line)
+        if self.count >= self.total:
+            self.stream.write("\n")
+        self.stream.flush()
+
+
+__all__ = ["StreamingSafetensorsWriter", "ProgressBar", "parse_dtype"]
