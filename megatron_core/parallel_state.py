@@ -25,6 +25,7 @@ the layers, schedules and optimizers that need it, so two layouts can live in on
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import math
 from typing import Optional, Sequence
 
@@ -194,12 +195,17 @@ def initialize_model_parallel(
     pipeline_model_parallel_size: int = 1,
     virtual_pipeline_model_parallel_size: Optional[int] = None,
     context_parallel_size: int = 1,
+    *,
+    timeout: Optional[datetime.timedelta] = None,
 ) -> ParallelState:
     """Builds the process groups of a tp x cp x dp x pp layout (see the module docstring for the order).
 
     Call after ``torch.distributed.init_process_group`` (gloo or nccl); every rank must call it, since
     group creation is collective. Without an initialized process group, only the single-process layout
     (all sizes 1) is allowed and its groups are None.
+
+    ``timeout`` bounds every collective and point-to-point transfer on the new groups (pass the job's
+    ``--distributed-timeout-minutes``); None keeps torch's default for the backend.
 
     Raises:
         ValueError: a size < 1, a world size not divisible by tp * pp * cp, or vpp > 1 without pp > 1.
@@ -216,7 +222,7 @@ def initialize_model_parallel(
     fields["embedding_group"] = None
     for kind, all_ranks in layout_groups(world_size, tp, pp, cp).items():
         for ranks in all_ranks:  # Same creation order on every rank: new_group is collective.
-            group = dist.new_group(list(ranks))
+            group = dist.new_group(list(ranks), timeout=timeout)
             if rank in ranks:
                 fields[f"{kind}_group"], fields[f"{kind}_ranks"] = group, ranks
     pipeline = fields["pp_ranks"]

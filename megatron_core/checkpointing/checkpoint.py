@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import shutil
 from typing import Any, Iterator, Optional, Sequence
@@ -40,6 +41,7 @@ from megatron_core.parallel_state import ParallelState
 from megatron_core.tensor_parallel import get_rng_tracker
 
 LATEST = "latest_checkpointed_iteration.txt"
+logger = logging.getLogger(__name__)
 VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 
@@ -99,9 +101,10 @@ def save_checkpoint(directory: str, *, iteration: int, model_chunks: Sequence[nn
         _write_metadata(partial, gathered, iteration=iteration, state=state, true_vocab_size=true_vocab_size,
                         consumed_samples=consumed_samples, scheduler=scheduler, run_config=run_config,
                         layout_extra=layout_extra or {}, optimizer=optimizer_scalars)
-        if os.path.exists(final):
-            shutil.rmtree(final)
-        os.replace(partial, final)
+        if os.path.exists(final):  # the same iteration again (a resumed run): the complete one stays
+            shutil.rmtree(partial)
+        else:
+            os.replace(partial, final)
         _fsync_write(os.path.join(directory, LATEST), str(iteration).encode())
     _barrier()
     return final
@@ -178,22 +181,65 @@ def latest_iteration(directory: str) -> Optional[int]:
     return int(text)
 
 
-def read_metadata(directory: str, iteration: Optional[int] = None) -> tuple[str, dict]:
-    """``(checkpoint folder, metadata)`` of ``iteration`` (default: the newest complete one)."""
+def read_metadata(directory: str, iteration: Optional[int] = None, *, fallback: bool = False) -> tuple[str, dict]:
+    """``(checkpoint folder, metadata)`` of ``iteration`` (default: the newest complete one).
+
+    With ``fallback``, every file of the checkpoint is verified first and, if one is missing or corrupt, the
+    next older complete checkpoint is tried (each failure is logged).
+    """
     iteration = latest_iteration(directory) if iteration is None else iteration
     if iteration is None:
         raise ValueError(f"no checkpoint in {directory}: {LATEST} is missing")
+    candidates = [iteration] + (sorted(_complete_iterations(directory, below=iteration), reverse=True)
+                                if fallback else [])
+    errors = []
+    for candidate in candidates:
+        try:
+            folder, metadata = _read_one(directory, candidate)
+            if fallback:
+                _verify(folder, metadata, set(metadata["checksums"]))
+            return folder, metadata
+        except ValueError as error:
+            errors.append(str(error))
+            logger.warning("checkpoint of iteration %d is not loadable: %s", candidate, error)
+    raise ValueError("; ".join(errors) + ("" if fallback else " (pass --load-fallback to try older checkpoints)"))
+
+
+def _complete_iterations(directory: str, *, below: int) -> list[int]:
+    found = []
+    for entry in os.listdir(directory):
+        if entry.startswith("iter_") and entry[5:].isdigit() and int(entry[5:]) < below:
+            found.append(int(entry[5:]))
+    return found
+
+
+def _read_one(directory: str, iteration: int) -> tuple[str, dict]:
     folder = os.path.join(directory, f"iter_{iteration:07d}")
     path = os.path.join(folder, "metadata.json")
     if not os.path.exists(path):
         raise ValueError(f"checkpoint {folder} is incomplete: metadata.json is missing")
-    with open(path, encoding="utf-8") as f:
-        return folder, json.load(f)
+    try:
+        with open(path, encoding="utf-8") as f:
+            metadata = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"checkpoint metadata {path} is corrupt: {error}") from error
+    if metadata.get("format") != "megatron_core/1":
+        raise ValueError(f"{path} is not a megatron_core checkpoint (format {metadata.get('format')!r})")
+    return folder, metadata
+
+
+def _safe_path(folder: str, file: str) -> str:
+    """``folder/file`` for a plain file name from metadata; anything that could leave the folder is refused."""
+    if not isinstance(file, str) or not file or file in (".", "..") or os.path.basename(file) != file \
+            or "\\" in file:
+        raise ValueError(f"checkpoint {folder} names the file {file!r}, which is not a plain file name inside the "
+                         "checkpoint folder: refusing to read it")
+    return os.path.join(folder, file)
 
 
 def _verify(folder: str, metadata: dict, files: set[str]) -> None:
     for file in sorted(files):
-        path = os.path.join(folder, file)
+        path = _safe_path(folder, file)
         expected = metadata["checksums"].get(file)
         if not os.path.exists(path):
             raise ValueError(f"checkpoint file {path} is missing")
@@ -251,7 +297,7 @@ class ShardReader:
     def _handle(self, file: str):
         if file not in self._handles:
             _verify(self.folder, self.metadata, {file})
-            self._handles[file] = self._stack.enter_context(safe_open(os.path.join(self.folder, file), framework="pt"))
+            self._handles[file] = self._stack.enter_context(safe_open(_safe_path(self.folder, file), framework="pt"))
         return self._handles[file]
 
     def read(self, name: str, param: nn.Parameter) -> Optional[torch.Tensor]:

@@ -86,6 +86,12 @@ def _training_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--skip-train", action="store_true")
     g.add_argument("--exit-interval", type=int, default=None)
     g.add_argument("--exit-signal-handler", action="store_true")
+    g.add_argument("--exit-duration-in-mins", type=float, default=None,
+                   help="save and exit once the run has lasted this long")
+    g.add_argument("--check-for-nan-in-loss-and-grad", action="store_true",
+                   help="stop with an error naming the iteration and rank when the loss or grad norm is not finite")
+    g.add_argument("--max-consecutive-skipped-iterations", type=int, default=100,
+                   help="abort when this many optimizer steps in a row were skipped (fp16 overflow)")
 
 
 def _io_flags(p: argparse.ArgumentParser) -> None:
@@ -102,6 +108,8 @@ def _io_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--load", default=None)
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
+    g.add_argument("--load-fallback", action="store_true",
+                   help="if the newest checkpoint is missing a file or corrupt, load the newest older one that is not")
     g.add_argument("--finetune", action="store_true", help="load weights only; start at iteration 0")
     g.add_argument("--tensorboard-dir", default=None)
     g.add_argument("--metrics-file", default=None, help="JSON lines: one object per iteration and evaluation")
@@ -208,6 +216,7 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
         params_dtype=dtype, bf16=args.bf16, fp16=args.fp16)
 
 
-def exit_with_config_error(error: ValueError) -> None:
+def exit_with_config_error(error: Exception, status: int = 2) -> None:
+    """Prints ``pretrain_gpt.py: error: <message>`` (one paragraph, no traceback) and exits."""
     print(f"pretrain_gpt.py: error: {error}", file=sys.stderr)
-    raise SystemExit(2)
+    raise SystemExit(status)

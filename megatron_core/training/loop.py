@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import logging
+import math
 import os
 import signal
 import time
@@ -45,7 +46,8 @@ def build_run(args: argparse.Namespace) -> Run:
     initialize_distributed(args)
     config = transformer_config(args)
     state = initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                                      config.virtual_pipeline_model_parallel_size)
+                                      config.virtual_pipeline_model_parallel_size,
+                                      timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes))
     micro_per_step = args.micro_batch_size * state.dp_size
     global_batch = args.global_batch_size or micro_per_step
     if global_batch % micro_per_step != 0:
@@ -146,7 +148,7 @@ def save(run: Run, iteration: int) -> None:
 def load(run: Run) -> int:
     """Loads ``--load``; returns the iteration to continue from (0 with --finetune)."""
     args = run.args
-    folder, metadata = read_metadata(args.load)
+    folder, metadata = read_metadata(args.load, fallback=args.load_fallback)
     load_optim = not (args.finetune or args.no_load_optim)
     load_model_weights(folder, metadata, model_chunks=run.chunks, config=run.config, state=run.state,
                        optimizer=run.optimizer if load_optim else None)
@@ -182,6 +184,7 @@ def pretrain(args: argparse.Namespace) -> list[float]:
         iteration += 1
         run.consumed_samples += run.global_batch
         losses.append(result["lm_loss"])
+        _check_numerics(run, iteration, result)
         record = step_record(run, iteration, result, time.perf_counter() - begin)
         writer.write(record)
         if iteration % args.log_interval == 0 and run.is_logging_rank:
@@ -200,12 +203,33 @@ def pretrain(args: argparse.Namespace) -> list[float]:
     return losses
 
 
+class TrainingError(RuntimeError):
+    """The run cannot continue (non-finite loss or grads, too many skipped steps)."""
+
+
+def _check_numerics(run: Run, iteration: int, result: dict) -> None:
+    args = run.args
+    run.consecutive_skips = run.consecutive_skips + 1 if result["skipped"] else 0
+    if run.consecutive_skips >= args.max_consecutive_skipped_iterations:
+        raise TrainingError(f"{run.consecutive_skips} optimizer steps in a row were skipped (inf/nan grads) up to "
+                            f"iteration {iteration} on rank {run.state.rank}; lower --lr or the initial loss scale, "
+                            "or use --bf16")
+    if args.check_for_nan_in_loss_and_grad:
+        norm = result["grad_norm"]
+        if not math.isfinite(result["lm_loss"]) or (norm is not None and not math.isfinite(float(norm))):
+            raise TrainingError(f"non-finite value at iteration {iteration} on rank {run.state.rank}: "
+                                f"lm loss {result['lm_loss']}, grad norm {norm} (--check-for-nan-in-loss-and-grad)")
+
+
 def _should_stop(run: Run, iteration: int, stop_requested: dict) -> bool:
-    """Periodic saves; and whether --exit-interval or a SIGTERM (with --exit-signal-handler) ends the run."""
+    """Periodic saves; and whether --exit-interval, --exit-duration-in-mins or a SIGTERM (with
+    --exit-signal-handler) ends the run (every rank must agree, or the final save would hang)."""
     args = run.args
     stop = bool(args.exit_interval and iteration % args.exit_interval == 0)
-    if args.exit_signal_handler:  # every rank must agree, or the final save would hang
-        flag = torch.tensor([1.0 if stop_requested["signal"] else 0.0], device=run.state.device)
+    local = stop_requested["signal"] or bool(
+        args.exit_duration_in_mins and time.monotonic() - run.start_time > 60 * args.exit_duration_in_mins)
+    if args.exit_signal_handler or args.exit_duration_in_mins:
+        flag = torch.tensor([1.0 if local else 0.0], device=run.state.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         stop = stop or bool(flag.item())
     if args.save and args.save_interval and iteration % args.save_interval == 0 and not stop \

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import time
 from typing import Any
 
 import torch
@@ -30,6 +31,8 @@ class Run:
     num_microbatches: int
     consumed_samples: int = 0
     valid_consumed: int = 0
+    consecutive_skips: int = 0
+    start_time: float = dataclasses.field(default_factory=time.monotonic)
 
     @property
     def is_logging_rank(self) -> bool:
