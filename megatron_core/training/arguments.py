@@ -170,6 +170,9 @@ def validate_args(args: argparse.Namespace) -> None:
     for name in ("micro_batch_size", "train_iters", "log_interval", "eval_interval", "seq_length"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.position_embedding_type == "learned_absolute" and args.seq_length > args.max_position_embeddings:
+        raise ValueError(f"--seq-length {args.seq_length} is longer than --max-position-embeddings "
+                         f"{args.max_position_embeddings}; raise the latter or use --position-embedding-type rope")
     if args.num_query_groups is not None and not args.group_query_attention:
         raise ValueError(f"--num-query-groups {args.num_query_groups} needs --group-query-attention")
     if args.save_interval is not None and args.save is None:

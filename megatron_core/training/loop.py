@@ -3,21 +3,22 @@ the pipeline schedule, evaluate, log, checkpoint and exit cleanly on request."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import logging
 import math
 import os
 import signal
 import time
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
 
-from megatron_core import initialize_model_parallel
+from megatron_core import destroy_model_parallel, initialize_model_parallel
 from megatron_core.checkpointing import load_model_weights, load_rng, read_metadata, save_checkpoint
 from megatron_core.models import GPTModel
-from megatron_core.pipeline_parallel import get_forward_backward_func
+from megatron_core.pipeline_parallel import PipelineError, get_forward_backward_func
 from megatron_core.tensor_parallel import model_parallel_seed
 from megatron_core.training.arguments import transformer_config
 from megatron_core.training.data import build_datasets, build_run_tokenizer, micro_batches, take
@@ -101,14 +102,33 @@ def run_schedule(run: Run, batches: list[dict], *, forward_only: bool) -> list:
                     forward_only=forward_only, parallel_state=state, grad_scale_func=scale)
 
 
+@contextlib.contextmanager
+def _phase(run: Run, name: str) -> Iterator[None]:
+    """Turns a failed collective or transfer into a TrainingError naming this rank, its groups and the phase."""
+    try:
+        yield
+    except RuntimeError as error:
+        if not _is_communication_failure(error):
+            raise
+        state = run.state
+        raise TrainingError(
+            f"rank {state.rank} failed during {name}: {error}. Its groups: tp ranks {state.tp_ranks}, pipeline "
+            f"ranks {state.pp_ranks} (stage {state.pp_rank}), data-parallel ranks {state.dp_ranks}. A peer rank "
+            f"died or stalled (--distributed-timeout-minutes {run.args.distributed_timeout_minutes})") from error
+
+
+def _is_communication_failure(error: RuntimeError) -> bool:
+    markers = ("gloo", "nccl", "connection", "timed out", "timeout", "socket", "peer")
+    return isinstance(error, (dist.DistError, PipelineError)) or any(m in str(error).lower() for m in markers)
+
+
 def train_step(run: Run, batches: list[dict]) -> dict:
     lr = run.scheduler.apply(run.optimizer.param_groups)
-    for chunk in run.chunks:
-        if hasattr(chunk, "zero_grad_buffer"):
-            chunk.zero_grad_buffer()
     run.optimizer.zero_grad()
-    losses = run_schedule(run, batches, forward_only=False)
-    update_ok, grad_norm, _ = run.optimizer.step()
+    with _phase(run, "the forward-backward schedule (p2p with the neighbouring pipeline stages, tp collectives)"):
+        losses = run_schedule(run, batches, forward_only=False)
+    with _phase(run, "the optimizer step (grad reduction over data-parallel ranks, norm over model-parallel ranks)"):
+        update_ok, grad_norm, _ = run.optimizer.step()
     if update_ok:
         run.scheduler.step()
     return {"lm_loss": reduce_losses(losses, run.state), "lr": lr, "grad_norm": grad_norm, "skipped": not update_ok}
@@ -169,6 +189,14 @@ def load(run: Run) -> int:
 def pretrain(args: argparse.Namespace) -> list[float]:
     """Trains as the flags say; returns the training losses (the same on every rank)."""
     run = build_run(args)
+    try:
+        return _train(run)
+    finally:
+        destroy_model_parallel(run.state)
+
+
+def _train(run: Run) -> list[float]:
+    args = run.args
     start = load(run) if args.load else 0
     stop_requested = {"signal": False}
     if args.exit_signal_handler:
@@ -178,25 +206,27 @@ def pretrain(args: argparse.Namespace) -> list[float]:
                               micro_batch_size=args.micro_batch_size, device=run.state.device)
                 if run.train_dataset is not None else None)
     losses, iteration = [], start
-    while not args.skip_train and iteration < args.train_iters:
-        begin = time.perf_counter()
-        result = train_step(run, take(iterator, run.num_microbatches))
-        iteration += 1
-        run.consumed_samples += run.global_batch
-        losses.append(result["lm_loss"])
-        _check_numerics(run, iteration, result)
-        record = step_record(run, iteration, result, time.perf_counter() - begin)
-        writer.write(record)
-        if iteration % args.log_interval == 0 and run.is_logging_rank:
-            print(format_log_line(record, train_iters=args.train_iters, consumed_samples=run.consumed_samples,
-                                  global_batch=run.global_batch), flush=True)
-        if iteration % args.eval_interval == 0:
-            evaluate(run, iteration, writer)
-        if _should_stop(run, iteration, stop_requested):
-            break
-    if args.save and iteration > start:
-        save(run, iteration)
-    writer.close()
+    try:
+        while not args.skip_train and iteration < args.train_iters:
+            begin = time.perf_counter()
+            result = train_step(run, take(iterator, run.num_microbatches))
+            iteration += 1
+            run.consumed_samples += run.global_batch
+            losses.append(result["lm_loss"])
+            _check_numerics(run, iteration, result)
+            record = step_record(run, iteration, result, time.perf_counter() - begin)
+            writer.write(record)
+            if iteration % args.log_interval == 0 and run.is_logging_rank:
+                print(format_log_line(record, train_iters=args.train_iters, consumed_samples=run.consumed_samples,
+                                      global_batch=run.global_batch), flush=True)
+            if iteration % args.eval_interval == 0:
+                evaluate(run, iteration, writer)
+            if _should_stop(run, iteration, stop_requested):
+                break
+        if args.save and iteration > start:
+            save(run, iteration)
+    finally:
+        writer.close()
     if args.loss_curve_png and run.is_logging_rank and losses:
         from megatron_core.training.plots import write_loss_curve_png
         write_loss_curve_png(losses, args.loss_curve_png, first_iteration=start + 1)
@@ -204,7 +234,7 @@ def pretrain(args: argparse.Namespace) -> list[float]:
 
 
 class TrainingError(RuntimeError):
-    """The run cannot continue (non-finite loss or grads, too many skipped steps)."""
+    """The run cannot continue (non-finite loss or grads, too many skipped steps, a failed peer rank)."""
 
 
 def _check_numerics(run: Run, iteration: int, result: dict) -> None:
