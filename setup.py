@@ -23,5 +23,10 @@ setup(
         # Checkpoints: tensors without pickle (loading never executes code), memory-mapped partial reads.
         "safetensors",
     ],
-    extras_require={"test": ["pytest>=7"]},
+    extras_require={"test": [
+        "pytest>=7",
+        # Tests of the Hugging Face GPT-2 import/export (tools/checkpoint_convert.py --loader/--saver hf) compare
+        # against transformers' own GPT2LMHeadModel; at runtime only the hf loader/saver import it, lazily.
+        "transformers",
+    ]},
 )

@@ -62,6 +62,8 @@ class TransformerConfig(ModelParallelConfig):
     """Per-head dim; default hidden_size // num_attention_heads."""
     normalization: str = "LayerNorm"
     activation: str = "gelu"
+    openai_gelu: bool = False
+    """GeLU with the tanh approximation (GPT-2's ``gelu_new``); only with activation "gelu"."""
     add_bias_linear: bool = True
     add_qkv_bias: Optional[bool] = None
     """Bias on the fused QKV projection; default add_bias_linear."""
@@ -88,6 +90,7 @@ class TransformerConfig(ModelParallelConfig):
         self._fill_defaults()
         self._validate_sizes()
         self._validate_choices()
+        self._validate_activation()
         self._validate_recompute()
         self._validate_pipeline_split()
 
@@ -133,6 +136,11 @@ class TransformerConfig(ModelParallelConfig):
         for name, allowed in _CHOICES.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+
+    def _validate_activation(self) -> None:
+        if self.openai_gelu and self.activation != "gelu":
+            raise ValueError(f"openai_gelu=True (the tanh GeLU) only applies to activation='gelu', got "
+                             f"activation={self.activation!r}; drop openai_gelu or use activation='gelu'")
 
     def _validate_recompute(self) -> None:
         granularity, method, count = self.recompute_granularity, self.recompute_method, self.recompute_num_layers

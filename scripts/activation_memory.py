@@ -23,6 +23,7 @@ import torch.distributed as dist
 import kernels
 from megatron_core import destroy_model_parallel, initialize_model_parallel
 from megatron_core.config import TransformerConfig
+from megatron_core.planning.activations import korthikanti_bytes  # noqa: F401 - the formula lives in the library
 from megatron_core.tensor_parallel import model_parallel_seed
 from megatron_core.testing import run_distributed
 from megatron_core.transformer import TransformerLayer, gpt_layer_spec
@@ -34,26 +35,6 @@ CASES = [  # (name, tp > 1, sequence_parallel, selective recompute)
     ("tp + selective recompute", True, False, True),
     ("tp + sp + selective recompute", True, True, True),
 ]
-
-
-def korthikanti_bytes(s: int, b: int, h: int, a: int, t: int, sp: bool, selective: bool,
-                      mask_bytes: int = 1) -> float:
-    """Table 2 of arXiv 2205.05198 (16-bit activations, ``mask_bytes`` per dropout-mask element).
-
-    The paper's 1-byte masks are what CUDA's fused dropout saves; on the CPU ``F.dropout`` saves its mask in
-    the activation dtype (2 bytes), which adds the two hidden-dropout masks and the attention-dropout mask
-    again. With ``mask_bytes=2`` the layernorms' fp32 statistics (16 bytes per token) are counted too.
-    """
-    attention = 0.0 if selective else 5 * a * s / (h * t)
-    if sp:
-        paper = s * b * h / t * (34 + attention * t)
-    else:
-        paper = s * b * h * (10 + 24 / t + attention)
-    extra_masks = 2 * s * b * h / (t if sp else 1) + (0 if selective else a * s * s * b / t)
-    if mask_bytes == 1:
-        return paper
-    norm_stats = 2 * 2 * 4 * s * b / (t if sp else 1)  # fp32 mean and rstd of both norms, which the paper omits
-    return paper + (mask_bytes - 1) * extra_masks + norm_stats
 
 
 def measure_layer_bytes(s: int, b: int, h: int, a: int, sp: bool, selective: bool) -> int:

@@ -332,6 +332,8 @@ def load_rng(folder: str, metadata: dict, *, state: ParallelState, layout_extra:
     if metadata["layout"] != _layout(state, layout_extra or {}):
         return False
     file = f"rng_rank{rank:05d}.safetensors"
+    if file not in metadata["checksums"]:  # e.g. a converted checkpoint: no RNG states to restore
+        return False
     _verify(folder, metadata, {file})
     with safe_open(os.path.join(folder, file), framework="pt") as handle:
         torch.set_rng_state(handle.get_tensor("cpu"))

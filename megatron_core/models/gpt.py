@@ -18,6 +18,7 @@ from megatron_core.tensor_parallel import (
     vocab_size_with_padding,
 )
 from megatron_core.transformer.block import TransformerBlock, seeded_init
+from megatron_core.transformer.inference_cache import InferenceCache
 from megatron_core.transformer.rope import RotaryEmbedding
 from megatron_core.transformer.spec import TransformerLayerSpec, gpt_layer_spec
 
@@ -106,22 +107,33 @@ class GPTModel(nn.Module):
         self.decoder.set_input_tensor(input_tensor)
 
     def forward(self, input_ids: Optional[torch.Tensor], position_ids: Optional[torch.Tensor],
-                attention_mask: Optional[torch.Tensor] = None,
-                labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+                attention_mask: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None,
+                inference_cache: Optional[InferenceCache] = None) -> torch.Tensor:
         """Token ids and positions ``[b, s]``; attention_mask None (causal) or boolean ``[b, 1, s, s]`` with
-        True = masked out; labels ``[b, s]``.
+        True = masked out; labels ``[b, s]``. With ``inference_cache`` (incremental decoding) the tokens are
+        the new ones only, they attend to every cached position, position_ids default to
+        ``offset .. offset + s - 1``, and the cache's offset advances by s.
 
         Returns: on the last stage, the per-token fp32 loss ``[b, s]`` when labels are given, else logits
         (see ``parallel_output``); on other stages, the hidden states ``[s, b, h]`` (``[s/tp, b, h]``)
         to send downstream.
         """
+        if inference_cache is not None and input_ids is not None:
+            inference_cache.check_room(input_ids.shape[1], input_ids.shape[0])
+        if inference_cache is not None and position_ids is None and input_ids is not None:
+            position_ids = inference_cache.offset + torch.arange(input_ids.shape[1], device=input_ids.device)
+            position_ids = position_ids.unsqueeze(0).expand_as(input_ids)
         hidden = self.embedding(input_ids, position_ids) if self.pre_process else None
         rotary = None
         if self.rotary_pos_emb is not None:
             if position_ids is None:
                 raise ValueError("rotary position embeddings need position_ids on every pipeline stage")
             rotary = self.rotary_pos_emb(position_ids)
-        hidden = self.decoder(hidden, attention_mask, rotary)
+        if inference_cache is None:
+            hidden = self.decoder(hidden, attention_mask, rotary)
+        else:
+            hidden = self.decoder(hidden, attention_mask, rotary, inference_cache=inference_cache)
+            inference_cache.offset += hidden.shape[0]
         if not self.post_process:
             return hidden
         weight = self.embedding.word_embeddings.weight if self.output_layer.weight is None else None

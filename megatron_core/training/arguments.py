@@ -30,6 +30,7 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--rotary-base", type=float, default=10000.0)
     g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
     g.add_argument("--swiglu", action="store_true")
+    g.add_argument("--openai-gelu", action="store_true", help="GeLU with the tanh approximation (GPT-2)")
     g.add_argument("--disable-bias-linear", action="store_true")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--hidden-dropout", type=float, default=0.0)
@@ -206,6 +207,7 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
         num_attention_heads=args.num_attention_heads, kv_channels=args.kv_channels,
         num_query_groups=args.num_query_groups if args.group_query_attention else None,
         normalization=args.normalization, activation="swiglu" if args.swiglu else "gelu",
+        openai_gelu=args.openai_gelu,
         add_bias_linear=not args.disable_bias_linear, position_embedding_type=args.position_embedding_type,
         rotary_base=args.rotary_base, max_position_embeddings=args.max_position_embeddings,
         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,

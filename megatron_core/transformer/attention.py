@@ -25,6 +25,7 @@ from megatron_core.tensor_parallel import (
     init_method_normal,
     scaled_init_method_normal,
 )
+from megatron_core.transformer.inference_cache import InferenceCache
 from megatron_core.transformer.rope import apply_rotary_pos_emb
 
 
@@ -77,7 +78,9 @@ class SelfAttention(nn.Module):
     forward: hidden ``[s, b, h]`` (``[s/tp, b, h]`` with sequence parallelism), attention_mask (see
     DotProductAttention), rotary angles ``[s, b, 1, d]`` or None -> ``(output, bias)`` with output
     ``[s, b, h]`` (``[s/tp, b, h]``) all-reduced (reduce-scattered) over tp, and the projection bias (or
-    None) left for the caller's bias-dropout-add.
+    None) left for the caller's bias-dropout-add. With an ``inference_cache`` the new tokens' keys and
+    values are appended to the cache and the queries attend to every cached position (no sequence
+    parallelism, no explicit attention_mask).
     """
 
     def __init__(self, config: TransformerConfig, *, layer_number: int, parallel_state: ParallelState,
@@ -107,12 +110,18 @@ class SelfAttention(nn.Module):
         return query, mixed[:, :, :, self.heads_per_group], mixed[:, :, :, self.heads_per_group + 1]
 
     def forward(self, hidden: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
-                rotary_pos_emb: Optional[torch.Tensor] = None):
+                rotary_pos_emb: Optional[torch.Tensor] = None, inference_cache: Optional[InferenceCache] = None):
         mixed, _ = self.linear_qkv(hidden)  # [s, b, (heads + 2 groups)/tp * d]
         query, key, value = self.split_qkv(mixed)
         if rotary_pos_emb is not None:
             query = apply_rotary_pos_emb(query, rotary_pos_emb)
             key = apply_rotary_pos_emb(key, rotary_pos_emb)
+        if inference_cache is not None:
+            if attention_mask is not None or self.config.sequence_parallel:
+                raise ValueError("an inference cache works with the causal mask (attention_mask=None) and "
+                                 "without sequence parallelism")
+            attention_mask = inference_cache.attention_mask(query.shape[0], query.device)
+            key, value = inference_cache.update(self.layer_number, key, value)  # [offset + s, b, groups/tp, d]
         if self.config.recompute_granularity == "selective":
             context = checkpoint(self.core_attention, query, key, value, attention_mask,
                                  rng_tracker=get_rng_tracker(query.device))

@@ -59,12 +59,17 @@ class TransformerBlock(nn.Module):
         self.input_tensor = input_tensor
 
     def forward(self, hidden: Optional[torch.Tensor], attention_mask: Optional[torch.Tensor] = None,
-                rotary_pos_emb: Optional[torch.Tensor] = None) -> torch.Tensor:
+                rotary_pos_emb: Optional[torch.Tensor] = None, inference_cache=None) -> torch.Tensor:
+        """``inference_cache`` (an ``InferenceCache`` or None): incremental decoding, no recompute."""
         if not self.pre_process:
             if self.input_tensor is None:
                 raise ValueError("this pipeline stage has no embedding: call set_input_tensor() with the "
                                  "previous stage's output before forward")
             hidden = self.input_tensor
+        if inference_cache is not None:
+            for layer in self.layers:
+                hidden = layer(hidden, attention_mask, rotary_pos_emb, inference_cache=inference_cache)
+            return hidden if self.final_layernorm is None else self.final_layernorm(hidden)
         for layers, recompute in self._segments():
             if recompute:
                 hidden = checkpoint(self._run_layers, layers, hidden, attention_mask, rotary_pos_emb,

@@ -40,8 +40,10 @@ class TransformerLayer(nn.Module):
         self.mlp = spec.mlp(config, layer_number=layer_number, parallel_state=parallel_state)
 
     def forward(self, hidden: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
-                rotary_pos_emb: Optional[torch.Tensor] = None) -> torch.Tensor:
-        output, bias = self.self_attention(self.input_layernorm(hidden), attention_mask, rotary_pos_emb)
+                rotary_pos_emb: Optional[torch.Tensor] = None, inference_cache=None) -> torch.Tensor:
+        """``inference_cache`` (an ``InferenceCache`` or None) is passed to self-attention when given."""
+        cache = {} if inference_cache is None else {"inference_cache": inference_cache}
+        output, bias = self.self_attention(self.input_layernorm(hidden), attention_mask, rotary_pos_emb, **cache)
         hidden = self.bias_dropout_add(output, bias, hidden)
         output, bias = self.mlp(self.pre_mlp_layernorm(hidden))
         return self.bias_dropout_add(output, bias, hidden)

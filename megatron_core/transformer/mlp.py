@@ -18,6 +18,8 @@ from megatron_core.tensor_parallel import (
 class MLP(nn.Module):
     """``fc2(act(fc1(x)))`` with fc1 ``[h -> ffn]`` split over tp by columns and fc2 ``[ffn -> h]`` by rows.
 
+    GeLU is exact unless ``config.openai_gelu`` (the tanh approximation GPT-2 uses).
+
     SwiGLU: fc1 produces ``[gate; up]`` (``2 ffn`` rows) with partition stride 2, so every tp rank holds
     matching halves of both: rank r has rows ``gate[r]`` and ``up[r]`` and computes ``silu(gate_r) * up_r``.
 
@@ -29,6 +31,7 @@ class MLP(nn.Module):
         super().__init__()
         self.layer_number = layer_number
         self.swiglu = config.activation == "swiglu"
+        self.gelu_approximate = "tanh" if config.openai_gelu else "none"
         common = dict(tp_group=parallel_state.tp_group, sequence_parallel=config.sequence_parallel,
                       params_dtype=config.params_dtype, device=parallel_state.device, bias=config.add_bias_linear)
         fc1_size = 2 * config.ffn_hidden_size if self.swiglu else config.ffn_hidden_size
@@ -43,7 +46,7 @@ class MLP(nn.Module):
         if self.swiglu:
             gate, up = x.chunk(2, dim=-1)
             return F.silu(gate) * up
-        return F.gelu(x)
+        return F.gelu(x, approximate=self.gelu_approximate)
 
     def forward(self, hidden: torch.Tensor):
         intermediate, _ = self.linear_fc1(hidden)

@@ -1,0 +1,152 @@
+"""Activation memory (bytes saved for backward) of a GPT, after Korthikanti et al. 2022, "Reducing Activation
+Recomputation in Large Transformer Models" (arXiv 2205.05198).
+
+Table 2 of the paper, per layer, 16-bit activations and 1-byte dropout masks (``korthikanti_bytes``):
+
+    no parallelism             sbh (34 + 5as/h)
+    tensor parallel (t)        sbh (10 + 24/t + 5as/(ht))
+    tensor + sequence parallel sbh/t (34 + 5as/h)
+    tp + selective recompute   sbh (10 + 24/t)
+    tp + sp + selective        sbh/t * 34
+
+``layer_activation_bytes`` is the same count term by term, generalized to any activation dtype, dropout on
+or off, GQA, any ffn size and SwiGLU, plus the layernorms' fp32 statistics (which the paper omits);
+``stage_activation_bytes`` adds the embedding, the output layer and the loss, full recompute, and the
+micro-batches a pipeline stage holds in flight.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from megatron_core.config import TransformerConfig
+
+
+def korthikanti_bytes(s: int, b: int, h: int, a: int, t: int, sp: bool, selective: bool,
+                      mask_bytes: int = 1) -> float:
+    """Table 2 of arXiv 2205.05198 (16-bit activations, ``mask_bytes`` per dropout-mask element).
+
+    The paper's 1-byte masks are what CUDA's fused dropout saves; on the CPU ``F.dropout`` saves its mask in
+    the activation dtype (2 bytes), which adds the two hidden-dropout masks and the attention-dropout mask
+    again. With ``mask_bytes=2`` the layernorms' fp32 statistics (16 bytes per token) are counted too.
+    """
+    attention = 0.0 if selective else 5 * a * s / (h * t)
+    if sp:
+        paper = s * b * h / t * (34 + attention * t)
+    else:
+        paper = s * b * h * (10 + 24 / t + attention)
+    extra_masks = 2 * s * b * h / (t if sp else 1) + (0 if selective else a * s * s * b / t)
+    if mask_bytes == 1:
+        return paper
+    norm_stats = 2 * 2 * 4 * s * b / (t if sp else 1)  # fp32 mean and rstd of both norms, which the paper omits
+    return paper + (mask_bytes - 1) * extra_masks + norm_stats
+
+
+@dataclasses.dataclass(frozen=True)
+class ActivationShape:
+    """What the activation count depends on besides the config: one micro-batch on one rank."""
+
+    seq_length: int
+    micro_batch_size: int
+    tp: int = 1
+    sequence_parallel: bool = False
+    element_bytes: int = 2
+    """Bytes per activation element: 2 for bf16/fp16, 4 for fp32."""
+    mask_bytes: int = 1
+    """Bytes per dropout-mask element: 1 with CUDA's fused dropout, the activation's on the CPU."""
+
+
+def layer_activation_bytes(config: TransformerConfig, shape: ActivationShape, *, selective: bool = False) -> float:
+    """Bytes one transformer layer saves for backward on one tp rank (no full recompute).
+
+    Term by term as in section 4.1 of the paper: the two norms' inputs, the QKV and fc1 inputs (replicated,
+    or split over the sequence with SP), Q, K, V, the softmax output, its dropout mask and output, the
+    attention projection's input, the fc1 output and activation output, two hidden-dropout masks; plus the
+    norms' fp32 mean and rstd. Selective recompute drops the core-attention terms.
+    """
+    s, b, h, t, e = shape.seq_length, shape.micro_batch_size, config.hidden_size, shape.tp, shape.element_bytes
+    a = config.num_attention_heads
+    dropout_h, dropout_a = config.hidden_dropout > 0, config.attention_dropout > 0
+    replicated_div = t if shape.sequence_parallel else 1
+    q_dim = config.kv_channels * a
+    kv_dim = config.kv_channels * config.num_query_groups
+    ffn = config.ffn_hidden_size
+    replicated = (2 * e * s * b * h                                  # inputs of the two norms
+                  + 2 * e * s * b * h                                # inputs of QKV and fc1 (norm outputs)
+                  + (2 * shape.mask_bytes * s * b * h if dropout_h else 0)  # the two hidden-dropout masks
+                  + 2 * 2 * 4 * s * b)                               # fp32 mean and rstd of both norms
+    partitioned = e * s * b * (q_dim + 2 * kv_dim)                   # Q, K, V
+    partitioned += e * s * b * q_dim                                 # input of the attention projection
+    if config.activation == "swiglu":
+        partitioned += e * s * b * ffn * 4                          # [gate; up], silu(gate), fc2 input
+    else:
+        partitioned += e * s * b * ffn * 2                          # fc1 output (gelu input), fc2 input
+    if not selective:
+        core = e * a * s * s * b                                     # softmax output
+        if dropout_a:
+            core += (shape.mask_bytes + e) * a * s * s * b           # dropout mask and output
+        partitioned += core
+    return replicated / replicated_div + partitioned / t
+
+
+def _recompute_layer_counts(config: TransformerConfig, layers: int) -> tuple[int, int, int]:
+    """(layers held in full, checkpointed segments, layers of the largest segment recomputed at once)."""
+    if config.recompute_granularity != "full":
+        return layers, 0, 0
+    k = config.recompute_num_layers
+    if config.recompute_method == "uniform":
+        return 0, -(-layers // k), min(k, layers)
+    checkpointed = min(k, layers)
+    return layers - checkpointed, checkpointed, 1 if checkpointed else 0
+
+
+def embedding_activation_bytes(config: TransformerConfig, shape: ActivationShape) -> float:
+    """The first stage's embedding: token and position ids (int64) and the embedding-dropout mask."""
+    s, b, h, t = shape.seq_length, shape.micro_batch_size, config.hidden_size, shape.tp
+    mask = shape.mask_bytes * s * b * h / (t if shape.sequence_parallel else 1) if config.hidden_dropout > 0 else 0
+    return 2 * 8 * s * b + mask
+
+
+def output_activation_bytes(config: TransformerConfig, shape: ActivationShape, padded_vocab_size: int) -> float:
+    """The last stage's final norm (input and fp32 stats), output-layer input, logits shard and loss stats."""
+    s, b, h, t, e = shape.seq_length, shape.micro_batch_size, config.hidden_size, shape.tp, shape.element_bytes
+    div = t if shape.sequence_parallel else 1
+    norm = (e * s * b * h + 8 * s * b) / div
+    logits = e * s * b * padded_vocab_size / t + (8 + 8) * s * b  # logits shard, int64 target, fp32 max and sum
+    return norm + e * s * b * h / div + logits
+
+
+def stage_activation_bytes(config: TransformerConfig, shape: ActivationShape, *, layers: int, first: bool,
+                           last: bool, in_flight: int, padded_vocab_size: int) -> float:
+    """Peak bytes saved for backward by one pipeline stage holding ``in_flight`` micro-batches.
+
+    Full recompute keeps each checkpointed segment's input (``e sbh``, over t with SP) per micro-batch, and
+    one segment's full activations while it is recomputed in backward.
+    """
+    selective = config.recompute_granularity == "selective"
+    full_layer = layer_activation_bytes(config, shape, selective=selective)
+    held, segments, recomputed = _recompute_layer_counts(config, layers)
+    segment_input = shape.element_bytes * shape.seq_length * shape.micro_batch_size * config.hidden_size
+    segment_input /= shape.tp if shape.sequence_parallel else 1
+    per_microbatch = held * full_layer + segments * segment_input
+    if first:
+        per_microbatch += embedding_activation_bytes(config, shape)
+    if last:
+        per_microbatch += output_activation_bytes(config, shape, padded_vocab_size)
+    return in_flight * per_microbatch + recomputed * full_layer
+
+
+def in_flight_microbatches(pp_rank: int, pp_size: int, num_microbatches: int,
+                           vpp_size: Optional[int] = None) -> float:
+    """Micro-batches (in units of a whole stage's layers) whose activations a 1F1B rank holds at its peak:
+    ``min(p - r, m)``; interleaved: ``(2 (p - r - 1) + (v - 1) p + 1) / v`` stage-equivalents."""
+    if pp_size == 1:
+        return 1
+    if not vpp_size:
+        return min(pp_size - pp_rank, num_microbatches)
+    chunks = min(2 * (pp_size - pp_rank - 1) + (vpp_size - 1) * pp_size + 1, num_microbatches * vpp_size)
+    return chunks / vpp_size
+
+
+__all__ = ["ActivationShape", "korthikanti_bytes", "layer_activation_bytes", "stage_activation_bytes",
+           "embedding_activation_bytes", "output_activation_bytes", "in_flight_microbatches"]

@@ -1,0 +1,255 @@
+"""Per-rank memory and step time of every valid parallel layout of a GPT, ranked (the model behind
+``tools/plan_parallelism.py``).
+
+Memory per rank = model states (parameters, gradients, fp32 master weights, Adam states, each sharded as the
+ZeRO stage says) + activations (``activations.stage_activation_bytes``: Korthikanti et al. per layer with SP
+and recompute, times the micro-batches a 1F1B stage holds). Step time = compute (hardware FLOPs, recompute
+included, over ``peak x efficiency``) and tensor-parallel collectives, stretched by the pipeline bubble
+``(p - 1) / (v m)``, plus pipeline sends and data-parallel collectives (ring volumes over the link bandwidth;
+nothing assumed overlapped). Ranks are ordered tp-cp-dp-pp (tp fastest), so a group stays inside a node when
+its span of consecutive ranks does.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Iterator, Optional
+
+from megatron_core.config import TransformerConfig
+from megatron_core.planning.activations import ActivationShape, in_flight_microbatches, stage_activation_bytes
+from megatron_core.tensor_parallel.utils import vocab_size_with_padding
+from megatron_core.training.metrics import hardware_flops_per_iteration
+
+RECOMPUTE_CHOICES = (None, "selective", "full")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Hardware:
+    """The cluster: devices, memory, links and the dense peak of one device."""
+
+    num_devices: int
+    memory_per_device_gb: float
+    peak_tflops: float
+    intra_node_bandwidth_gbps: float = 900.0
+    """Bus bandwidth of a collective inside a node, GB/s (NVLink)."""
+    inter_node_bandwidth_gbps: float = 50.0
+    """Per-device bandwidth between nodes, GB/s (e.g. 400 Gb/s InfiniBand)."""
+    devices_per_node: int = 8
+    compute_efficiency: float = 0.5
+    """Fraction of the peak that the model's matmuls reach."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Workload:
+    """What one step trains, and the numeric formats (the training loop's: fp32 grads, fp32 Adam masters)."""
+
+    vocab_size: int
+    seq_length: int
+    micro_batch_size: int
+    global_batch_size: int
+    make_vocab_size_divisible_by: int = 128
+    optimizer_state_bytes: int = 8
+    """Per parameter: 8 for Adam's two fp32 moments, 4 for SGD momentum."""
+    mask_bytes: int = 1
+    """Per dropout-mask element: 1 on CUDA, the activation's element size on the CPU."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    tp: int
+    pp: int
+    dp: int
+    vpp: Optional[int]
+    zero_stage: int
+    sequence_parallel: bool
+    recompute: Optional[str]
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """One layout's prediction: bytes on the fullest rank and seconds per step."""
+
+    layout: Layout
+    model_state_bytes: float
+    activation_bytes: float
+    step_seconds: float
+    compute_seconds: float
+    comm_seconds: float
+    bubble: float
+    fits: bool
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.model_state_bytes + self.activation_bytes
+
+
+def layout_config(base: TransformerConfig, layout: Layout) -> TransformerConfig:
+    """``base`` with the layout's parallel sizes, sequence parallelism and recompute."""
+    recompute = dict(recompute_granularity=layout.recompute, recompute_method=None, recompute_num_layers=None)
+    if layout.recompute == "full":
+        recompute.update(recompute_method="uniform", recompute_num_layers=1)
+    elif layout.recompute is None and base.recompute_granularity == "full":
+        recompute.update(recompute_granularity="full", recompute_method=base.recompute_method,
+                         recompute_num_layers=base.recompute_num_layers)
+    return dataclasses.replace(base, tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
+                               virtual_pipeline_model_parallel_size=layout.vpp,
+                               sequence_parallel=layout.sequence_parallel, **recompute)
+
+
+def _layer_params(config: TransformerConfig, tp: int) -> tuple[float, float]:
+    """(tp-partitioned, replicated) parameters of one transformer layer on one tp rank."""
+    h, ffn = config.hidden_size, config.ffn_hidden_size * (2 if config.activation == "swiglu" else 1)
+    qkv = config.kv_channels * (config.num_attention_heads + 2 * config.num_query_groups)
+    q_dim = config.kv_channels * config.num_attention_heads
+    norm = h * (2 if config.normalization == "LayerNorm" else 1)
+    partitioned = qkv * h + h * q_dim + ffn * h + h * config.ffn_hidden_size
+    partitioned += qkv if config.add_qkv_bias else 0
+    partitioned += ffn if config.add_bias_linear else 0
+    replicated = 2 * norm + (2 * h if config.add_bias_linear else 0)
+    return partitioned / tp, replicated
+
+
+def stage_parameters(config: TransformerConfig, workload: Workload, *, pp_rank: int) -> tuple[float, float]:
+    """(parameters, of which keep full grads at ZeRO 2-3) on one rank of pipeline stage ``pp_rank``:
+    the tied embedding copy on the first and last stage (pp > 1) and sequence-parallel norms/biases."""
+    tp, pp = config.tensor_model_parallel_size, config.pipeline_model_parallel_size
+    h = config.hidden_size
+    padded = vocab_size_with_padding(workload.vocab_size, make_vocab_size_divisible_by=workload.make_vocab_size_divisible_by,
+                                     tensor_model_parallel_size=tp)
+    partitioned, replicated = _layer_params(config, tp)
+    layers = config.num_layers // pp
+    params = layers * (partitioned + replicated)
+    full_grad = layers * replicated if config.sequence_parallel else 0.0
+    tied = not config.untie_embeddings_and_output_weights
+    first, last = pp_rank == 0, pp_rank == pp - 1
+    if first:
+        params += padded * h / tp
+        params += h * config.max_position_embeddings if config.position_embedding_type == "learned_absolute" else 0
+        full_grad += padded * h / tp if tied and pp > 1 else 0
+    if last:
+        norm = h * (2 if config.normalization == "LayerNorm" else 1)
+        params += norm + (padded * h / tp if (not tied or not first) else 0)
+        full_grad += (norm if config.sequence_parallel else 0) + (padded * h / tp if tied and not first else 0)
+    return params, full_grad
+
+
+def model_state_bytes(config: TransformerConfig, workload: Workload, *, pp_rank: int, dp: int, zero_stage: int) -> float:
+    """Parameters + gradients (fp32, as the training loop reduces them) + fp32 masters (16-bit models) +
+    optimizer states on one rank, sharded over dp by the ZeRO stage."""
+    params, full_grad = stage_parameters(config, workload, pp_rank=pp_rank)
+    param_bytes = 2 if (config.bf16 or config.fp16) else 4
+    master_and_states = (4 if param_bytes == 2 else 0) + workload.optimizer_state_bytes
+    sharded_params = params / dp if zero_stage >= 3 else params
+    if zero_stage >= 2:
+        grads = 4 * (full_grad + (params - full_grad) / dp)
+    else:
+        grads = 4 * params
+    states = master_and_states * (params / dp if zero_stage >= 1 else params)
+    return param_bytes * sharded_params + grads + states
+
+
+def _shape(config: TransformerConfig, workload: Workload) -> ActivationShape:
+    return ActivationShape(seq_length=workload.seq_length, micro_batch_size=workload.micro_batch_size,
+                           tp=config.tensor_model_parallel_size, sequence_parallel=config.sequence_parallel,
+                           element_bytes=2 if (config.bf16 or config.fp16) else 4, mask_bytes=workload.mask_bytes)
+
+
+def rank_activation_bytes(config: TransformerConfig, workload: Workload, *, pp_rank: int, num_microbatches: int) -> float:
+    """Peak activation bytes on a rank of pipeline stage ``pp_rank`` (1F1B or interleaved)."""
+    pp, vpp = config.pipeline_model_parallel_size, config.virtual_pipeline_model_parallel_size
+    padded = vocab_size_with_padding(workload.vocab_size, make_vocab_size_divisible_by=workload.make_vocab_size_divisible_by,
+                                     tensor_model_parallel_size=config.tensor_model_parallel_size)
+    in_flight = in_flight_microbatches(pp_rank, pp, num_microbatches, vpp)
+    return stage_activation_bytes(config, _shape(config, workload), layers=config.num_layers // pp,
+                                  first=pp_rank == 0, last=pp_rank == pp - 1, in_flight=in_flight,
+                                  padded_vocab_size=padded)
+
+
+def _bandwidth(span: int, hardware: Hardware) -> float:
+    """Bytes/s of a group whose ranks span ``span`` consecutive global ranks."""
+    gbps = hardware.intra_node_bandwidth_gbps if span <= hardware.devices_per_node else hardware.inter_node_bandwidth_gbps
+    return gbps * 1e9
+
+
+def _comm_seconds(config: TransformerConfig, workload: Workload, layout: Layout, hardware: Hardware,
+                  num_microbatches: int) -> tuple[float, float]:
+    """(tensor-parallel seconds, pipeline + data-parallel seconds) of one step on one rank."""
+    t, p, d, m = layout.tp, layout.pp, layout.dp, num_microbatches
+    e = 2 if (config.bf16 or config.fp16) else 4
+    activation = e * workload.seq_length * workload.micro_batch_size * config.hidden_size
+    tp_ops = 4 + (2 if layout.recompute == "full" else 0)  # 2 all-reduces (or AG + RS) forward, 2 backward
+    tp_s = tp_ops * (config.num_layers // p) * m * 2 * (t - 1) / t * activation / _bandwidth(t, hardware)
+    pp_s = 0.0
+    if p > 1:
+        pp_s = 2 * m * (layout.vpp or 1) * activation / (t if layout.sequence_parallel else 1) / _bandwidth(t * d * p, hardware)
+    params, _ = stage_parameters(config, workload, pp_rank=0)
+    dp_s = 0.0
+    if d > 1:
+        ring, bw = (d - 1) / d, _bandwidth(t * d, hardware)
+        grads, weights = 4 * params, e * params
+        volume = {0: 2 * ring * grads, 1: 2 * ring * grads + ring * weights, 2: m * ring * grads + ring * weights,
+                  3: m * ring * grads + 2 * m * ring * weights}[layout.zero_stage]
+        dp_s = volume / bw
+    return tp_s, pp_s + dp_s
+
+
+def plan_layout(base: TransformerConfig, workload: Workload, hardware: Hardware, layout: Layout) -> Plan:
+    """Memory of the fullest rank and the step time of ``layout``."""
+    config = layout_config(base, layout)
+    m = workload.global_batch_size // (workload.micro_batch_size * layout.dp)
+    states = [model_state_bytes(config, workload, pp_rank=r, dp=layout.dp, zero_stage=layout.zero_stage)
+              for r in range(layout.pp)]
+    acts = [rank_activation_bytes(config, workload, pp_rank=r, num_microbatches=m) for r in range(layout.pp)]
+    fullest = max(range(layout.pp), key=lambda r: states[r] + acts[r])
+    flops = hardware_flops_per_iteration(config, batch_size=workload.global_batch_size,
+                                         seq_length=workload.seq_length,
+                                         padded_vocab_size=vocab_size_with_padding(
+                                             workload.vocab_size, make_vocab_size_divisible_by=workload.make_vocab_size_divisible_by,
+                                             tensor_model_parallel_size=layout.tp))
+    compute = flops / hardware.num_devices / (hardware.peak_tflops * 1e12 * hardware.compute_efficiency)
+    tp_s, other_s = _comm_seconds(config, workload, layout, hardware, m)
+    bubble = (layout.pp - 1) / ((layout.vpp or 1) * m)
+    step = (compute + tp_s) * (1 + bubble) + other_s
+    memory = states[fullest] + acts[fullest]
+    return Plan(layout=layout, model_state_bytes=states[fullest], activation_bytes=acts[fullest], step_seconds=step,
+                compute_seconds=compute, comm_seconds=tp_s + other_s, bubble=bubble,
+                fits=memory <= hardware.memory_per_device_gb * 2**30)
+
+
+def valid_layouts(base: TransformerConfig, workload: Workload, num_devices: int) -> Iterator[Layout]:
+    """Every (tp, pp, dp, vpp, ZeRO stage, SP, recompute) the model and batch allow on ``num_devices``."""
+    for tp, pp in itertools.product(_divisors(num_devices), repeat=2):
+        if num_devices % (tp * pp):
+            continue
+        dp = num_devices // (tp * pp)
+        if (base.num_attention_heads % tp or base.num_query_groups % tp or base.num_layers % pp
+                or workload.global_batch_size % (workload.micro_batch_size * dp)):
+            continue
+        m = workload.global_batch_size // (workload.micro_batch_size * dp)
+        vpps = [None] + ([2] if pp > 1 and base.num_layers % (2 * pp) == 0 and m % pp == 0 else [])
+        for vpp, stage, sp, recompute in itertools.product(vpps, range(4) if dp > 1 else [0],
+                                                           [False, True] if tp > 1 else [False], RECOMPUTE_CHOICES):
+            if sp and workload.seq_length % tp:
+                continue
+            yield Layout(tp, pp, dp, vpp, stage, sp, recompute)
+
+
+def rank_plans(base: TransformerConfig, workload: Workload, hardware: Hardware) -> list[Plan]:
+    """All valid layouts, the ones that fit first, each group by predicted step time (then memory)."""
+    if workload.global_batch_size % workload.micro_batch_size:
+        raise ValueError(f"global batch {workload.global_batch_size} is not divisible by micro batch "
+                         f"{workload.micro_batch_size}")
+    plans = [plan_layout(base, workload, hardware, layout) for layout in valid_layouts(base, workload, hardware.num_devices)]
+    if not plans:
+        raise ValueError(f"no layout of {hardware.num_devices} devices divides heads {base.num_attention_heads}, "
+                         f"layers {base.num_layers} and global batch {workload.global_batch_size} / micro batch "
+                         f"{workload.micro_batch_size}")
+    return sorted(plans, key=lambda plan: (not plan.fits, plan.step_seconds, plan.memory_bytes))
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+__all__ = ["Hardware", "Workload", "Layout", "Plan", "layout_config", "model_state_bytes", "rank_activation_bytes",
+           "stage_parameters", "plan_layout", "valid_layouts", "rank_plans"]

@@ -1,0 +1,137 @@
+"""Convert GPT checkpoints between tp/pp/dp layouts, and to/from Hugging Face GPT-2 (offline, streaming).
+
+    # reshard a megatron_core checkpoint to tp 4 x pp 2 (optimizer states converted too)
+    python tools/checkpoint_convert.py --model-type GPT --loader mcore --saver mcore --load-dir ckpt \\
+        --save-dir ckpt_tp4_pp2 --target-tensor-parallel-size 4 --target-pipeline-parallel-size 2 --check
+    # import a Hugging Face GPT-2 folder (config.json + model.safetensors or pytorch_model.bin)
+    python tools/checkpoint_convert.py --model-type GPT --loader hf --saver mcore --load-dir gpt2 \\
+        --save-dir ckpt_gpt2 --target-tensor-parallel-size 2 --target-pipeline-parallel-size 2
+    # export for transformers.GPT2LMHeadModel.from_pretrained
+    python tools/checkpoint_convert.py --model-type GPT --loader mcore --saver hf --load-dir ckpt \\
+        --save-dir hf_out --target-tensor-parallel-size 1 --target-pipeline-parallel-size 1
+
+No process group is needed; each tensor is read (its tp shards merged), re-split and written before the
+next, so memory stays near the largest tensor. A progress bar is drawn on stderr. ``--check`` builds the
+source and the converted model in this process (tp 1, pp 1) and prints the max logit difference on random
+tokens.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Optional, Sequence
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_core.checkpointing.convert import (  # noqa: E402
+    SourceCheckpoint,
+    read_mcore_checkpoint,
+    write_mcore_checkpoint,
+)
+from megatron_core.inference.checkpoint_model import config_from_flags, run_flags  # noqa: E402
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="checkpoint_convert.py", description=__doc__.split("\n")[0], allow_abbrev=False)
+    p.add_argument("--model-type", required=True, choices=["GPT"])
+    p.add_argument("--loader", choices=["mcore", "hf"], default="mcore")
+    p.add_argument("--saver", choices=["mcore", "hf"], default="mcore")
+    p.add_argument("--load-dir", required=True)
+    p.add_argument("--save-dir", required=True)
+    p.add_argument("--target-tensor-parallel-size", type=int, default=1)
+    p.add_argument("--target-pipeline-parallel-size", type=int, default=1)
+    p.add_argument("--target-data-parallel-size", type=int, default=1,
+                   help="recorded in the layout; data-parallel sharding happens at load time")
+    p.add_argument("--no-optim", action="store_true", help="drop optimizer states")
+    p.add_argument("--check", action="store_true", help="compare logits of source and result (tp 1, pp 1)")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def read_source(args: argparse.Namespace) -> SourceCheckpoint:
+    if args.loader == "mcore":
+        return read_mcore_checkpoint(args.load_dir)
+    from megatron_core.checkpointing.hf_gpt2 import read_hf_gpt2
+    return read_hf_gpt2(args.load_dir, vars(run_flags({})))
+
+
+def target_flags(source: SourceCheckpoint, tp: int, pp: int) -> dict:
+    """The source's run flags at the target layout (virtual pipelining and sequence parallelism reset
+    when they no longer apply)."""
+    flags = dict(source.flags)
+    flags.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    per_stage = flags.get("num_layers_per_virtual_pipeline_stage")
+    if per_stage and (pp == 1 or flags["num_layers"] % (pp * per_stage) != 0):
+        flags["num_layers_per_virtual_pipeline_stage"] = None
+    if tp == 1:
+        flags["sequence_parallel"] = False
+    return flags
+
+
+def convert(args: argparse.Namespace) -> str:
+    """Runs the conversion the flags describe; returns the written folder."""
+    tp, pp, dp = args.target_tensor_parallel_size, args.target_pipeline_parallel_size, args.target_data_parallel_size
+    for name, value in (("--target-tensor-parallel-size", tp), ("--target-pipeline-parallel-size", pp),
+                        ("--target-data-parallel-size", dp)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    source = read_source(args)
+    if args.saver == "hf":
+        from megatron_core.checkpointing.hf_gpt2 import write_hf_gpt2
+        return write_hf_gpt2(source, args.save_dir, progress=not args.no_progress)
+    flags = target_flags(source, tp, pp)
+    try:
+        config = config_from_flags(flags, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    except ValueError as error:
+        raise ValueError(f"cannot convert {source.description} to tensor parallel {tp} x pipeline parallel {pp}: "
+                         f"{error}") from error
+    return write_mcore_checkpoint(source, args.save_dir, config=config, flags=flags, data_parallel_size=dp,
+                                  no_optim=args.no_optim, progress=not args.no_progress)
+
+
+def reference_logits(kind: str, directory: str, tokens: torch.Tensor) -> torch.Tensor:
+    """fp32 logits ``[b, s, V]`` of the model in ``directory`` (built at tp 1, pp 1; HF via transformers)."""
+    if kind == "hf":
+        import transformers
+        model = transformers.GPT2LMHeadModel.from_pretrained(directory, torch_dtype=torch.float32).eval()
+        with torch.no_grad():
+            return model(tokens).logits.float()
+    from megatron_core import initialize_model_parallel
+    from megatron_core.inference import load_gpt_from_checkpoint
+    model, _ = load_gpt_from_checkpoint(directory, initialize_model_parallel(), parallel_output=False)
+    with torch.no_grad():
+        positions = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
+        return model(tokens, positions).float()
+
+
+def check(args: argparse.Namespace, source: SourceCheckpoint, seed: int = 0) -> float:
+    """Max |logit difference| between source and converted model on random tokens."""
+    positions = int(source.flags.get("seq_length") or 16)
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, source.true_vocab_size, (2, min(positions, 32)), generator=generator)
+    before = reference_logits(args.loader, args.load_dir, tokens)
+    after = reference_logits(args.saver, args.save_dir, tokens)
+    vocab = source.true_vocab_size
+    return float((before[..., :vocab] - after[..., :vocab]).abs().max())
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        folder = convert(args)
+        print(f"wrote {folder}")
+        if args.check:
+            difference = check(args, read_source(args))
+            print(f"check: max |logit difference| between {args.load_dir} and {args.save_dir} = {difference:.3e}")
+    except ValueError as error:
+        print(f"checkpoint_convert.py: error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,121 @@
+"""Generate text from a checkpoint with a key/value cache, in one process or under torchrun at any tp x pp.
+
+    python tools/generate.py --load ckpt --prompt "def main(" --max-new-tokens 40 --greedy
+    torchrun --nproc-per-node 4 tools/generate.py --load ckpt --tensor-model-parallel-size 2 \\
+        --pipeline-model-parallel-size 2 --prompt-ids 1,2,3 --max-new-tokens 20 --temperature 0.8 \\
+        --top-k 50 --top-p 0.95 --seed 1 --output-json out.json
+
+Rank 0 prints the prompt and its continuation; ``--output-json`` writes the generated token ids and the
+log-probabilities of the prompt tokens (from the second on) and of the generated tokens. The tokenizer
+defaults to the one the checkpoint's run recorded.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_core import initialize_model_parallel  # noqa: E402
+from megatron_core.checkpointing import read_metadata  # noqa: E402
+from megatron_core.data import build_tokenizer  # noqa: E402
+from megatron_core.inference import generate, load_gpt_from_checkpoint  # noqa: E402
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="generate.py", description="text generation from a checkpoint",
+                                allow_abbrev=False)
+    p.add_argument("--load", required=True)
+    prompt = p.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", default=None)
+    prompt.add_argument("--prompt-ids", default=None, help="comma-separated token ids, e.g. 1,2,3")
+    p.add_argument("--max-new-tokens", type=int, required=True)
+    p.add_argument("--greedy", action="store_true")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output-json", default=None)
+    p.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    for flag in ("--tokenizer-type", "--tokenizer-model", "--vocab-file", "--merge-file"):
+        p.add_argument(flag, default=None, help="default: the checkpoint's")
+    p.add_argument("--vocab-size", type=int, default=None, help="default: the checkpoint's")
+    return p
+
+
+def _tokenizer(args: argparse.Namespace, flags: dict):
+    def pick(key: str):
+        value = getattr(args, key)
+        return value if value is not None else flags.get(key)
+    return build_tokenizer(pick("tokenizer_type") or "ByteTokenizer", tokenizer_model=pick("tokenizer_model"),
+                           vocab_file=pick("vocab_file"), merge_file=pick("merge_file"), vocab_size=pick("vocab_size"))
+
+
+def _prompt_ids(args: argparse.Namespace, flags: dict) -> tuple[list[int], Optional[object]]:
+    if args.prompt_ids is not None:
+        try:
+            ids = [int(x) for x in args.prompt_ids.split(",") if x.strip()]
+        except ValueError as error:
+            raise ValueError(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}") from error
+        try:
+            return ids, _tokenizer(args, flags)
+        except (ValueError, OSError):
+            return ids, None  # ids need no tokenizer; the text is then printed as ids
+    tokenizer = _tokenizer(args, flags)
+    return tokenizer.encode(args.prompt), tokenizer
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Loads the model at the launch layout and generates (collective); returns the result dict."""
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    _, metadata = read_metadata(args.load)
+    flags = metadata.get("config") or {}
+    state = initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+    model, _ = load_gpt_from_checkpoint(args.load, state, parallel_output=False)
+    ids, tokenizer = _prompt_ids(args, flags)
+    if any(not 0 <= i < metadata["true_vocab_size"] for i in ids):
+        raise ValueError(f"prompt ids {ids} fall outside the vocab [0, {metadata['true_vocab_size']})")
+    result = generate(model, state, ids, max_new_tokens=args.max_new_tokens, greedy=args.greedy,
+                      temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                      max_sequence_length=int(flags.get("seq_length") or 0) or None)
+    result["prompt_ids"] = ids
+    result["text"] = tokenizer.decode(ids + result["tokens"]) if tokenizer is not None else None
+    return result
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    if "WORLD_SIZE" in os.environ and not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":  # CUDA-only path
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10))
+    try:
+        result = run(args)
+    except ValueError as error:
+        print(f"generate.py: error: {error}", file=sys.stderr)
+        return 2
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(result["text"] if result["text"] is not None else " ".join(map(str, result["prompt_ids"] + result["tokens"])))
+        if args.output_json:
+            payload = {k: result[k] for k in ("prompt_ids", "tokens", "prompt_logprobs", "generated_logprobs")}
+            tmp = f"{args.output_json}.tmp"
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump(payload, f, indent=1)
+            os.replace(tmp, args.output_json)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

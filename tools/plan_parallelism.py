@@ -1,0 +1,152 @@
+"""Rank every parallel layout of a GPT by predicted step time, among those whose predicted per-rank memory fits.
+
+    python tools/plan_parallelism.py --num-layers 32 --hidden-size 4096 --num-attention-heads 32 \\
+        --seq-length 2048 --micro-batch-size 1 --global-batch-size 512 --vocab-size 50257 --bf16 \\
+        --num-devices 64 --memory-per-device-gb 80 --devices-per-node 8 --peak-tflops 989
+
+Model and batch flags are pretrain_gpt.py's (parsed by ``megatron_core.training.arguments``); layout flags
+given there (tp, pp, SP, ZeRO, recompute) are ignored: every valid layout is tried (tp x pp x dp x vpp in
+{1, 2} x ZeRO 0-3 x SP x recompute none/selective/full). Memory: parameters, fp32 grads, fp32 masters and
+Adam states per ZeRO stage, activations per Korthikanti et al. with SP, recompute and the micro-batches in
+flight on the fullest pipeline stage (``megatron_core.planning``). Time: hardware FLOPs (recompute included)
+over peak x --compute-efficiency, tp/pp/dp ring volumes over the link bandwidths, bubble (p-1)/(v m).
+Prints the ranked table and the torchrun command of the best layout.
+"""
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from typing import Optional, Sequence
+
+from megatron_core.planning.planner import Hardware, Plan, Workload, rank_plans
+from megatron_core.training.arguments import build_parser, transformer_config, validate_args
+
+PLANNER_FLAGS = {"--num-devices": int, "--memory-per-device-gb": float, "--intra-node-bandwidth-gbps": float,
+                 "--inter-node-bandwidth-gbps": float, "--devices-per-node": int, "--peak-tflops": float,
+                 "--compute-efficiency": float, "--top": int, "--mask-bytes": int}
+LAYOUT_FLAGS = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--sequence-parallel",
+                "--zero-stage", "--use-distributed-optimizer", "--data-parallel-sharding-strategy",
+                "--recompute-granularity", "--recompute-method", "--recompute-num-layers",
+                "--num-layers-per-virtual-pipeline-stage")
+
+
+def _planner_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    g = parser.add_argument_group("planner")
+    g.add_argument("--num-devices", type=int, required=True)
+    g.add_argument("--memory-per-device-gb", type=float, default=80.0)
+    g.add_argument("--intra-node-bandwidth-gbps", type=float, default=900.0, help="GB/s inside a node")
+    g.add_argument("--inter-node-bandwidth-gbps", type=float, default=50.0, help="GB/s per device between nodes")
+    g.add_argument("--devices-per-node", type=int, default=8)
+    g.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of one device")
+    g.add_argument("--compute-efficiency", type=float, default=0.5, help="fraction of the peak matmuls reach")
+    g.add_argument("--mask-bytes", type=int, default=1, help="dropout-mask bytes/element (1 CUDA, 2 or 4 CPU)")
+    g.add_argument("--top", type=int, default=15, help="rows of the table")
+    return parser
+
+
+def _split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """(planner flags, pretrain_gpt.py flags)."""
+    planner, model, i = [], [], 0
+    while i < len(argv):
+        flag = argv[i].split("=")[0]
+        target = planner if flag in PLANNER_FLAGS else model
+        target.append(argv[i])
+        if "=" not in argv[i] and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            target.append(argv[i + 1])
+            i += 1
+        i += 1
+    return planner, model
+
+
+def _model_argv(model_argv: list[str]) -> list[str]:
+    """The pretrain_gpt.py flags without the layout flags the planner chooses."""
+    kept, skip = [], False
+    for token in model_argv:
+        if skip and not token.startswith("--"):
+            continue
+        skip = token.split("=")[0] in LAYOUT_FLAGS
+        if not skip:
+            kept.append(token)
+    return kept
+
+
+def _layout_flags(plan: Plan) -> list[str]:
+    layout = plan.layout
+    flags = ["--tensor-model-parallel-size", str(layout.tp), "--pipeline-model-parallel-size", str(layout.pp)]
+    if layout.vpp:
+        flags += ["--num-layers-per-virtual-pipeline-stage", "LAYERS_PER_CHUNK"]
+    if layout.sequence_parallel:
+        flags.append("--sequence-parallel")
+    if layout.zero_stage:
+        flags += ["--zero-stage", str(layout.zero_stage)]
+    if layout.recompute == "selective":
+        flags += ["--recompute-granularity", "selective"]
+    elif layout.recompute == "full":
+        flags += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+    return flags
+
+
+def torchrun_command(plan: Plan, model_argv: list[str], *, num_devices: int, devices_per_node: int,
+                     num_layers: int) -> str:
+    """The launch line of ``plan`` (run on every node; multi-node needs --rdzv-endpoint as usual)."""
+    per_node = min(num_devices, devices_per_node)
+    nodes = -(-num_devices // per_node)
+    flags = _layout_flags(plan)
+    if plan.layout.vpp:
+        flags[flags.index("LAYERS_PER_CHUNK")] = str(num_layers // (plan.layout.pp * plan.layout.vpp))
+    launcher = ["torchrun", "--nnodes", str(nodes), "--nproc-per-node", str(per_node)]
+    if nodes > 1:
+        launcher += ["--rdzv-backend", "c10d", "--rdzv-endpoint", "HOST:29500"]
+    return shlex.join(launcher + ["pretrain_gpt.py"] + model_argv + flags)
+
+
+def format_table(plans: list[Plan], top: int) -> str:
+    header = ("| rank | tp | pp | dp | vpp | ZeRO | SP | recompute | states GiB | activations GiB | total GiB | fits |"
+              " step s | compute s | comm s | bubble |")
+    rows = [header, "|" + " ---: |" * 4 + " ---: | ---: | --- | --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: |"]
+    for i, plan in enumerate(plans[:top], 1):
+        lay = plan.layout
+        rows.append(f"| {i} | {lay.tp} | {lay.pp} | {lay.dp} | {lay.vpp or 1} | {lay.zero_stage} | "
+                    f"{'yes' if lay.sequence_parallel else 'no'} | {lay.recompute or 'none'} | "
+                    f"{plan.model_state_bytes / 2**30:.2f} | {plan.activation_bytes / 2**30:.2f} | "
+                    f"{plan.memory_bytes / 2**30:.2f} | {'yes' if plan.fits else 'NO'} | {plan.step_seconds:.3f} | "
+                    f"{plan.compute_seconds:.3f} | {plan.comm_seconds:.3f} | {plan.bubble:.3f} |")
+    return "\n".join(rows)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    planner_argv, model_argv = _split_argv(list(sys.argv[1:] if argv is None else argv))
+    options = _planner_parser().parse_args(planner_argv)
+    model_argv = _model_argv(model_argv)
+    args = build_parser().parse_args(model_argv)
+    try:
+        validate_args(args)
+        base = transformer_config(args)
+        workload = Workload(vocab_size=args.vocab_size or 50257, seq_length=args.seq_length,
+                            micro_batch_size=args.micro_batch_size,
+                            global_batch_size=args.global_batch_size or args.micro_batch_size * options.num_devices,
+                            make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+                            optimizer_state_bytes=8 if args.optimizer == "adam" else 4, mask_bytes=options.mask_bytes)
+        hardware = Hardware(num_devices=options.num_devices, memory_per_device_gb=options.memory_per_device_gb,
+                            peak_tflops=options.peak_tflops, intra_node_bandwidth_gbps=options.intra_node_bandwidth_gbps,
+                            inter_node_bandwidth_gbps=options.inter_node_bandwidth_gbps,
+                            devices_per_node=options.devices_per_node, compute_efficiency=options.compute_efficiency)
+        plans = rank_plans(base, workload, hardware)
+    except ValueError as error:
+        print(f"plan_parallelism.py: error: {error}", file=sys.stderr)
+        return 2
+    print(f"{len(plans)} layouts of {options.num_devices} devices, {sum(p.fits for p in plans)} fit in "
+          f"{options.memory_per_device_gb:g} GiB; vocab {workload.vocab_size}, global batch {workload.global_batch_size}\n")
+    print(format_table(plans, options.top))
+    if not plans[0].fits:
+        print("\nno layout fits: lower --micro-batch-size or --seq-length, or add devices")
+        return 1
+    print("\nbest layout:\n" + torchrun_command(plans[0], model_argv, num_devices=options.num_devices,
+                                               devices_per_node=options.devices_per_node, num_layers=args.num_layers))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
