@@ -19,7 +19,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     created_process_group = not dist.is_initialized()
     try:
         pretrain(args)
-    except ValueError as error:
+    except (ValueError, FileNotFoundError, NotADirectoryError, PermissionError) as error:
         exit_with_config_error(error)
     except TrainingError as error:
         exit_with_config_error(error, status=1)
