@@ -51,6 +51,14 @@ class DotProductAttention(nn.Module):
         self.scale = 1.0 / math.sqrt(config.kv_channels)
         self.attention_dropout = config.attention_dropout
 
+    def _use_sdpa(self, device: torch.device, attention_mask: Optional[torch.Tensor], sq: int, sk: int) -> bool:
+        """PyTorch's fused attention where the Triton softmax cannot run (its plain-torch reference would be
+        the unfused path): causal, no explicit mask, and no attention dropout (which must draw from the
+        tracker's tensor-parallel RNG state)."""
+        dropout_active = self.training and self.attention_dropout > 0
+        no_triton = kernels.get_backend() == "torch" or kernels.triton_unavailable_reason(device) is not None
+        return attention_mask is None and sq == sk and not dropout_active and no_triton
+
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         sq, b, heads, d = query.shape
@@ -58,6 +66,11 @@ class DotProductAttention(nn.Module):
         if heads != groups:  # GQA: each group's k/v serves its heads_per_group consecutive query heads
             key = key.repeat_interleave(heads // groups, dim=2)
             value = value.repeat_interleave(heads // groups, dim=2)
+        if self._use_sdpa(query.device, attention_mask, sq, sk):
+            context = F.scaled_dot_product_attention(  # [b, heads, sq, d]
+                query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3), is_causal=True,
+                scale=self.scale)
+            return context.permute(2, 0, 1, 3).reshape(sq, b, heads * d)
         q = query.permute(1, 2, 0, 3).reshape(b * heads, sq, d)
         k = key.permute(1, 2, 0, 3).reshape(b * heads, sk, d)
         v = value.permute(1, 2, 0, 3).reshape(b * heads, sk, d)
