@@ -6,6 +6,7 @@ import json
 import multiprocessing
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -43,6 +44,8 @@ def _free_port() -> int:
 
 
 def _child(argv, port):
+    import torch
+    torch.set_num_threads(1)  # OpenMP after fork: the parent's thread pool must not be used here
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
     os.environ.pop("TRITON_INTERPRET", None)
     status, _ = run_main(argv)
@@ -73,6 +76,7 @@ def test_sigkill_during_saves_never_leaves_a_checkpoint_taken_as_complete(tmp_pa
         deadline = time.monotonic() + 60
         while latest_iteration_or_none(ckpt) == before and proc.is_alive() and time.monotonic() < deadline:
             time.sleep(0.01)
+        assert proc.is_alive() and time.monotonic() < deadline, f"trial {trial}: the run saved nothing in 60 s"
         time.sleep(rng.uniform(0.0, 0.5))  # a random moment of the save-every-iteration phase
         os.kill(proc.pid, signal.SIGKILL)
         proc.join()
@@ -180,8 +184,11 @@ def test_a_stalled_or_dead_rank_ends_the_job_with_an_error(how, tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode != 0
     assert rank0_failed_after < 30, rank0_failed_after  # the 3 s timeout, plus start-up of the error path
-    assert "rank 0 failed during the forward-backward schedule" in err or "rank 0 failed during the optimizer" in err
-    assert "pipeline ranks (0, 1)" in err
+    ours = ("rank 0 failed during the forward-backward schedule" in err or "rank 0 failed during the optimizer" in err)
+    if how == "stall":  # the waiting rank gives up after the timeout and names the phase and its peers
+        assert ours and "pipeline ranks (0, 1)" in err, err[-3000:]
+    else:  # the launcher names the dead rank (and the survivor may report first)
+        assert ours or re.search(r"rank\s*:\s*1 \(local_rank: 1\)", err), err[-3000:]
 
 
 def _worker_pids(parent: int) -> list[int]:
