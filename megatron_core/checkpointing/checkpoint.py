@@ -50,7 +50,8 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _fsync_write(path: str, data: bytes) -> None:
+def fsync_write(path: str, data: bytes) -> None:
+    """Writes ``data`` to ``path`` atomically (temporary file, fsync, rename)."""
     tmp = f"{path}.tmp"
     with open(tmp, "wb") as f:
         f.write(data)
@@ -59,7 +60,7 @@ def _fsync_write(path: str, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def _sha256(path: str) -> str:
+def sha256_file(path: str) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -105,7 +106,7 @@ def save_checkpoint(directory: str, *, iteration: int, model_chunks: Sequence[nn
             shutil.rmtree(partial)
         else:
             os.replace(partial, final)
-        _fsync_write(os.path.join(directory, LATEST), str(iteration).encode())
+        fsync_write(os.path.join(directory, LATEST), str(iteration).encode())
     _barrier()
     return final
 
@@ -153,9 +154,9 @@ def _write_metadata(folder: str, gathered: list[dict], **info) -> None:
         "true_vocab_size": info["true_vocab_size"], "layout": _layout(state, info["layout_extra"]),
         "config": info["run_config"] or {}, "scheduler": scheduler.state_dict() if scheduler else None,
         "optimizer": info["optimizer"], "tensors": tensors,
-        "checksums": {f: _sha256(os.path.join(folder, f)) for f in sorted(os.listdir(folder))},
+        "checksums": {f: sha256_file(os.path.join(folder, f)) for f in sorted(os.listdir(folder))},
     }
-    _fsync_write(os.path.join(folder, "metadata.json"), json.dumps(metadata, indent=1).encode())
+    fsync_write(os.path.join(folder, "metadata.json"), json.dumps(metadata, indent=1).encode())
     fd = os.open(folder, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -228,7 +229,7 @@ def _read_one(directory: str, iteration: int) -> tuple[str, dict]:
     return folder, metadata
 
 
-def _safe_path(folder: str, file: str) -> str:
+def safe_path(folder: str, file: str) -> str:
     """``folder/file`` for a plain file name from metadata; anything that could leave the folder is refused."""
     if not isinstance(file, str) or not file or file in (".", "..") or os.path.basename(file) != file \
             or "\\" in file:
@@ -239,11 +240,11 @@ def _safe_path(folder: str, file: str) -> str:
 
 def _verify(folder: str, metadata: dict, files: set[str]) -> None:
     for file in sorted(files):
-        path = _safe_path(folder, file)
+        path = safe_path(folder, file)
         expected = metadata["checksums"].get(file)
         if not os.path.exists(path):
             raise ValueError(f"checkpoint file {path} is missing")
-        if expected is not None and _sha256(path) != expected:
+        if expected is not None and sha256_file(path) != expected:
             raise ValueError(f"checkpoint file {path} is corrupt: its sha256 does not match metadata.json")
 
 
@@ -297,7 +298,7 @@ class ShardReader:
     def _handle(self, file: str):
         if file not in self._handles:
             _verify(self.folder, self.metadata, {file})
-            self._handles[file] = self._stack.enter_context(safe_open(_safe_path(self.folder, file), framework="pt"))
+            self._handles[file] = self._stack.enter_context(safe_open(safe_path(self.folder, file), framework="pt"))
         return self._handles[file]
 
     def read(self, name: str, param: nn.Parameter) -> Optional[torch.Tensor]:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import json
 import os
 import shutil
@@ -21,15 +20,20 @@ from typing import Any, Callable, Optional
 import torch
 from safetensors import safe_open
 
-from megatron_core.checkpointing.checkpoint import read_metadata
+from megatron_core.checkpointing.checkpoint import (
+    LATEST,
+    VOCAB_PARAMS,
+    fsync_write,
+    read_metadata,
+    safe_path,
+    sha256_file,
+)
 from megatron_core.checkpointing.layout import merge_shards, repad_vocab, take_shard
 from megatron_core.checkpointing.streaming import ProgressBar, StreamingSafetensorsWriter, parse_dtype
 from megatron_core.config import TransformerConfig
 from megatron_core.tensor_parallel import vocab_size_with_padding
 
 FORMAT = "megatron_core/1"
-LATEST = "latest_checkpointed_iteration.txt"
-VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
 OPTIM_PREFIX = "optim/"
 
 
@@ -69,23 +73,6 @@ class SourceCheckpoint:
     layout: dict = dataclasses.field(default_factory=dict)
 
 
-def _sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def fsync_write(path: str, data: bytes) -> None:
-    """Writes ``data`` to ``path`` atomically (temporary file, fsync, rename)."""
-    with open(f"{path}.tmp", "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(f"{path}.tmp", path)
-
-
 def read_mcore_checkpoint(load_dir: str, iteration: Optional[int] = None) -> SourceCheckpoint:
     """The newest (or given) checkpoint of ``load_dir`` as a ``SourceCheckpoint``; nothing is read yet
     but metadata.json. Raises ValueError naming the file and tensor for a missing or mismatched shard."""
@@ -123,12 +110,12 @@ class _ShardReader:
 
     def _read_shard(self, name: str, shard: dict) -> torch.Tensor:
         file = shard["file"]
-        path = os.path.join(self.folder, file)
+        path = safe_path(self.folder, file)
         if not os.path.exists(path):
             raise ValueError(f"checkpoint file {path} (shard of tensor {name!r}) is missing")
         if file not in self.verified:
             expected = self.metadata.get("checksums", {}).get(file)
-            if expected is not None and _sha256(path) != expected:
+            if expected is not None and sha256_file(path) != expected:
                 raise ValueError(f"checkpoint file {path} is corrupt: its sha256 does not match metadata.json "
                                  f"(needed for tensor {name!r})")
             self.verified.add(file)
@@ -233,7 +220,7 @@ def write_mcore_checkpoint(source: SourceCheckpoint, save_dir: str, *, config: T
                 "true_vocab_size": source.true_vocab_size, "layout": layout, "config": flags,
                 "scheduler": source.scheduler, "optimizer": None if no_optim else source.optimizer,
                 "tensors": records,
-                "checksums": {f: _sha256(os.path.join(partial, f)) for f in sorted(os.listdir(partial))}}
+                "checksums": {f: sha256_file(os.path.join(partial, f)) for f in sorted(os.listdir(partial))}}
     fsync_write(os.path.join(partial, "metadata.json"), json.dumps(metadata, indent=1).encode())
     if os.path.exists(final):
         shutil.rmtree(final)
