@@ -107,12 +107,20 @@ def shard_stats_reference(logits: torch.Tensor, target: torch.Tensor, vocab_star
 
 def shard_backward_reference(logits, target, row_max, sum_exp, grad_scale, vocab_start, smooth, target_weight,
                              out):
-    """Plain-torch ``cross_entropy_shard_backward`` for ``[tokens, V_shard]`` logits, written into ``out``."""
-    grad = torch.exp(logits.float() - row_max.unsqueeze(-1)) / sum_exp.unsqueeze(-1) - smooth
-    cols = torch.arange(logits.shape[-1], device=logits.device)
-    hit = cols == (target.long() - vocab_start).unsqueeze(-1)
-    grad = grad - hit * target_weight
-    out.copy_(grad * grad_scale.unsqueeze(-1))
+    """Plain-torch ``cross_entropy_shard_backward`` for ``[tokens, V_shard]`` logits, written into ``out``.
+
+    One fp32 ``[tokens, V_shard]`` buffer, updated in place (softmax, minus the smoothed target, times the
+    per-token scale); the target column is adjusted with a scatter rather than a full one-hot mask.
+    """
+    grad = logits.float() - row_max.unsqueeze(-1)
+    grad.exp_().div_(sum_exp.unsqueeze(-1))
+    if smooth:
+        grad.sub_(smooth)
+    local = target.long() - vocab_start
+    in_shard = (local >= 0) & (local < logits.shape[-1])
+    grad.scatter_add_(-1, local.clamp(0, logits.shape[-1] - 1).unsqueeze(-1),
+                      (in_shard.to(grad.dtype) * -target_weight).unsqueeze(-1))
+    out.copy_(grad.mul_(grad_scale.unsqueeze(-1)))
     return out
 
 
