@@ -86,7 +86,8 @@ def save_checkpoint(directory: str, *, iteration: int, model_chunks: Sequence[nn
     _barrier()
     with full_parameters(model_chunks):
         named = global_named_parameters(model_chunks, config, state)
-        tensors = {name: (param.detach().cpu().contiguous(), param) for name, param in named.items()}
+        # a copy: a ZeRO-3 parameter's gathered storage is freed when the block ends
+        tensors = {name: (param.detach().to("cpu", copy=True).contiguous(), param) for name, param in named.items()}
     optimizer_scalars = None
     if optimizer is not None:
         optim_tensors, optimizer_scalars = collect_optimizer_state(optimizer, named, state)

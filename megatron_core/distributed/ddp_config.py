@@ -18,13 +18,16 @@ class DistributedDataParallelConfig:
 
     zero_stage: int = 0
     """0: every dp rank keeps everything and all-reduces grads (Megatron ``no_shard``). 1: the optimizer keeps
-    fp32 master weights and states for its 1/dp shard (``--use-distributed-optimizer``, ``optim``); grads are
-    still all-reduced. 2: grads are reduce-scattered and only the 1/dp shard is kept (``optim_grads``).
+    fp32 master weights and states for its 1/dp shard (``--use-distributed-optimizer``, ``optim``); grads
+    accumulate in a full buffer and are reduce-scattered, as Megatron's distributed optimizer does.
+    2: grads are reduce-scattered after every backward and only the 1/dp shard is kept (``optim_grads``).
     3: parameters are sharded too and all-gathered around each submodule (``optim_grads_params``)."""
 
     bucket_size: Optional[int] = None
-    """Elements per gradient bucket (stages 0-2); None means Megatron's default max(40M, 1M * dp). At stage 3
-    a bucket holds the parameters of one submodule instead."""
+    """Elements per gradient bucket (stages 0-2). None means Megatron's default max(40M, 1M * dp) at stages 0-1,
+    where the grad buffer is persistent anyway, and 4M at stage 2, where up to two full-size buckets exist
+    transiently during backward (one filling, one reduce-scattering). At stage 3 a bucket holds the parameters
+    of one submodule instead."""
 
     overlap_grad_reduce: bool = True
     """Launch each bucket's collective from a backward hook as soon as its grads are ready (else all buckets
@@ -37,6 +40,16 @@ class DistributedDataParallelConfig:
     """True: ReduceOp.AVG inside the collective (NCCL only). False: grads are pre-scaled by 1/dp and summed
     (Megatron's default; works on every backend)."""
 
+    overlap_param_gather: bool = False
+    """Stages 1-2 (Megatron's ``--overlap-param-gather``): after the optimizer step the all-gather of the updated
+    parameters is only started, per bucket; each module waits for its buckets just before its first use in
+    the next forward, so the gather overlaps the forward. (Stage 3 always gathers on demand, with prefetch.)"""
+
+    reshard_after_forward: bool = True
+    """Stage 3: free each unit's gathered parameters after its forward and gather them again for its backward
+    (FSDP's ``reshard_after_forward``). False keeps them gathered from forward until their grads are reduced
+    (fewer gathers, more memory: FSDP's ZeRO-2-like mode)."""
+
     def __post_init__(self) -> None:
         if self.zero_stage not in ZERO_STAGES:
             raise ValueError(f"zero_stage {self.zero_stage!r} is not one of {ZERO_STAGES}: use 0 (no sharding), "
@@ -44,6 +57,9 @@ class DistributedDataParallelConfig:
         if self.bucket_size is not None and (not isinstance(self.bucket_size, int) or self.bucket_size <= 0):
             raise ValueError(f"bucket_size {self.bucket_size!r} must be a positive number of elements "
                              "(or None for the default max(40M, 1M * dp))")
+        if self.overlap_param_gather and self.zero_stage == 0:
+            raise ValueError("overlap_param_gather=True needs the distributed optimizer (zero_stage 1 or 2, "
+                             "--use-distributed-optimizer): at zero_stage 0 no parameters are gathered")
 
     @classmethod
     def from_sharding_strategy(cls, strategy: str, **kwargs) -> "DistributedDataParallelConfig":
@@ -55,4 +71,6 @@ class DistributedDataParallelConfig:
 
     def resolved_bucket_size(self, dp_size: int) -> int:
         """The bucket size in elements for a data-parallel group of ``dp_size`` ranks."""
-        return self.bucket_size if self.bucket_size is not None else max(40_000_000, 1_000_000 * dp_size)
+        if self.bucket_size is not None:
+            return self.bucket_size
+        return 4_000_000 if self.zero_stage >= 2 else max(40_000_000, 1_000_000 * dp_size)

@@ -7,10 +7,18 @@ once every parameter of the bucket has its grad, launches the bucket's asynchron
 communication overlaps the rest of backward. Buckets are launched strictly in index order (a ready bucket
 waits for the ones before it), so every dp rank issues the same collectives in the same order.
 
-Collectives per backward: stages 0-1 all-reduce each bucket's grads over dp (none inside ``no_sync()``);
-stages 2-3 reduce-scatter each bucket into the rank's 1/dp grad shard after every backward (``no_sync()``
-does not defer them: keeping full grads across micro-batches would undo the grad sharding). Stage 3 also
-all-gathers parameters around every submodule (see ``zero3``).
+Collectives per backward: stage 0 all-reduces each bucket's grads over dp and stage 1 reduce-scatters them
+(none inside ``no_sync()``: grads accumulate in the full buffer); stages 2-3 reduce-scatter each bucket into
+the rank's 1/dp grad shard after every backward (``no_sync()`` does not defer them: keeping full grads
+across micro-batches would undo the grad sharding, so they accumulate in the shard, as in DeepSpeed). The
+transient full-size bucket of stages 2-3 is freed as soon as its reduce-scatter completes: at most two
+exist at once (one filling, one in flight), and none after backward. Stage 3 also all-gathers parameters
+around every submodule (see ``zero3``); at stages 1-2 the optimizer's updated shards are all-gathered after
+the step (with ``overlap_param_gather``, waited on by each module just before its next forward).
+
+Sharded construction: a module built on the meta device (``GPTModel`` with a ``ParallelState`` whose device
+is meta) is materialized here at stage 3, each rank writing only its shard from the parameters' init
+recipes (``tensor_parallel.initialization``), so the full model never exists on any rank.
 """
 from __future__ import annotations
 
@@ -25,6 +33,7 @@ from torch import nn
 from megatron_core.distributed.ddp_config import DistributedDataParallelConfig
 from megatron_core.distributed.param_and_grad_buffer import Bucket, BucketKind
 from megatron_core.distributed.zero3 import ParameterGatherer, plan_units
+from megatron_core.tensor_parallel.initialization import init_flat_values, materialize_
 from megatron_core.tensor_parallel.utils import group_size
 
 logger = logging.getLogger(__name__)
@@ -40,12 +49,14 @@ class DistributedDataParallel(nn.Module):
         config: bucket size, stage, overlap, grad dtype.
         dp_group: the group to reduce over (``state.dp_cp_group`` with context parallelism, else
             ``state.dp_group``); None means one rank.
+        device: where buffers live when the module is on the meta device (default: cuda for nccl, else cpu).
 
     Per-rank shapes: the wrapped module's forward is unchanged (stage 3 parameters are full while in use).
     Attributes not found on the wrapper are looked up on ``module``.
     """
 
-    def __init__(self, module: nn.Module, *, config: DistributedDataParallelConfig, dp_group) -> None:
+    def __init__(self, module: nn.Module, *, config: DistributedDataParallelConfig, dp_group,
+                 device: Optional[torch.device] = None) -> None:
         super().__init__()
         if not isinstance(config, DistributedDataParallelConfig):
             raise ValueError(f"config must be a DistributedDataParallelConfig, got {type(config).__name__}")
@@ -58,6 +69,8 @@ class DistributedDataParallel(nn.Module):
         self._grad_scale = 1.0 if config.average_in_collective else 1.0 / self.dp_size
         self._sync_enabled, self._next_launch, self._callback_queued = True, 0, False
         self.launch_log: list[int] = []  # bucket indices in launch order since the last zero_grad_buffer()
+        self._in_flight: list[Bucket] = []  # launched reduce-scatters of transient (stage 2-3) buckets
+        self.device = self._storage_device(device)
         self.buckets = self._build_buckets()
         self._param_to_bucket = {p: b for b in self.buckets for p in b.params}
         self._allocate_storage()
@@ -67,14 +80,18 @@ class DistributedDataParallel(nn.Module):
         if config.zero_stage == 3:
             units = {unit: [b for b in self.buckets if b.params[0] in set(params)]
                      for unit, params in self._units.items()}
-            self.gatherer = ParameterGatherer(module, units, backward_started=self._queue_backward_end)
+            self.gatherer = ParameterGatherer(module, units, backward_started=self._queue_backward_end,
+                                              reshard_after_forward=config.reshard_after_forward)
+        self._param_sync_hooks = self._install_param_sync_hooks() if config.overlap_param_gather else []
 
     # ----------------------------------------------------------------------------------------------------------
     # construction
     def _kind(self, param: nn.Parameter) -> BucketKind:
         grad_dtype = torch.float32 if self.config.grad_reduce_in_fp32 else param.dtype
-        shard_grads = self.config.zero_stage >= 2 and not any(getattr(param, t, False) for t in _FULL_GRAD_TAGS)
-        return BucketKind(param.dtype, grad_dtype, shard_grads)
+        full_grads = any(getattr(param, t, False) for t in _FULL_GRAD_TAGS)
+        stage = self.config.zero_stage
+        return BucketKind(param.dtype, grad_dtype, shard_grads=stage >= 2 and not full_grads,
+                          reduce_scatter=stage >= 1 and not full_grads)
 
     def _build_buckets(self) -> list[Bucket]:
         """Stages 0-2: greedy buckets of ``bucket_size`` elements over the parameters in reverse order.
@@ -99,7 +116,23 @@ class DistributedDataParallel(nn.Module):
                     groups.append((kind, open_groups.pop(kind)))
             groups.extend(open_groups.items())
         return [Bucket(index=i, kind=kind, params=params, dp_group=self.dp_group,
-                       shard_params=self.config.zero_stage == 3) for i, (kind, params) in enumerate(groups)]
+                       shard_params=self.config.zero_stage == 3, device=self.device) for i, (kind, params) in enumerate(groups)]
+
+    def _storage_device(self, device: Optional[torch.device]) -> torch.device:
+        """The device of the buffers; a meta-device module (sharded construction) needs stage 3."""
+        params = list(self.module.parameters())
+        on_meta = any(p.is_meta for p in params) or any(b.is_meta for b in self.module.buffers())
+        if not on_meta:
+            return device or (params[0].device if params else torch.device("cpu"))
+        if self.config.zero_stage != 3:
+            raise ValueError(f"the module has parameters on the meta device, which only zero_stage 3 materializes "
+                             f"(each rank its shard); got zero_stage {self.config.zero_stage}: build the model on "
+                             "a real device or use zero_stage=3 (--use-megatron-fsdp)")
+        if device is None:
+            nccl = self.dp_group is not None and dist.get_backend(self.dp_group) == "nccl"
+            device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        materialize_(self.module, device=device, skip={p for p in params if p.requires_grad})
+        return device
 
     def _allocate_storage(self) -> None:
         """One contiguous parameter buffer and one gradient buffer per bucket kind, cut into the buckets."""
@@ -107,14 +140,14 @@ class DistributedDataParallel(nn.Module):
         self.grad_buffers: dict[BucketKind, torch.Tensor] = {}
         for kind in dict.fromkeys(b.kind for b in self.buckets):
             buckets = [b for b in self.buckets if b.kind == kind]
-            device = buckets[0].device
+            device = self.device
             param_sizes = [b.shard_size if b.shard_params else b.numel for b in buckets]
             grad_sizes = [b.shard_size if kind.shard_grads else b.numel for b in buckets]
             params = torch.empty(sum(param_sizes), dtype=kind.param_dtype, device=device)
             grads = torch.zeros(sum(grad_sizes), dtype=kind.grad_dtype, device=device)
             self.param_buffers[kind], self.grad_buffers[kind] = params, grads
             for bucket, p_views, g_views in zip(buckets, params.split(param_sizes), grads.split(grad_sizes)):
-                bucket.attach_storage(p_views, g_views)
+                bucket.attach_storage(p_views, g_views, values=init_flat_values)
 
     # ----------------------------------------------------------------------------------------------------------
     # forward and attribute access
@@ -144,15 +177,36 @@ class DistributedDataParallel(nn.Module):
         if bucket.launched:
             if not bucket.kind.shard_grads:
                 raise RuntimeError(
-                    f"a grad arrived for bucket {bucket.index}, already all-reduced in this step: wrap all but the "
+                    f"a grad arrived for bucket {bucket.index}, already reduced in this step: wrap all but the "
                     "last micro-batch's backward in no_sync(), or call finish_grad_sync() and zero_grad_buffer() "
                     "between steps")
-            bucket.wait_grad_sync()
+            self._retire(bucket)
         if bucket.add_grad(param):
             if self.gatherer is not None:
-                bucket.release_params()
+                self.gatherer.on_bucket_grads_done(bucket)
             if self.config.overlap_grad_reduce:
                 self._launch_in_order(force=False)
+        self._retire_completed()
+
+    def _retire(self, bucket: Bucket) -> None:
+        """Waits for ``bucket``'s reduce-scatter; its transient full-size grads are freed."""
+        bucket.wait_grad_sync()
+        if bucket in self._in_flight:
+            self._in_flight.remove(bucket)
+
+    def _retire_completed(self) -> None:
+        """Frees the transient buckets whose reduce-scatter has completed (keeps the launch order)."""
+        while self._in_flight and (self._in_flight[0]._grad_work is None
+                                   or self._in_flight[0]._grad_work.is_completed()):
+            self._retire(self._in_flight[0])
+
+    def _launch(self, bucket: Bucket) -> None:
+        bucket.launch_grad_sync(scale=self._grad_scale, op=self._reduce_op)
+        self.launch_log.append(bucket.index)
+        if bucket.kind.shard_grads:  # one reduce-scatter in flight: waiting for older ones bounds the memory
+            for older in list(self._in_flight):
+                self._retire(older)
+            self._in_flight.append(bucket)
 
     def _launch_in_order(self, *, force: bool) -> None:
         """Launches buckets from the next unlaunched one while they are ready (all, with ``force``; buckets
@@ -163,14 +217,15 @@ class DistributedDataParallel(nn.Module):
             if may_launch and not (bucket.ready or force):
                 return
             if may_launch and bucket.dirty and not bucket.launched:
-                bucket.launch_grad_sync(scale=self._grad_scale, op=self._reduce_op)
-                self.launch_log.append(bucket.index)
+                self._launch(bucket)
             self._next_launch += 1
 
     def _on_backward_end(self) -> None:
         self._callback_queued = False
         self._launch_in_order(force=True)
         self._next_launch = 0
+        for bucket in list(self._in_flight):  # no full-size grads outlive the backward
+            self._retire(bucket)
         for bucket in self.buckets:
             if not bucket.launched:
                 bucket.reset_pending()
@@ -190,8 +245,7 @@ class DistributedDataParallel(nn.Module):
         """Launches the collective of every bucket holding unreduced grads (in bucket order)."""
         for bucket in self.buckets:
             if bucket.dirty and not bucket.launched:
-                bucket.launch_grad_sync(scale=self._grad_scale, op=self._reduce_op)
-                self.launch_log.append(bucket.index)
+                self._launch(bucket)
 
     def finish_grad_sync(self) -> None:
         """Launches what is left and waits for every bucket's collective. Afterwards each rank holds the
@@ -199,38 +253,55 @@ class DistributedDataParallel(nn.Module):
         self.start_grad_sync()
         for bucket in self.buckets:
             bucket.wait_grad_sync()
-        self._next_launch = 0
+        self._in_flight, self._next_launch = [], 0
 
     def zero_grad_buffer(self) -> None:
         """Zeros every grad buffer and shard (call once per step, before the first micro-batch)."""
         for bucket in self.buckets:
             bucket.wait_grad_sync()
             bucket.zero_grad()
-        self._next_launch, self.launch_log = 0, []
+        self._in_flight, self._next_launch, self.launch_log = [], 0, []
         for param in self.module.parameters():
             param.grad = None
 
     # ----------------------------------------------------------------------------------------------------------
     # parameters
     def start_param_sync(self) -> None:
-        """Stages 1-2: all-gathers the optimizer's updated shards into the full parameters."""
+        """Stages 1-2: starts the all-gather of the optimizer's updated shards into the full parameters."""
         for bucket in self.buckets:
             bucket.start_param_sync()
 
     def finish_param_sync(self) -> None:
+        """Waits for every parameter all-gather (with ``overlap_param_gather`` the forward waits per module)."""
         for bucket in self.buckets:
             bucket.wait_param_sync()
+
+    def _install_param_sync_hooks(self) -> list:
+        """Forward pre-hooks that wait, just before a module's first use, for the gather of its buckets."""
+        if self.config.zero_stage not in (1, 2):
+            return []
+        handles = []
+        for module in self.module.modules():
+            buckets = list(dict.fromkeys(self._param_to_bucket[p] for p in module.parameters(recurse=False)
+                                         if p in self._param_to_bucket))
+            if buckets:
+                def wait(_module, _args, buckets=buckets) -> None:
+                    for bucket in buckets:
+                        bucket.wait_param_sync()
+                handles.append(module.register_forward_pre_hook(wait))
+        return handles
 
     @contextlib.contextmanager
     def gathered_parameters(self) -> Iterator[None]:
         """Stage 3: every parameter is full inside the context (e.g. for export); a no-op otherwise."""
+        self.finish_param_sync()
         for bucket in self.buckets:
             bucket.wait_gather()
         try:
             yield
         finally:
-            for bucket in self.buckets:
-                bucket.release_params()
+            if self.gatherer is not None:
+                self.gatherer.release_all()
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """The wrapped module's state dict (no ``module.`` prefix) with full tensors at every stage."""

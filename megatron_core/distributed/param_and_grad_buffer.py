@@ -5,19 +5,25 @@ a multiple of dp so that it splits evenly). Dp rank r owns the shard ``[r * nume
 
 Storage, per rank (``numel`` elements of the bucket, ``shard = numel / dp``):
 
-| stage | parameters                    | gradients                                              |
-| ----- | ----------------------------- | ------------------------------------------------------ |
-| 0, 1  | full ``[numel]`` (views)      | full ``[numel]``; all-reduced                          |
-| 2     | full ``[numel]`` (views)      | ``[shard]``; a transient ``[numel]`` is reduce-scattered |
-| 3     | ``[shard]``; all-gathered     | as stage 2                                             |
+| stage | parameters                          | gradients                                                    |
+| ----- | ----------------------------------- | ------------------------------------------------------------ |
+| 0     | full ``[numel]`` (views)            | full ``[numel]``; all-reduced                                |
+| 1     | full ``[numel]`` (views)            | full ``[numel]``; reduce-scattered, the shard is used        |
+| 2     | full ``[numel]`` (views)            | ``[shard]``; a transient ``[numel]`` is reduce-scattered and freed |
+| 3     | ``[shard]``; a transient ``[numel]`` all-gathered, freed | as stage 2                           |
 
-Parameters tagged ``sequence_parallel`` or ``shared_embedding`` keep full (all-reduced) gradients at every
-stage, because ``finalize_model_grads`` all-reduces their whole grad over tp or the embedding group.
+Freeing is real: the transient full gradient bucket is dropped as soon as its reduce-scatter completes, and
+the stage-3 gathered buffer releases its *storage* (``untyped_storage().resize_(0)``, as FSDP does), so the
+views of it that autograd saved for backward (``weight.t()`` of ``F.linear``) hold no memory either; the
+next gather resizes the same storage and fills it again, so those saved views see the parameters again.
+
+Parameters tagged ``sequence_parallel`` or ``shared_embedding`` keep full gradients at every stage, because
+``finalize_model_grads`` all-reduces their whole grad over tp or the embedding group.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -28,15 +34,30 @@ from megatron_core.tensor_parallel.utils import group_rank, group_size
 
 @dataclasses.dataclass(frozen=True)
 class BucketKind:
-    """What a bucket stores: parameter dtype, gradient dtype and whether its grads are reduce-scattered."""
+    """What a bucket stores: parameter dtype, gradient dtype, whether only the grad shard is kept, and whether
+    the grads are reduce-scattered (ZeRO 1-3) rather than all-reduced."""
 
     param_dtype: torch.dtype
     grad_dtype: torch.dtype
     shard_grads: bool
+    reduce_scatter: bool = False
 
 
 def _empty(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.empty(0, dtype=dtype, device=device)
+
+
+def free_storage(tensor: torch.Tensor) -> None:
+    """Releases the memory behind ``tensor`` and every view of it (the tensor keeps its shape)."""
+    if tensor.untyped_storage().nbytes() > 0:
+        tensor.untyped_storage().resize_(0)
+
+
+def allocate_storage(tensor: torch.Tensor) -> None:
+    """Gives a tensor freed by ``free_storage`` its memory back (contents undefined)."""
+    nbytes = tensor.numel() * tensor.element_size()
+    if tensor.untyped_storage().nbytes() != nbytes:
+        tensor.untyped_storage().resize_(nbytes)
 
 
 class Bucket:
@@ -48,14 +69,15 @@ class Bucket:
         params: the bucket's parameters, laid out in this order.
         dp_group: the data-parallel group (None: one rank).
         shard_params: ZeRO-3: keep only this rank's shard of the parameters.
+        device: where the storage lives (default: the device of the first parameter).
     """
 
     def __init__(self, *, index: int, kind: BucketKind, params: list[nn.Parameter], dp_group,
-                 shard_params: bool) -> None:
+                 shard_params: bool, device: Optional[torch.device] = None) -> None:
         self.index, self.kind, self.params, self.dp_group = index, kind, list(params), dp_group
         self.dp_size, self.dp_rank = group_size(dp_group), group_rank(dp_group)
-        self.shard_params = shard_params
-        self.device = self.params[0].device
+        self.shard_params, self.reduce_scatter = shard_params, kind.reduce_scatter or kind.shard_grads
+        self.device = device if device is not None else self.params[0].device
         self.shapes = {p: p.shape for p in self.params}
         self.ranges: dict[nn.Parameter, tuple[int, int]] = {}
         offset = 0
@@ -65,30 +87,44 @@ class Bucket:
         self.numel = -(-offset // self.dp_size) * self.dp_size
         self.shard_size = self.numel // self.dp_size
         self.shard_lo = self.dp_rank * self.shard_size
-        self.param_data: Optional[torch.Tensor] = None   # [numel] (stages 0-2)
+        self.param_data: Optional[torch.Tensor] = None   # [numel]: the buffer view (stages 0-2), or the
+        #                                                  gathered buffer, storage freed when released (stage 3)
         self.param_shard: Optional[torch.Tensor] = None  # [shard]: a view of param_data, or own storage (stage 3)
         self.grad_data: Optional[torch.Tensor] = None    # [numel]: buffer view, or transient (sharded grads)
         self.grad_shard: Optional[torch.Tensor] = None   # [shard]
         self._pending = set(self.params)
         self.dirty = False      # grads were added since the last launch
         self.launched = False
-        self._grad_work = self._recv = self._param_work = self._gather_work = self._gathered_data = None
+        self.gathered = not shard_params  # stage 3: the full parameters are in param_data
+        self._grad_work = self._recv = self._param_work = self._gather_work = None
+
+    @property
+    def param_bytes(self) -> int:
+        """Bytes of the full (gathered) parameters of this bucket."""
+        return self.numel * self.kind.param_dtype.itemsize
 
     # ----------------------------------------------------------------------------------------------------------
     # storage
-    def attach_storage(self, param_storage: torch.Tensor, grad_storage: torch.Tensor) -> None:
+    def attach_storage(self, param_storage: torch.Tensor, grad_storage: torch.Tensor, *,
+                       values: Optional[Callable[[nn.Parameter, int, int], torch.Tensor]] = None) -> None:
         """Moves the parameters into ``param_storage`` (``[numel]``, or ``[shard]`` at stage 3) and points
-        ``main_grad`` into ``grad_storage`` (``[numel]``, or ``[shard]`` for sharded grads)."""
-        flat = torch.zeros(self.numel, dtype=self.kind.param_dtype, device=self.device)
-        for param, (lo, hi) in self.ranges.items():
-            flat[lo:hi].copy_(param.data.reshape(-1))
+        ``main_grad`` into ``grad_storage`` (``[numel]``, or ``[shard]`` for sharded grads).
+
+        ``values(param, lo, hi)`` (stage 3) returns the flat elements ``[lo, hi)`` of a parameter's initial
+        value, for parameters never materialized (meta device); by default they are read from the parameter.
+        At stage 3 only this rank's shard is ever written: no full-size buffer is allocated here.
+        """
         shard = slice(self.shard_lo, self.shard_lo + self.shard_size)
         if self.shard_params:
-            param_storage.copy_(flat[shard])
-            self.param_shard = param_storage
+            values = values or (lambda param, lo, hi: param.data.reshape(-1)[lo:hi])
+            param_storage.zero_()
+            for param, p_lo, p_hi, s_lo, s_hi in self.shard_pieces():
+                param_storage[s_lo:s_hi].copy_(values(param, p_lo, p_hi))
+            self.param_shard = param_storage  # param_data is allocated by the first gather
+            self.gathered = True
             self.release_params()
         else:
-            param_storage.copy_(flat)
+            param_storage.copy_(self._flat_params())
             self.param_data, self.param_shard = param_storage, param_storage[shard]
             self._point_params_at(param_storage)
         if self.kind.shard_grads:
@@ -98,6 +134,12 @@ class Bucket:
         else:
             self.grad_data, self.grad_shard = grad_storage, grad_storage[shard]
             self._point_main_grads_at(grad_storage)
+
+    def _flat_params(self) -> torch.Tensor:
+        flat = torch.zeros(self.numel, dtype=self.kind.param_dtype, device=self.device)
+        for param, (lo, hi) in self.ranges.items():
+            flat[lo:hi].copy_(param.data.reshape(-1))
+        return flat
 
     def _point_params_at(self, data: torch.Tensor) -> None:
         for param, (lo, hi) in self.ranges.items():
@@ -132,17 +174,22 @@ class Bucket:
     def ready(self) -> bool:
         return not self._pending
 
+    @property
+    def holds_transient_grads(self) -> bool:
+        """A full-size gradient bucket exists that only lives until its reduce-scatter completes."""
+        return self.kind.shard_grads and self.grad_data is not None
+
     def reset_pending(self) -> None:
         self._pending = set(self.params)
 
     def launch_grad_sync(self, *, scale: float, op) -> None:
-        """Starts the asynchronous all-reduce (full grads) or reduce-scatter (sharded grads) over dp."""
+        """Starts the asynchronous all-reduce (ZeRO-0) or reduce-scatter (ZeRO 1-3) of the grads over dp."""
         assert not self.launched, f"bucket {self.index} launched twice"
         if self.grad_data is None:
             self.grad_data = torch.zeros(self.numel, dtype=self.kind.grad_dtype, device=self.device)
         if scale != 1.0:
             self.grad_data.mul_(scale)
-        if self.kind.shard_grads:
+        if self.reduce_scatter:
             self._recv = torch.empty(self.shard_size, dtype=self.kind.grad_dtype, device=self.device)
             if self.dp_size == 1:
                 self._recv.copy_(self.grad_data)
@@ -154,17 +201,20 @@ class Bucket:
         self.launched, self.dirty = True, False
 
     def wait_grad_sync(self) -> None:
-        """Waits for the launched collective; sharded grads are added to the shard and the transient freed."""
+        """Waits for the launched collective. Reduce-scattered grads land in the shard: added to it (sharded
+        grads, accumulating over micro-batches; the transient full bucket is freed) or written into it."""
         if not self.launched:
             return
         if self._grad_work is not None:
             self._grad_work.wait()
         if self.kind.shard_grads:
             self.grad_shard.add_(self._recv)
-            self.grad_data = self._recv = None
+            self.grad_data = None
             for param in self.params:
                 param.main_grad = None
-        self._grad_work, self.launched = None, False
+        elif self.reduce_scatter:
+            self.grad_shard.copy_(self._recv)
+        self._grad_work, self._recv, self.launched = None, None, False
         self.reset_pending()
 
     def zero_grad(self) -> None:
@@ -182,11 +232,12 @@ class Bucket:
         self.reset_pending()
 
     # ----------------------------------------------------------------------------------------------------------
-    # parameters
+    # parameters, stages 1-2: the updated shards are all-gathered after the optimizer step
     def start_param_sync(self) -> None:
         """Stages 1-2: all-gathers the updated shards into the full parameters (asynchronous)."""
         if self.shard_params or self.dp_size == 1:
             return
+        self.wait_param_sync()
         self._param_work = dist.all_gather_single(self.param_data, self.param_shard.clone(),
                                                   group=self.dp_group, async_op=True)
 
@@ -196,18 +247,28 @@ class Bucket:
             self._param_work = None
 
     @property
-    def gathered(self) -> bool:
-        return not self.shard_params or self.param_data is not None
+    def param_sync_pending(self) -> bool:
+        return self._param_work is not None
+
+    # ----------------------------------------------------------------------------------------------------------
+    # parameters, stage 3: gathered on demand into param_data, whose storage is freed when released
+    @property
+    def gather_in_flight(self) -> bool:
+        return self._gather_work is not None
 
     def start_gather(self) -> None:
         """Stage 3: starts the all-gather of the full parameters (a no-op if gathered or in flight)."""
-        if self.gathered or self._gather_work is not None or self._gathered_data is not None:
+        if self.gathered or self._gather_work is not None:
             return
-        self._gathered_data = torch.empty(self.numel, dtype=self.kind.param_dtype, device=self.device)
-        if self.dp_size == 1:
-            self._gathered_data.copy_(self.param_shard)
+        if self.param_data is None:
+            self.param_data = torch.empty(self.numel, dtype=self.kind.param_dtype, device=self.device)
         else:
-            self._gather_work = dist.all_gather_single(self._gathered_data, self.param_shard,
+            allocate_storage(self.param_data)
+        if self.dp_size == 1:
+            self.param_data.copy_(self.param_shard)
+            self._gather_work = _Done()
+        else:
+            self._gather_work = dist.all_gather_single(self.param_data, self.param_shard,
                                                        group=self.dp_group, async_op=True)
 
     def wait_gather(self) -> None:
@@ -215,20 +276,23 @@ class Bucket:
         if self.gathered:
             return
         self.start_gather()
-        if self._gather_work is not None:
-            self._gather_work.wait()
-        self.param_data, self._gathered_data, self._gather_work = self._gathered_data, None, None
+        self._gather_work.wait()
+        self._gather_work, self.gathered = None, True
         self._point_params_at(self.param_data)
 
     def release_params(self) -> None:
-        """Stage 3: frees the full parameters (each ``param.data`` becomes an empty tensor)."""
+        """Stage 3: frees the full parameters (their storage; each ``param.data`` becomes an empty tensor)."""
         if not self.shard_params:
             return
         if self._gather_work is not None:  # a prefetch nobody used: finish it to keep the collectives paired
             self._gather_work.wait()
-        self.param_data = self._gathered_data = self._gather_work = None
+            self._gather_work = None
+        if self.param_data is not None:
+            free_storage(self.param_data)
         for param in self.params:
-            param.data = _empty(self.kind.param_dtype, self.device)
+            if param.numel():
+                param.data = _empty(self.kind.param_dtype, self.device)
+        self.gathered = False
 
     def load_full(self, param: nn.Parameter, full: torch.Tensor) -> None:
         """Stage 3: writes this rank's shard of ``full`` (the whole parameter) into the shard storage."""
@@ -237,5 +301,12 @@ class Bucket:
         for piece_param, p_lo, p_hi, s_lo, s_hi in self.shard_pieces():
             if piece_param is param:
                 self.param_shard[s_lo:s_hi].copy_(flat[p_lo:p_hi])
-        if self.param_data is not None:
+        if self.gathered:
             self.param_data[lo:hi].copy_(flat)
+
+
+class _Done:
+    """A finished piece of work (a dp of one needs no collective)."""
+
+    def wait(self) -> bool:
+        return True

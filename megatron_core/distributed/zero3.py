@@ -3,18 +3,24 @@
 A *unit* is a module that owns parameters directly (``module.parameters(recurse=False)``); its parameters form
 its buckets. The wrapped root module is always a unit and also owns every *tied* parameter: one registered in
 more than one module, or tagged ``shared_embedding`` (GPTModel's output layer reads the embedding weight
-through a forward argument). Tied parameters therefore stay gathered for the whole forward and backward.
+through a forward argument). Tied parameters therefore stay gathered for the whole forward and for the whole
+backward of one micro-batch (FSDP2 keeps its root unit gathered the same way).
 
 Forward: a pre-hook all-gathers the unit (waiting for a prefetch already in flight) and starts the
-all-gather of the unit that ran next in the previous forward; a post-hook frees the unit and registers a
-hook on its outputs. Backward: that output hook gathers the unit again before its backward runs and
-prefetches the unit that ran before it in this forward; a unit is freed as soon as all its parameters'
-grads are accumulated (``DistributedDataParallel`` calls ``on_bucket_grads_done``), and whatever is still
-gathered when backward ends is freed then. A parameter that a unit returns (a bias under ``skip_bias_add``)
-is used by the caller: its bucket (stage-3 buckets keep 1-D and other parameters apart) then stays gathered
-until the root's forward ends and is gathered again when the root's backward starts. A module called twice is gathered twice in forward and once in
-backward (its grads accumulate once). All ranks issue the same collectives in the same order, because the
-hooks fire in the same order on every dp rank.
+all-gather of the unit that ran next in the previous forward; a post-hook frees the unit (with
+``reshard_after_forward``) and registers a hook on its outputs. Backward: that output hook gathers the unit
+again before its backward runs and prefetches the unit that ran before it in the forward; a unit is freed as
+soon as all its parameters' grads are accumulated (``on_bucket_grads_done``), and whatever is still gathered
+when backward ends is freed then. Freeing releases the gathered storage itself (``Bucket.release_params``), so
+the views autograd saved for backward hold no memory; the backward gather refills the same storage.
+
+Besides the root, at most ``max_live_units`` (2) units are gathered at once: a prefetch that would exceed it
+is skipped. Under activation recompute the recomputing forward gathers and frees each unit as a forward does
+(without prefetching), and the backward gathers it again. A parameter that a unit returns (a bias under
+``skip_bias_add``) is used by the caller: its bucket (stage-3 buckets keep 1-D and other parameters apart)
+stays gathered until the root's forward ends and is gathered again when the root's backward starts. A module
+called twice is gathered twice in forward and once in backward (its grads accumulate once). All ranks issue
+the same collectives in the same order, because the hooks fire in the same order on every dp rank.
 """
 from __future__ import annotations
 
@@ -66,14 +72,20 @@ class ParameterGatherer:
         root: the wrapped module (the first unit).
         unit_buckets: each unit and its buckets (one per bucket kind).
         backward_started: called from the first backward hook (queues the end-of-backward callback).
+        reshard_after_forward: free each unit after its forward (else after its grads are reduced).
+        max_live_units: units (besides the root) gathered or being gathered at once; prefetches beyond it wait.
     Collectives: all-gather over dp of each unit's shards in forward and again in backward.
     """
 
     def __init__(self, root: nn.Module, unit_buckets: dict[nn.Module, list[Bucket]], *,
-                 backward_started: Callable[[], None]) -> None:
+                 backward_started: Callable[[], None], reshard_after_forward: bool = True,
+                 max_live_units: int = 2) -> None:
         self.root, self.unit_buckets, self._backward_started = root, unit_buckets, backward_started
+        self.reshard_after_forward, self.max_live_units = reshard_after_forward, max_live_units
+        self.bucket_unit = {bucket: unit for unit, buckets in unit_buckets.items() for bucket in buckets}
         self.in_backward = False
         self.deferred: set[Bucket] = set()  # buckets whose params a unit returned: kept until the root's end
+        self._live: set[Bucket] = set()     # buckets of non-root units gathered or in flight
         self._order: list[nn.Module] = []       # units in the order their forward ran (this forward)
         self._last_order: list[nn.Module] = []  # ... in the previous forward (forward prefetch)
         self._handles: list[RemovableHandle] = []
@@ -81,27 +93,52 @@ class ParameterGatherer:
             self._handles.append(unit.register_forward_pre_hook(self._pre_forward))
             self._handles.append(unit.register_forward_hook(self._post_forward))
 
-    def _gather(self, unit: nn.Module) -> None:
+    # ----------------------------------------------------------------------------------------------------------
+    # gather, prefetch, release
+    def live_units(self) -> set[nn.Module]:
+        """Units other than the root whose parameters are gathered or being gathered."""
+        return {self.bucket_unit[b] for b in self._live}
+
+    def _start(self, unit: nn.Module) -> None:
         for bucket in self.unit_buckets[unit]:
             bucket.start_gather()
+            if unit is not self.root and bucket not in self.deferred:
+                self._live.add(bucket)
+
+    def _gather(self, unit: nn.Module) -> None:
+        self._start(unit)
         for bucket in self.unit_buckets[unit]:
             bucket.wait_gather()
 
     def _prefetch(self, unit: Optional[nn.Module]) -> None:
-        if unit is not None:
-            for bucket in self.unit_buckets[unit]:
-                bucket.start_gather()
+        if unit is None or unit is self.root:
+            return
+        live = self.live_units()
+        if unit not in live and len(live) < self.max_live_units:
+            self._start(unit)
+
+    def release_bucket(self, bucket: Bucket) -> None:
+        """Frees one bucket's gathered parameters (unless the caller of its unit still uses them)."""
+        if bucket not in self.deferred:
+            bucket.release_params()
+            self._live.discard(bucket)
 
     def _release(self, unit: nn.Module) -> None:
         for bucket in self.unit_buckets[unit]:
-            if bucket not in self.deferred:
-                bucket.release_params()
+            self.release_bucket(bucket)
 
+    def on_bucket_grads_done(self, bucket: Bucket) -> None:
+        """Every parameter of ``bucket`` has its grad for this backward: no use of it is left, free it."""
+        bucket.release_params()
+        self._live.discard(bucket)
+
+    # ----------------------------------------------------------------------------------------------------------
+    # hooks
     def _pre_forward(self, unit: nn.Module, args: Any) -> None:
         if unit is self.root and not self.in_backward:
             self._last_order, self._order = (self._order or self._last_order), []
         self._gather(unit)
-        if not self.in_backward:
+        if not self.in_backward:  # a recomputing forward (inside backward) runs in reverse layer order
             self._order.append(unit)
             position = len(self._order)
             self._prefetch(self._last_order[position] if position < len(self._last_order) else None)
@@ -112,12 +149,15 @@ class ParameterGatherer:
         for bucket in self.unit_buckets[unit]:
             if any(id(p) in returned for p in bucket.params):
                 self.deferred.add(bucket)  # e.g. a bias returned by skip_bias_add, used by the caller
-        if torch.is_grad_enabled():
+                self._live.discard(bucket)
+        grad_enabled = torch.is_grad_enabled()
+        if grad_enabled:
             for tensor in outputs:
                 if tensor.requires_grad and not isinstance(tensor, nn.Parameter):
                     tensor.register_hook(lambda grad, unit=unit: self._pre_backward(unit))
-        self._release(unit)
-        if unit is self.root:
+        if self.reshard_after_forward or not grad_enabled:
+            self._release(unit)
+        if unit is self.root and (self.reshard_after_forward or not grad_enabled):
             for bucket in self.deferred:
                 bucket.release_params()
 
@@ -138,9 +178,14 @@ class ParameterGatherer:
 
     def on_backward_end(self) -> None:
         """Frees every unit still gathered (e.g. parameters that received no grad)."""
-        for unit in self.unit_buckets:
-            for bucket in self.unit_buckets[unit]:
+        self.release_all()
+
+    def release_all(self) -> None:
+        """Frees every gathered unit."""
+        for buckets in self.unit_buckets.values():
+            for bucket in buckets:
                 bucket.release_params()
+        self._live.clear()
         self.in_backward = False
 
     def remove_hooks(self) -> None:

@@ -14,23 +14,13 @@ from megatron_core.tensor_parallel import (
     scatter_to_sequence_parallel_region,
     set_tensor_model_parallel_attributes,
 )
+from megatron_core.tensor_parallel.initialization import init_param_, padded_vocab_init
 from megatron_core.transformer.block import seeded_init
+
+__all__ = ["LanguageModelEmbedding", "padded_vocab_init"]
 
 WORD_EMBEDDING_SEED_OFFSET = 0
 POSITION_EMBEDDING_SEED_OFFSET = 1
-
-
-def padded_vocab_init(std: float, vocab_size: int):
-    """Initializes the first ``vocab_size`` rows ``N(0, std^2)`` and the padding rows to zero.
-
-    The draws depend only on the true vocab, so the weight is the same whatever padding tp requires.
-    """
-    def init(weight: torch.Tensor) -> torch.Tensor:
-        with torch.no_grad():
-            weight[:vocab_size].normal_(0.0, std)
-            weight[vocab_size:].zero_()
-        return weight
-    return init
 
 
 class LanguageModelEmbedding(nn.Module):
@@ -52,12 +42,11 @@ class LanguageModelEmbedding(nn.Module):
                 device=parallel_state.device, reduce_scatter_embeddings=config.sequence_parallel)
         self.position_embeddings = None
         if config.position_embedding_type == "learned_absolute":
+            shape = (max_sequence_length, config.hidden_size)
+            self.position_embeddings = nn.Embedding(*shape, _weight=torch.empty(
+                shape, dtype=config.params_dtype, device=parallel_state.device))
             with seeded_init(base_seed, POSITION_EMBEDDING_SEED_OFFSET):
-                master = init_method_normal(config.init_method_std)(torch.empty(max_sequence_length, config.hidden_size))
-            self.position_embeddings = nn.Embedding(max_sequence_length, config.hidden_size,
-                                                    dtype=config.params_dtype, device=parallel_state.device)
-            with torch.no_grad():
-                self.position_embeddings.weight.copy_(master)
+                init_param_(self.position_embeddings.weight, shape, init_method=init_method_normal(config.init_method_std))
             set_tensor_model_parallel_attributes(self.position_embeddings.weight, is_parallel=False, dim=-1, stride=1)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:

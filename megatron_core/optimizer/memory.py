@@ -1,29 +1,48 @@
-"""``memory_report``: per-rank bytes of the model states (parameters, gradients, master weights, optimizer
-states), the quantities the ZeRO paper counts (transient gathered parameters and grad buckets excluded)."""
+"""Per-rank memory of the model states: ``memory_report`` (the bytes the ZeRO paper counts, next to what a
+``LiveMemoryTracker`` measured in a real run) and ``memory_categories`` (which live tensors are which)."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence, Union
+from typing import Iterator, Optional, Sequence, Union
 
+import torch
 from torch import nn
 
 from megatron_core.distributed import DistributedDataParallel
 from megatron_core.optimizer.optimizer import MegatronOptimizer
+from megatron_core.utils.live_memory import LiveMemoryTracker, peak_rss_bytes
+
+CATEGORIES = ("parameters", "gathered_parameters", "gradients", "grad_buckets", "master_weights",
+              "optimizer_states", "activations")
 
 
 @dataclasses.dataclass(frozen=True)
 class MemoryReport:
-    """Bytes held by this rank. With CPU offload, master weights and optimizer states are on the host."""
+    """Bytes held by this rank. With CPU offload, master weights and optimizer states are on the host.
+
+    ``parameters`` ... ``optimizer_states`` are the persistent model states (transient gathered parameters
+    and gradient buckets excluded). ``measured_peak`` (when a tracker was given) is the largest live tensor
+    total of the tracked run and ``measured_breakdown`` its split over ``CATEGORIES`` at that moment;
+    ``measured_peak_by_category`` the largest bytes of each category; ``peak_rss`` the process's peak RSS.
+    """
 
     parameters: int
     gradients: int
     master_weights: int
     optimizer_states: int
     offloaded: bool = False
+    measured_peak: Optional[int] = None
+    measured_breakdown: Optional[dict[str, int]] = None
+    measured_peak_by_category: Optional[dict[str, int]] = None
+    peak_rss: Optional[int] = None
 
     @property
     def total(self) -> int:
         return self.parameters + self.gradients + self.master_weights + self.optimizer_states
+
+
+def _chunks(model: Union[nn.Module, Sequence[nn.Module]]) -> list[nn.Module]:
+    return [model] if isinstance(model, nn.Module) else list(model)
 
 
 def _chunk_bytes(chunk: nn.Module) -> tuple[int, int]:
@@ -39,14 +58,52 @@ def _chunk_bytes(chunk: nn.Module) -> tuple[int, int]:
     return params, grads
 
 
-def memory_report(model: Union[nn.Module, Sequence[nn.Module]], optimizer: MegatronOptimizer) -> MemoryReport:
+def memory_categories(model: Union[nn.Module, Sequence[nn.Module]],
+                      optimizer: Optional[MegatronOptimizer] = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(category, tensor)`` for every model-state tensor alive now (for ``LiveMemoryTracker``): persistent
+    buffers, stage-3 gathered parameters, transient grad buckets and autograd's ``.grad`` before it moves
+    into a bucket, fp32 masters and optimizer states. Everything else a run holds is activations."""
+    for chunk in _chunks(model):
+        if isinstance(chunk, DistributedDataParallel):
+            yield from (("parameters", t) for t in chunk.param_buffers.values())
+            yield from (("gradients", t) for t in chunk.grad_buffers.values())
+            for bucket in chunk.buckets:
+                if bucket.shard_params and bucket.param_data is not None:
+                    yield "gathered_parameters", bucket.param_data
+                if bucket.holds_transient_grads:
+                    yield "grad_buckets", bucket.grad_data
+            module = chunk.module
+        else:
+            module = chunk
+        for param in module.parameters():
+            if param.grad is not None:
+                yield ("grad_buckets" if isinstance(chunk, DistributedDataParallel) else "gradients"), param.grad
+            if param.numel() and not isinstance(chunk, DistributedDataParallel):
+                yield "parameters", param
+    if optimizer is not None:
+        for piece in optimizer.pieces:
+            if not piece.aliased:
+                yield "master_weights", piece.master
+        if optimizer.optimizer is not None:
+            for state in optimizer.optimizer.state.values():
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor) and key != "step":
+                        yield "optimizer_states", value
+
+
+def memory_report(model: Union[nn.Module, Sequence[nn.Module]], optimizer: MegatronOptimizer, *,
+                  tracker: Optional[LiveMemoryTracker] = None) -> MemoryReport:
     """Per-rank model-state bytes of ``model`` (a module or model chunks, possibly DDP-wrapped) and
-    ``optimizer`` (master weights that alias fp32 model storage count as parameters only)."""
-    chunks = [model] if isinstance(model, nn.Module) else list(model)
+    ``optimizer`` (master weights that alias fp32 model storage count as parameters only); with ``tracker``
+    (a ``LiveMemoryTracker`` that ran over training steps) also the measured peaks and the peak RSS."""
     params = grads = 0
-    for chunk in chunks:
+    for chunk in _chunks(model):
         chunk_params, chunk_grads = _chunk_bytes(chunk)
         params, grads = params + chunk_params, grads + chunk_grads
+    measured = {}
+    if tracker is not None:
+        measured = dict(measured_peak=tracker.peak_total, measured_breakdown=dict(tracker.peak_breakdown),
+                        measured_peak_by_category=dict(tracker.peak_by_category), peak_rss=peak_rss_bytes())
     return MemoryReport(parameters=params, gradients=grads, master_weights=optimizer.master_weight_bytes(),
                         optimizer_states=optimizer.optimizer_state_bytes(),
-                        offloaded=optimizer.config.optimizer_cpu_offload)
+                        offloaded=optimizer.config.optimizer_cpu_offload, **measured)

@@ -145,6 +145,7 @@ class MegatronOptimizer:
         """
         for chunk in self.ddp_chunks:
             chunk.finish_grad_sync()  # a no-op after finalize_model_grads
+            chunk.finish_param_sync()  # the previous step's gather (overlap_param_gather) must not land late
         grads = self._prepare_master_grads()
         if self.grad_scaler is not None:
             torch._foreach_mul_(grads, 1.0 / self.grad_scaler.scale)
@@ -174,7 +175,8 @@ class MegatronOptimizer:
         for chunk in self.ddp_chunks:
             chunk.start_param_sync()
         for chunk in self.ddp_chunks:
-            chunk.finish_param_sync()
+            if not chunk.config.overlap_param_gather:  # else each module waits just before its next forward
+                chunk.finish_param_sync()
 
     @torch.no_grad()
     def reload_model_params(self) -> None:

@@ -1,9 +1,10 @@
 """Tensor-parallel layers of Megatron-LM (arXiv 1909.08053): column- and row-parallel linear layers and the
 vocab-parallel embedding, with the sequence-parallel variants of arXiv 2205.05198.
 
-Initialization is layout-independent: each layer draws the *full* weight from the default CPU generator
-(so the same seed gives the same full weight at any tp) and keeps its shard. That costs one full fp32
-weight of host memory per rank while the layer is built, as Megatron's ``use_cpu_initialization`` does.
+Initialization is layout-independent: each weight draws one seed from the default CPU generator and every
+row of the full weight is drawn from that seed and its row number (``initialization``), so the same seed gives
+the same full weight at any tp, and each rank computes only its own rows. On the meta device nothing is
+drawn: the recipe is kept for ZeRO-3's sharded construction.
 
 Every parameter records how it is split: ``tensor_model_parallel`` (bool), ``partition_dim`` (the dim cut
 over tp ranks, -1 when replicated) and ``partition_stride`` (the number of interleaved blocks per shard, as
@@ -13,13 +14,20 @@ all-reduced over tp.
 """
 from __future__ import annotations
 
-import math
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megatron_core.tensor_parallel.initialization import (
+    InitMethod,
+    InitRecipe,
+    init_method_constant,
+    init_method_normal,
+    init_param_,
+    scaled_init_method_normal,
+)
 from megatron_core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_tensor_model_parallel_region,
@@ -29,19 +37,6 @@ from megatron_core.tensor_parallel.mappings import (
 )
 from megatron_core.tensor_parallel.sequence_parallel_linear import sequence_parallel_linear
 from megatron_core.tensor_parallel.utils import check_ids_in_range, divide, group_rank, group_size, vocab_range
-
-InitMethod = Callable[[torch.Tensor], torch.Tensor]
-
-
-def init_method_normal(sigma: float) -> InitMethod:
-    """``N(0, sigma^2)`` initialization (Megatron's default with sigma = ``init_method_std`` = 0.02)."""
-    return lambda tensor: nn.init.normal_(tensor, mean=0.0, std=sigma)
-
-
-def scaled_init_method_normal(sigma: float, num_layers: int) -> InitMethod:
-    """``N(0, (sigma / sqrt(2 num_layers))^2)``: Megatron's init for the output projections of each layer."""
-    return init_method_normal(sigma / math.sqrt(2.0 * num_layers))
-
 
 def set_tensor_model_parallel_attributes(param: torch.Tensor, *, is_parallel: bool, dim: int, stride: int) -> None:
     """Records how ``param`` is split over tp ranks (read by grad-norm, checkpoints and converters)."""
@@ -54,24 +49,17 @@ def _init_partitioned_weight(
     weight: torch.Tensor, full_shape: tuple[int, ...], *, partition_dim: int, stride: int,
     init_method: InitMethod, tp_rank: int, tp_size: int,
 ) -> None:
-    """Draws the full weight on the CPU, then copies this rank's shard into ``weight``.
-
-    With ``stride`` s the partitioned dim is cut into ``s * tp`` equal blocks and rank r keeps blocks
-    ``r, r + tp, r + 2 tp, ...`` (e.g. the q, k and v rows of its heads in a fused QKV weight).
-    """
-    master = torch.empty(full_shape, dtype=torch.float32)
-    init_method(master)
-    block = divide(full_shape[partition_dim], stride * tp_size, what=f"partitioned dim {partition_dim} of size",
-                   by="stride x tensor_model_parallel_size")
-    blocks = torch.split(master, block, dim=partition_dim)
-    shard = torch.cat(blocks[tp_rank::tp_size], dim=partition_dim)
-    with torch.no_grad():
-        weight.copy_(shard)
+    """Initializes this rank's shard of the full weight (see ``initialization``) and tags the split."""
+    divide(full_shape[partition_dim], stride * tp_size, what=f"partitioned dim {partition_dim} of size",
+           by="stride x tensor_model_parallel_size")
+    init_param_(weight, full_shape, init_method=init_method, partition_dim=partition_dim, stride=stride,
+                tp_rank=tp_rank, tp_size=tp_size)
     set_tensor_model_parallel_attributes(weight, is_parallel=True, dim=partition_dim, stride=stride)
 
 
 def _zero_bias(size: int, *, dtype: torch.dtype, device, is_parallel: bool, stride: int = 1) -> nn.Parameter:
     bias = nn.Parameter(torch.zeros(size, dtype=dtype, device=device))
+    bias.init_recipe = InitRecipe(0, init_method_constant(0.0), (size,))
     set_tensor_model_parallel_attributes(bias, is_parallel=is_parallel, dim=0 if is_parallel else -1, stride=stride)
     return bias
 

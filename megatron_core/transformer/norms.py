@@ -12,10 +12,12 @@ from torch import nn
 import kernels
 from megatron_core.config import TransformerConfig
 from megatron_core.tensor_parallel import set_tensor_model_parallel_attributes
+from megatron_core.tensor_parallel.initialization import InitRecipe, init_method_constant
 
 
-def _replicated(tensor: torch.Tensor, config: TransformerConfig) -> nn.Parameter:
+def _replicated(tensor: torch.Tensor, config: TransformerConfig, value: float) -> nn.Parameter:
     param = nn.Parameter(tensor)
+    param.init_recipe = InitRecipe(0, init_method_constant(value), tuple(tensor.shape))
     set_tensor_model_parallel_attributes(param, is_parallel=False, dim=-1, stride=1)
     param.sequence_parallel = config.sequence_parallel
     return param
@@ -27,8 +29,8 @@ class LayerNorm(nn.Module):
     def __init__(self, config: TransformerConfig, hidden_size: int, *, device=None) -> None:
         super().__init__()
         self.eps = config.layernorm_epsilon
-        self.weight = _replicated(torch.ones(hidden_size, dtype=config.params_dtype, device=device), config)
-        self.bias = _replicated(torch.zeros(hidden_size, dtype=config.params_dtype, device=device), config)
+        self.weight = _replicated(torch.ones(hidden_size, dtype=config.params_dtype, device=device), config, 1.0)
+        self.bias = _replicated(torch.zeros(hidden_size, dtype=config.params_dtype, device=device), config, 0.0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return kernels.layer_norm(x, self.weight, self.bias, self.eps)
@@ -40,7 +42,7 @@ class RMSNorm(nn.Module):
     def __init__(self, config: TransformerConfig, hidden_size: int, *, device=None) -> None:
         super().__init__()
         self.eps = config.layernorm_epsilon
-        self.weight = _replicated(torch.ones(hidden_size, dtype=config.params_dtype, device=device), config)
+        self.weight = _replicated(torch.ones(hidden_size, dtype=config.params_dtype, device=device), config, 1.0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return kernels.rms_norm(x, self.weight, self.eps)

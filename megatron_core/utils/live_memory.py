@@ -1,0 +1,119 @@
+"""``LiveMemoryTracker``: the live tensor bytes of a real run, by category, and their peaks.
+
+Memory claims must be measured, not booked: a buffer that autograd keeps alive through a saved view is
+invisible to a count of the buffers one meant to keep. The tracker is a ``TorchDispatchMode``: every tensor
+an op creates while it is active is remembered through a weak reference to its *storage*, and after every op
+the bytes of all live storages are summed (once per storage, at their current size, so a storage freed with
+``untyped_storage().resize_(0)`` counts zero). Storages named by ``categories`` (a callable returning
+``[(category, tensor), ...]``, e.g. ``optimizer.memory.memory_categories``) count under their category, even
+if they were created before the tracker started; every other live storage counts as ``"activations"`` (saved
+activations and temporaries). Works on any device, including CPU.
+
+    with LiveMemoryTracker(categories=lambda: memory_categories(model, optimizer)) as tracker:
+        loss.backward()
+    tracker.peak_total, tracker.peak_breakdown, tracker.peak_by_category["gathered_parameters"]
+"""
+from __future__ import annotations
+
+import collections
+from typing import Callable, Iterable, Optional
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+ACTIVATIONS = "activations"
+Categories = Callable[[], Iterable[tuple[str, torch.Tensor]]]
+
+
+class LiveMemoryTracker(TorchDispatchMode):
+    """Counts live tensor storages after every op; see the module docstring.
+
+    Args:
+        categories: returns the tensors whose storages belong to a named category (called at every sample).
+        on_sample: called with ``(totals_by_category, tracker)`` after every sample (e.g. to check a bound
+            at every point of a backward).
+
+    Attributes:
+        peak_total: the largest sum of live bytes seen; ``peak_breakdown`` its split by category.
+        peak_by_category: the largest live bytes seen of each category (at possibly different times).
+        current: the totals of the last sample.
+    """
+
+    def __init__(self, *, categories: Optional[Categories] = None,
+                 on_sample: Optional[Callable[[dict[str, int], "LiveMemoryTracker"], None]] = None) -> None:
+        super().__init__()
+        self.categories, self.on_sample = categories, on_sample
+        self._storages: dict[int, StorageWeakRef] = {}
+        self.peak_total = 0
+        self.peak_breakdown: dict[str, int] = {}
+        self.peak_by_category: dict[str, int] = collections.defaultdict(int)
+        self.current: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in tree_leaves(out):
+            if isinstance(tensor, torch.Tensor) and tensor.device.type != "meta":
+                storage = tensor.untyped_storage()
+                if storage._cdata not in self._storages:
+                    self._storages[storage._cdata] = StorageWeakRef(storage)
+        self.sample()
+        return out
+
+    def sample(self) -> dict[str, int]:
+        """Sums the live bytes now (also called after every op), updating the peaks."""
+        totals: dict[str, int] = collections.defaultdict(int)
+        seen: set[int] = set()
+        for category, tensor in (self.categories() if self.categories else ()):
+            storage = tensor.untyped_storage()
+            if storage._cdata not in seen:
+                seen.add(storage._cdata)
+                totals[category] += storage.nbytes()
+        for key, ref in list(self._storages.items()):
+            if ref.expired():
+                del self._storages[key]
+            elif key not in seen:
+                totals[ACTIVATIONS] += torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes()
+        total = sum(totals.values())
+        if total > self.peak_total:
+            self.peak_total, self.peak_breakdown = total, dict(totals)
+        for category, value in totals.items():
+            self.peak_by_category[category] = max(self.peak_by_category[category], value)
+        self.current = dict(totals)
+        if self.on_sample is not None:
+            self.on_sample(self.current, self)
+        return self.current
+
+    def reset_peaks(self) -> None:
+        """Starts the peaks again from the current live bytes."""
+        current = self.sample()
+        self.peak_total, self.peak_breakdown = sum(current.values()), dict(current)
+        self.peak_by_category = collections.defaultdict(int, current)
+
+
+def peak_rss_bytes() -> int:
+    """The process's peak resident set (``VmHWM``); 0 where ``/proc`` is missing."""
+    return _status_field("VmHWM:")
+
+
+def current_rss_bytes() -> int:
+    return _status_field("VmRSS:")
+
+
+def reset_peak_rss() -> bool:
+    """Resets ``VmHWM`` to the current RSS (Linux ``clear_refs``); False where that is not allowed."""
+    try:
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _status_field(field: str) -> int:
+    try:
+        with open("/proc/self/status") as status:
+            return next((int(line.split()[1]) * 1024 for line in status if line.startswith(field)), 0)
+    except OSError:
+        return 0
