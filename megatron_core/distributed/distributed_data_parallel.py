@@ -33,7 +33,7 @@ from torch import nn
 from megatron_core.distributed.ddp_config import DistributedDataParallelConfig
 from megatron_core.distributed.param_and_grad_buffer import Bucket, BucketKind
 from megatron_core.distributed.zero3 import ParameterGatherer, plan_units
-from megatron_core.tensor_parallel.initialization import init_flat_values, materialize_
+from megatron_core.tensor_parallel.initialization import init_flat_values, logical_shape, swap_meta_parameters_
 from megatron_core.tensor_parallel.utils import group_size
 
 logger = logging.getLogger(__name__)
@@ -102,7 +102,7 @@ class DistributedDataParallel(nn.Module):
             for params in reversed(list(self._units.values())):
                 by_kind: dict[tuple[BucketKind, bool], list[nn.Parameter]] = {}
                 for param in params:
-                    by_kind.setdefault((self._kind(param), param.dim() <= 1), []).append(param)
+                    by_kind.setdefault((self._kind(param), len(logical_shape(param)) <= 1), []).append(param)
                 groups.extend((kind, group) for (kind, _), group in by_kind.items())
         else:
             limit = self.config.resolved_bucket_size(self.dp_size)
@@ -131,7 +131,7 @@ class DistributedDataParallel(nn.Module):
         if device is None:
             nccl = self.dp_group is not None and dist.get_backend(self.dp_group) == "nccl"
             device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-        materialize_(self.module, device=device, skip={p for p in params if p.requires_grad})
+        swap_meta_parameters_(self.module, device=device)
         return device
 
     def _allocate_storage(self) -> None:
@@ -148,6 +148,8 @@ class DistributedDataParallel(nn.Module):
             self.param_buffers[kind], self.grad_buffers[kind] = params, grads
             for bucket, p_views, g_views in zip(buckets, params.split(param_sizes), grads.split(grad_sizes)):
                 bucket.attach_storage(p_views, g_views, values=init_flat_values)
+                for param in bucket.params:
+                    param.__dict__.pop("unmaterialized_shape", None)
 
     # ----------------------------------------------------------------------------------------------------------
     # forward and attribute access

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatron_core.tensor_parallel.initialization import logical_shape
 from megatron_core.tensor_parallel.utils import group_rank, group_size
 
 
@@ -78,12 +79,12 @@ class Bucket:
         self.dp_size, self.dp_rank = group_size(dp_group), group_rank(dp_group)
         self.shard_params, self.reduce_scatter = shard_params, kind.reduce_scatter or kind.shard_grads
         self.device = device if device is not None else self.params[0].device
-        self.shapes = {p: p.shape for p in self.params}
+        self.shapes = {p: logical_shape(p) for p in self.params}
         self.ranges: dict[nn.Parameter, tuple[int, int]] = {}
         offset = 0
         for param in self.params:
-            self.ranges[param] = (offset, offset + param.numel())
-            offset += param.numel()
+            self.ranges[param] = (offset, offset + self.shapes[param].numel())
+            offset += self.shapes[param].numel()
         self.numel = -(-offset // self.dp_size) * self.dp_size
         self.shard_size = self.numel // self.dp_size
         self.shard_lo = self.dp_rank * self.shard_size

@@ -15,8 +15,10 @@ when backward ends is freed then. Freeing releases the gathered storage itself (
 the views autograd saved for backward hold no memory; the backward gather refills the same storage.
 
 Besides the root, at most ``max_live_units`` (2) units are gathered at once: a prefetch that would exceed it
-is skipped. Under activation recompute the recomputing forward gathers and frees each unit as a forward does
-(without prefetching), and the backward gathers it again. A parameter that a unit returns (a bias under
+is skipped. Under activation recompute the recomputing forward (run from inside a unit's backward) gathers
+and frees each unit as a forward does, without prefetching and after dropping pending prefetches; the unit
+whose backward triggered the recompute stays gathered, and each recomputed unit is gathered again for its
+own backward. A parameter that a unit returns (a bias under
 ``skip_bias_add``) is used by the caller: its bucket (stage-3 buckets keep 1-D and other parameters apart)
 stays gathered until the root's forward ends and is gathered again when the root's backward starts. A module
 called twice is gathered twice in forward and once in backward (its grads accumulate once). All ranks issue
@@ -84,8 +86,11 @@ class ParameterGatherer:
         self.reshard_after_forward, self.max_live_units = reshard_after_forward, max_live_units
         self.bucket_unit = {bucket: unit for unit, buckets in unit_buckets.items() for bucket in buckets}
         self.in_backward = False
-        self.deferred: set[Bucket] = set()  # buckets whose params a unit returned: kept until the root's end
+        # buckets whose params a unit returned, kept until the root's end; a dict, not a set: its order (the
+        # forward's) is the order of their gathers, which must be the same on every rank
+        self.deferred: dict[Bucket, None] = {}
         self._live: set[Bucket] = set()     # buckets of non-root units gathered or in flight
+        self._active: set[nn.Module] = set()  # units whose backward has started and whose grads are not done
         self._order: list[nn.Module] = []       # units in the order their forward ran (this forward)
         self._last_order: list[nn.Module] = []  # ... in the previous forward (forward prefetch)
         self._handles: list[RemovableHandle] = []
@@ -131,12 +136,20 @@ class ParameterGatherer:
         """Every parameter of ``bucket`` has its grad for this backward: no use of it is left, free it."""
         bucket.release_params()
         self._live.discard(bucket)
+        unit = self.bucket_unit.get(bucket)
+        if unit is not None and not any(b.gathered for b in self.unit_buckets[unit]):
+            self._active.discard(unit)
 
     # ----------------------------------------------------------------------------------------------------------
     # hooks
     def _pre_forward(self, unit: nn.Module, args: Any) -> None:
         if unit is self.root and not self.in_backward:
             self._last_order, self._order = (self._order or self._last_order), []
+        if self.in_backward and unit is not self.root:
+            # activation recompute inside backward: make room by dropping prefetches (units whose backward
+            # has not started), so at most this unit and the one whose backward triggered it are gathered
+            for other in self.live_units() - self._active - {unit}:
+                self._release(other)
         self._gather(unit)
         if not self.in_backward:  # a recomputing forward (inside backward) runs in reverse layer order
             self._order.append(unit)
@@ -148,15 +161,15 @@ class ParameterGatherer:
         returned = {id(t) for t in outputs}
         for bucket in self.unit_buckets[unit]:
             if any(id(p) in returned for p in bucket.params):
-                self.deferred.add(bucket)  # e.g. a bias returned by skip_bias_add, used by the caller
+                self.deferred[bucket] = None  # e.g. a bias returned by skip_bias_add, used by the caller
                 self._live.discard(bucket)
         grad_enabled = torch.is_grad_enabled()
         if grad_enabled:
             for tensor in outputs:
                 if tensor.requires_grad and not isinstance(tensor, nn.Parameter):
                     tensor.register_hook(lambda grad, unit=unit: self._pre_backward(unit))
-        if self.reshard_after_forward or not grad_enabled:
-            self._release(unit)
+        if (self.reshard_after_forward or not grad_enabled) and unit not in self._active:
+            self._release(unit)  # (a unit whose backward is running keeps its parameters: recompute)
         if unit is self.root and (self.reshard_after_forward or not grad_enabled):
             for bucket in self.deferred:
                 bucket.release_params()
@@ -164,6 +177,8 @@ class ParameterGatherer:
     def _pre_backward(self, unit: nn.Module) -> None:
         self.in_backward = True
         self._backward_started()
+        if unit is not self.root:
+            self._active.add(unit)
         if unit is self.root:
             for bucket in self.deferred:
                 bucket.start_gather()
@@ -186,6 +201,7 @@ class ParameterGatherer:
             for bucket in buckets:
                 bucket.release_params()
         self._live.clear()
+        self._active.clear()
         self.in_backward = False
 
     def remove_hooks(self) -> None:

@@ -96,6 +96,8 @@ class InitRecipe:
 
     def local_rows(self, lo: int, hi: int) -> torch.Tensor:
         """Rows ``[lo, hi)`` of this tp rank's part, ``[hi - lo, local_row_length]`` fp32."""
+        if hi <= lo:
+            return torch.empty(0, self.local_shape[-1])
         if len(self.full_shape) < 2:
             values = self.full_rows(range(1))
             return self._split_columns(values) if self.partition_dim == 0 else values
@@ -103,8 +105,12 @@ class InitRecipe:
             block = self.full_shape[0] // (self.stride * self.tp_size)
             return self.full_rows([(self.tp_rank + (r // block) * self.tp_size) * block + r % block
                                    for r in range(lo, hi)])
-        values = self.full_rows(range(lo, hi))
-        return self._split_columns(values) if self.partition_dim == 1 else values
+        if self.partition_dim != 1:
+            return self.full_rows(range(lo, hi))
+        # full rows are tp times wider than the local ones: draw them a 1/tp of the rows at a time
+        step = max(1, (hi - lo) // self.tp_size)
+        return torch.cat([self._split_columns(self.full_rows(range(r, min(r + step, hi))))
+                          for r in range(lo, hi, step)])
 
     def _split_columns(self, values: torch.Tensor) -> torch.Tensor:
         """This tp rank's column blocks (``stride`` interleaved blocks) of full rows ``values``."""
@@ -161,24 +167,43 @@ def _init_whole(param: torch.Tensor, full_shape: tuple[int, ...], *, init_method
 
 def init_flat_values(param: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
     """Flat elements ``[lo, hi)`` of ``param``'s initial (tp-local) value: read from it, or computed from its
-    recipe when it is on the meta device (only the rows overlapping ``[lo, hi)`` are drawn)."""
-    if not param.is_meta:
+    recipe when it was built on the meta device (only the rows overlapping ``[lo, hi)`` are drawn)."""
+    if getattr(param, "unmaterialized_shape", None) is None and not param.is_meta:
         return param.data.reshape(-1)[lo:hi]
     recipe: Optional[InitRecipe] = getattr(param, "init_recipe", None)
     if recipe is None:
-        raise ValueError(f"a parameter of shape {tuple(param.shape)} is on the meta device but has no init "
-                         "recipe: build it with megatron_core's layers (or initialization.init_param_)")
+        raise ValueError(f"a parameter of shape {tuple(logical_shape(param))} was built on the meta device but has "
+                         "no init recipe: build it with megatron_core's layers (or initialization.init_param_)")
     return recipe.local_flat(lo, hi).to(param.dtype)
 
 
-def materialize_(module: nn.Module, *, device: torch.device, skip: set) -> None:
-    """Gives every meta parameter of ``module`` not in ``skip`` its full (tp-local) value on ``device``;
-    a meta buffer is an error (nothing says what it should hold)."""
+def logical_shape(param: torch.Tensor) -> torch.Size:
+    """The shape ``param`` has in the model (a meta parameter swapped for an empty one keeps it here)."""
+    shape = getattr(param, "unmaterialized_shape", None)
+    return param.shape if shape is None else shape
+
+
+def swap_meta_parameters_(module: nn.Module, *, device: torch.device) -> None:
+    """Replaces every meta parameter of ``module`` by a parameter on ``device``: trainable ones empty (their
+    shape kept as ``unmaterialized_shape``, their attributes kept; ZeRO-3 then writes each rank's shard from the
+    recipe), frozen ones with their full value. Tied parameters stay one object. A meta buffer is an error
+    (nothing says what it should hold)."""
+    replaced: dict[int, nn.Parameter] = {}
     for sub in module.modules():
         for name, param in list(sub._parameters.items()):
-            if param is not None and param.is_meta and param not in skip:
-                values = init_flat_values(param, 0, param.numel()).reshape(param.shape)
-                param.data = values.to(device)
+            if param is None or not param.is_meta:
+                continue
+            if id(param) not in replaced:
+                if param.requires_grad:
+                    new = nn.Parameter(torch.empty(0, dtype=param.dtype, device=device))
+                    new.__dict__.update(param.__dict__)
+                    new.unmaterialized_shape = param.shape
+                else:
+                    values = init_flat_values(param, 0, param.numel()).reshape(param.shape)
+                    new = nn.Parameter(values.to(device), requires_grad=False)
+                    new.__dict__.update(param.__dict__)
+                replaced[id(param)] = new
+            sub._parameters[name] = replaced[id(param)]
         for name, buffer in sub._buffers.items():
             if buffer is not None and buffer.is_meta:
                 raise ValueError(f"buffer {name!r} of {type(sub).__name__} is on the meta device: create buffers on "

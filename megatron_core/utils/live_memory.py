@@ -39,6 +39,7 @@ class LiveMemoryTracker(TorchDispatchMode):
         peak_total: the largest sum of live bytes seen; ``peak_breakdown`` its split by category.
         peak_by_category: the largest live bytes seen of each category (at possibly different times).
         current: the totals of the last sample.
+        allocations: ``(nbytes, storage key)`` of every storage created while active, in order.
     """
 
     def __init__(self, *, categories: Optional[Categories] = None,
@@ -50,14 +51,17 @@ class LiveMemoryTracker(TorchDispatchMode):
         self.peak_breakdown: dict[str, int] = {}
         self.peak_by_category: dict[str, int] = collections.defaultdict(int)
         self.current: dict[str, int] = {}
+        self.allocations: list[tuple[int, int]] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for tensor in tree_leaves(out):
             if isinstance(tensor, torch.Tensor) and tensor.device.type != "meta":
                 storage = tensor.untyped_storage()
-                if storage._cdata not in self._storages:
+                known = self._storages.get(storage._cdata)
+                if known is None or known.expired():
                     self._storages[storage._cdata] = StorageWeakRef(storage)
+                    self.allocations.append((storage.nbytes(), storage._cdata))
         self.sample()
         return out
 
