@@ -28,5 +28,7 @@ setup(
         # Tests of the Hugging Face GPT-2 import/export (tools/checkpoint_convert.py --loader/--saver hf) compare
         # against transformers' own GPT2LMHeadModel; at runtime only the hf loader/saver import it, lazily.
         "transformers",
-    ]},
+    ],
+        # Benchmarks (scripts/bench_*.py) draw their charts with matplotlib.
+        "bench": ["matplotlib"]},
 )

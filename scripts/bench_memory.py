@@ -1,0 +1,204 @@
+"""Per-rank memory and step time of ZeRO 0-3 on a real GPT run, side by side with PyTorch FSDP2.
+
+The model is ``GPTModel`` (fp32, 4 layers, hidden 768, 12 heads, vocab 8192, seq 128: 34.7M parameters),
+trained with AdamW on the same gloo ranks, the same data and 2 micro-batches per step (our ZeRO: ``no_sync``
+on the first; FSDP2 in its lowest-memory mode: ``fully_shard`` per layer and on the root, reduce-scatter every
+micro-batch, ``reshard_after_forward=True``). Per rank it reports, in bytes per parameter:
+
+- peak RSS: the growth of the resident set (``VmHWM``) over steady steps (after a warm-up step creates the
+  Adam states), from just before the model is built;
+- peak live: the largest total of live tensor bytes in one tracked step (``LiveMemoryTracker``), with its
+  split into model states and activations;
+
+next to the ZeRO paper's formula for fp32 Adam (4 + 4 + 8 bytes: parameter, gradient, two moments; fp32
+masters alias the parameters): 16, 8 + 8/dp, 4 + 12/dp, 16/dp. ZeRO-3 builds the model on the meta device
+(sharded construction). Freed tensors must leave the resident set for RSS to mean anything, so the script
+re-executes itself with ``MALLOC_MMAP_THRESHOLD_=65536`` (allocations above 64 KiB are mmapped and unmapped).
+
+    python scripts/bench_memory.py                   # dp 2 and 4; writes outputs/bench_memory.png
+    python scripts/bench_memory.py --dp 2 --steps 3 --hidden 256   # a quick look
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import kernels
+from megatron_core import initialize_model_parallel
+from megatron_core.config import TransformerConfig
+from megatron_core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron_core.models import GPTModel
+from megatron_core.optimizer import OptimizerConfig, get_optimizer
+from megatron_core.optimizer.memory import memory_categories
+from megatron_core.testing import DistributedPool
+from megatron_core.utils.live_memory import LiveMemoryTracker, current_rss_bytes, peak_rss_bytes, reset_peak_rss
+
+FORMULA = {0: lambda dp: 16.0, 1: lambda dp: 8 + 8 / dp, 2: lambda dp: 4 + 12 / dp, 3: lambda dp: 16 / dp}
+RUNS = [("ZeRO-0", 0, True), ("ZeRO-1", 1, True), ("ZeRO-2", 2, True), ("ZeRO-3", 3, True),
+        ("ZeRO-3 keep", 3, False), ("FSDP2", None, True)]
+
+
+@dataclasses.dataclass
+class Shape:
+    hidden: int
+    layers: int
+    vocab: int = 8192
+    seq: int = 128
+    micro_batch: int = 2
+    micro_batches: int = 2
+
+
+def _build(shape: Shape, state, *, meta: bool) -> GPTModel:
+    config = TransformerConfig(num_layers=shape.layers, hidden_size=shape.hidden,
+                               num_attention_heads=max(1, shape.hidden // 64), hidden_dropout=0.0,
+                               attention_dropout=0.0, max_position_embeddings=shape.seq)
+    torch.manual_seed(0)
+    build_state = dataclasses.replace(state, device=torch.device("meta")) if meta else state
+    return GPTModel(config, parallel_state=build_state, vocab_size=shape.vocab, max_sequence_length=shape.seq)
+
+
+def _wrap(kind: str, stage, reshard: bool, shape: Shape, state):
+    """The model and a ``step()`` doing one optimizer step over ``micro_batches`` micro-batches."""
+    if stage is None:
+        from torch.distributed.fsdp import fully_shard
+        model = _build(shape, state, meta=False)
+        for layer in model.decoder.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+        categories = lambda: ()  # noqa: E731 - FSDP2's tensors all count as "activations" (no split)
+    else:
+        model = DistributedDataParallel(
+            _build(shape, state, meta=stage == 3), dp_group=state.dp_group,
+            config=DistributedDataParallelConfig(zero_stage=stage, reshard_after_forward=reshard))
+        optimizer = get_optimizer(OptimizerConfig(lr=1e-4, weight_decay=0.01, clip_grad=0.0), model,
+                                  parallel_state=state)
+        categories = lambda: memory_categories(model, optimizer)  # noqa: E731
+    g = torch.Generator().manual_seed(dist.get_rank())
+    batches = [torch.randint(0, shape.vocab, (shape.micro_batch, shape.seq + 1), generator=g)
+               for _ in range(shape.micro_batches)]
+    positions = torch.arange(shape.seq).expand(shape.micro_batch, shape.seq)
+
+    def step() -> None:
+        optimizer.zero_grad()
+        for i, tokens in enumerate(batches):
+            last = i == len(batches) - 1
+            sync = model.no_sync() if stage is not None and not last else _nullcontext()
+            with sync:
+                loss = model(tokens[:, :-1], positions, labels=tokens[:, 1:]).mean() / len(batches)
+                loss.backward()
+        if stage is not None:
+            model.finish_grad_sync()
+        optimizer.step()
+    return model, step, categories
+
+
+class _nullcontext:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _measure(kind: str, stage, reshard: bool, shape: Shape, steps: int) -> dict:
+    """One configuration on this rank: peak RSS growth, step time, and one tracked step's live bytes."""
+    with kernels.use_backend("torch"):
+        state = initialize_model_parallel()
+        torch.set_num_threads(1)
+        reset_peak_rss()
+        baseline = current_rss_bytes()
+        model, step, categories = _wrap(kind, stage, reshard, shape, state)
+        step()  # warm-up: creates the Adam states
+        reset_peak_rss()
+        times = []
+        for _ in range(steps):
+            dist.barrier()
+            start = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - start)
+        peak_rss = peak_rss_bytes() - baseline
+        tracker = LiveMemoryTracker(categories=categories)
+        with tracker:
+            step()
+        numel = shape_numel(shape)
+        return dict(rss=peak_rss / numel, live=tracker.peak_total / numel,
+                    breakdown={k: v / numel for k, v in tracker.peak_breakdown.items()},
+                    time=sorted(times)[len(times) // 2])
+
+
+def shape_numel(shape: Shape) -> int:
+    h = shape.hidden
+    return shape.layers * (12 * h * h + 13 * h) + (shape.vocab + shape.seq) * h + 2 * h
+
+
+def _chart(results: dict, path: str) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"(matplotlib is not installed: pip install -e '.[bench]' to draw {path})")
+        return
+    figure, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4), squeeze=False)
+    for ax, (dp, rows) in zip(axes[0], results.items()):
+        names = list(rows)
+        x = range(len(names))
+        ax.bar([i - 0.2 for i in x], [rows[n]["rss"] for n in names], width=0.4, label="peak RSS growth")
+        ax.bar([i + 0.2 for i in x], [rows[n]["live"] for n in names], width=0.4, label="peak live tensors")
+        ax.set_xticks(list(x), names, rotation=20)
+        ax.set_ylabel("bytes per parameter")
+        ax.set_title(f"GPT 34.7M, fp32 AdamW, dp {dp} (per rank)")
+        ax.legend()
+    figure.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    figure.savefig(path, dpi=100)
+    print(f"\nwrote {path}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--dp", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--hidden", type=int, default=768)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--png", default="outputs/bench_memory.png")
+    args = parser.parse_args()
+    if os.environ.get("MALLOC_MMAP_THRESHOLD_") != "65536":
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"})
+    shape = Shape(hidden=args.hidden, layers=args.layers)
+    print(f"GPTModel fp32, {shape.layers} layers, hidden {shape.hidden}, vocab {shape.vocab}, seq {shape.seq}: "
+          f"{shape_numel(shape) / 1e6:.1f}M parameters; AdamW; {shape.micro_batches} micro-batches of "
+          f"{shape.micro_batch} per step; {args.steps} timed steps; {os.cpu_count()} CPU cores, gloo\n")
+    results: dict[int, dict] = {}
+    for dp in args.dp:
+        print(f"dp {dp} (bytes per parameter, per rank; the largest rank)\n")
+        print("| run | peak RSS | peak live | live: model states / activations | formula | RSS / ZeRO-0 "
+              "| RSS / FSDP2 | step time (s) | time / FSDP2 |")
+        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        rows = {}
+        for name, stage, reshard in RUNS:
+            with DistributedPool(dp) as pool:
+                per_rank = pool.run(_measure, name, stage, reshard, shape, args.steps, timeout_s=1800)
+            rows[name] = max(per_rank, key=lambda r: r["rss"])
+        results[dp] = rows
+        for name, stage, _ in RUNS:
+            row, fsdp, zero0 = rows[name], rows["FSDP2"], rows["ZeRO-0"]
+            activations = row["breakdown"].get("activations", 0.0)
+            split = "-" if stage is None else f"{row['live'] - activations:.1f} / {activations:.1f}"
+            formula = "-" if stage is None else f"{FORMULA[stage](dp):.1f}"
+            print(f"| {name} | {row['rss']:.1f} | {row['live']:.1f} | {split} | {formula} | "
+                  f"{row['rss'] / zero0['rss']:.2f} | {row['rss'] / fsdp['rss']:.2f} | {row['time']:.2f} | "
+                  f"{row['time'] / fsdp['time']:.2f} |")
+        print()
+    _chart(results, args.png)
+
+
+if __name__ == "__main__":
+    main()
