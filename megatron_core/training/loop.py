@@ -61,6 +61,7 @@ def build_run(args: argparse.Namespace) -> Run:
     args.train_iters = resolve_train_iters(args, global_batch)
     tokenizer = build_run_tokenizer(args)
     torch.manual_seed(args.seed)  # the same on every rank: layout-independent initialization
+    # TODO(zero3): args.init_model_with_meta_device (bool, parsed and validated) -> build on the meta device here
     chunks = [_build_chunk(args, config, state, tokenizer.vocab_size, vp) for vp in range(state.vpp_size or 1)]
     model_parallel_seed(args.seed + 100 * state.pp_rank, tp_rank=state.tp_rank, device=state.device)
     chunks = wrap_data_parallel(args, chunks, state)

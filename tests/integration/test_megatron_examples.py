@@ -229,3 +229,24 @@ def test_unbuilt_features_refuse_clearly(distributed, name, argv, named):
     assert len(err.strip().splitlines()) == 1, err  # one paragraph
     for fragment in named:
         assert fragment in err, (fragment, err)
+
+
+def _losses(argv):
+    import kernels
+    from megatron_core.training.arguments import parse_args
+    from megatron_core.training.loop import pretrain
+    with kernels.use_backend("torch"):
+        return pretrain(parse_args(argv))
+
+
+def test_per_token_loss_is_layout_independent(distributed, tmp_path):
+    """--calculate-per-token-loss: the loss of the global batch's tokens, the same at dp 1 and dp 2 (and, with
+    every token counted as here, the same as the per-micro-batch mean)."""
+    base = [*_tiny_model("llama"), "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "200",
+            "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "3", "--eval-iters", "0",
+            "--lr", "1e-3", "--min-lr", "1e-4", "--seed", "5", "--qk-layernorm"]
+    per_token = [*base, "--calculate-per-token-loss"]
+    single = distributed(1, _losses, per_token)[0]
+    torch_close = pytest.importorskip("torch").testing.assert_close
+    torch_close(distributed(2, _losses, per_token)[0], single, rtol=1e-5, atol=0)
+    torch_close(distributed(1, _losses, base)[0], single, rtol=1e-5, atol=0)
