@@ -250,3 +250,22 @@ def test_per_token_loss_is_layout_independent(distributed, tmp_path):
     torch_close = pytest.importorskip("torch").testing.assert_close
     torch_close(distributed(2, _losses, per_token)[0], single, rtol=1e-5, atol=0)
     torch_close(distributed(1, _losses, base)[0], single, rtol=1e-5, atol=0)
+
+
+def test_llama_example_trains_on_real_data_with_a_local_hf_tokenizer(distributed, tmp_path):
+    """The llama script's real-data branch: --tokenizer-type HuggingFaceTokenizer --tokenizer-model FOLDER and
+    a corpus preprocessed with the same tokenizer."""
+    from megatron_core.data.preprocess import preprocess
+    from tests.data.test_tokenizers import _saved_hf_tokenizer
+    folder = _saved_hf_tokenizer(tmp_path / "hf")
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": text}) + "\n" for text in CORPUS))
+    data = preprocess([str(corpus)], str(tmp_path / "corpus"), append_eod=True,
+                      tokenizer_args=dict(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=folder))["text"]
+    data_flags = ["--data-path", data, "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", folder,
+                  "--data-cache-path", str(tmp_path / "cache"), "--split", "'99,1,0'",
+                  "--no-create-attention-mask-in-dataloader", "--no-mmap-bin-files", "--num-workers", "1",
+                  "--vocab-size", "300"]
+    status, err, out = _run(distributed, 1, llama_flags(str(tmp_path / "ckpt"), str(tmp_path / "tb"), data_flags))
+    assert status == 0, err
+    assert _iteration_lines(out) == 3 and os.listdir(tmp_path / "cache")  # indices cached in --data-cache-path
