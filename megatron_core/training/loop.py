@@ -152,12 +152,12 @@ def train_step(run: Run, batches: list[dict]) -> dict:
     run.optimizer.zero_grad()
     with _phase(run, "the forward-backward schedule (p2p with the neighbouring pipeline stages, tp collectives)"):
         losses = run_schedule(run, batches, forward_only=False)
+        lm_loss = reduce_losses(losses, run.state)  # over pp and dp: a stalled peer is named here too
     with _phase(run, "the optimizer step (grad reduction over data-parallel ranks, norm over model-parallel ranks)"):
         update_ok, grad_norm, num_zeros = run.optimizer.step()
     if update_ok:
         run.scheduler.step(increment)
-    return {"lm_loss": reduce_losses(losses, run.state), "lr": lr, "grad_norm": grad_norm, "skipped": not update_ok,
-            "num_zeros": num_zeros}
+    return {"lm_loss": lm_loss, "lr": lr, "grad_norm": grad_norm, "skipped": not update_ok, "num_zeros": num_zeros}
 
 
 def evaluate(run: Run, iteration: int, writer: MetricsWriter) -> Optional[float]:
