@@ -1,12 +1,16 @@
 """Installs megatron_core (the framework) and kernels (Triton fused ops).
 
+The distribution is named ``megatron-core-3d``: pip treats ``megatron_core`` and NVIDIA's ``megatron-core`` as
+the same name (PEP 503 normalization), so installing one would uninstall the other. The import package stays
+``megatron_core``; NVIDIA's is ``megatron.core``, and both import side by side.
+
 On a machine without CUDA, install ``torch==2.13.0`` first (scripts/setup.sh does): a CPU build is then
 already present and the ``torch`` requirement below is satisfied without pulling a multi-GB CUDA build.
 """
 from setuptools import find_packages, setup
 
 setup(
-    name="megatron_core",
+    name="megatron-core-3d",
     version="0.1.0",
     description="Megatron-style 3D-parallel GPT training with ZeRO, testable on CPU",
     packages=find_packages(include=["megatron_core", "megatron_core.*", "kernels", "kernels.*"]),
@@ -28,6 +32,9 @@ setup(
         # Tests of the Hugging Face GPT-2 import/export (tools/checkpoint_convert.py --loader/--saver hf) compare
         # against transformers' own GPT2LMHeadModel; at runtime only the hf loader/saver import it, lazily.
         "transformers",
+        # NVIDIA's megatron-core, installed beside us: tests that both import side by side (issue 15, part 6).
+        # Light: torch, numpy and packaging only; its wheel runs on CPU.
+        "megatron-core==0.16.1",
     ],
         # Benchmarks (scripts/bench_*.py) draw their charts with matplotlib.
         "bench": ["matplotlib"]},

@@ -38,10 +38,11 @@ class ModelParallelConfig:
                              "sequence parallelism splits the tensor-parallel regions' activations")
 
 
+RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm")
 _CHOICES = {
     "normalization": ("LayerNorm", "RMSNorm"),
     "activation": ("gelu", "swiglu"),
-    "position_embedding_type": ("learned_absolute", "rope"),
+    "position_embedding_type": ("learned_absolute", "rope", "none"),
     "recompute_granularity": (None, "full", "selective"),
     "recompute_method": (None, "uniform", "block"),
 }
@@ -68,11 +69,21 @@ class TransformerConfig(ModelParallelConfig):
     add_qkv_bias: Optional[bool] = None
     """Bias on the fused QKV projection; default add_bias_linear."""
     position_embedding_type: str = "learned_absolute"
+    """"learned_absolute", "rope", or "none" (no position information besides the causal mask)."""
     rotary_base: float = 10000.0
+    rotary_percent: float = 1.0
+    """Share of each head's kv_channels that rope rotates (the rest pass through), in (0, 1]."""
+    rotary_seq_len_interpolation_factor: Optional[float] = None
+    """Positions are divided by this factor before rope (linear position interpolation)."""
     max_position_embeddings: Optional[int] = None
     hidden_dropout: float = 0.1
     attention_dropout: float = 0.1
     layernorm_epsilon: float = 1e-5
+    layernorm_zero_centered_gamma: bool = False
+    """Norm weights are stored as ``gamma - 1`` (initialized to 0) and applied as ``1 + weight``
+    (Megatron's ``--apply-layernorm-1p``)."""
+    qk_layernorm: bool = False
+    """Normalize each head's query and key (over kv_channels, with ``normalization``) before rope."""
     init_method_std: float = 0.02
     untie_embeddings_and_output_weights: bool = False
     recompute_granularity: Optional[str] = None
@@ -81,6 +92,8 @@ class TransformerConfig(ModelParallelConfig):
     """With full recompute: "uniform" (checkpoint chunks of recompute_num_layers layers) or "block"
     (checkpoint the first recompute_num_layers layers of each pipeline stage)."""
     recompute_num_layers: Optional[int] = None
+    recompute_modules: tuple[str, ...] = ("core_attn",)
+    """With selective recompute: which parts run again in backward: "core_attn", "mlp", "layernorm"."""
     first_pipeline_num_layers: Optional[int] = None
     """Layers on the first pipeline stage when the split is uneven (the rest are spread evenly)."""
     last_pipeline_num_layers: Optional[int] = None
@@ -131,6 +144,14 @@ class TransformerConfig(ModelParallelConfig):
             raise ValueError("position_embedding_type='learned_absolute' needs max_position_embeddings")
         if self.position_embedding_type == "rope" and self.kv_channels % 2 != 0:
             raise ValueError(f"rotary embeddings need an even kv_channels, got {self.kv_channels}")
+        if not 0.0 < self.rotary_percent <= 1.0:
+            raise ValueError(f"rotary_percent must lie in (0, 1], got {self.rotary_percent}")
+        if self.position_embedding_type == "rope" and (self.rotary_dim < 2 or self.rotary_dim % 2):
+            raise ValueError(f"rotary_percent {self.rotary_percent} of kv_channels {self.kv_channels} gives "
+                             f"{self.rotary_dim} rotated channels; it must be even and >= 2")
+        if self.rotary_seq_len_interpolation_factor is not None and self.rotary_seq_len_interpolation_factor <= 0:
+            raise ValueError(f"rotary_seq_len_interpolation_factor must be > 0, got "
+                             f"{self.rotary_seq_len_interpolation_factor}")
 
     def _validate_choices(self) -> None:
         for name, allowed in _CHOICES.items():
@@ -152,6 +173,9 @@ class TransformerConfig(ModelParallelConfig):
         elif method is not None or count is not None:
             raise ValueError(f"recompute_method={method!r} and recompute_num_layers={count!r} only apply to "
                              f"recompute_granularity='full', got recompute_granularity={granularity!r}")
+        unknown = [m for m in self.recompute_modules if m not in RECOMPUTE_MODULES]
+        if unknown:
+            raise ValueError(f"recompute_modules {unknown} are not among {RECOMPUTE_MODULES}")
 
     def _validate_pipeline_split(self) -> None:
         pp, vpp = self.pipeline_model_parallel_size, self.virtual_pipeline_model_parallel_size or 1
@@ -201,6 +225,15 @@ class TransformerConfig(ModelParallelConfig):
         if last is not None:
             counts[-1] = last
         return counts
+
+    @property
+    def rotary_dim(self) -> int:
+        """Channels of each head that rope rotates: ``int(kv_channels * rotary_percent)``."""
+        return int(self.kv_channels * self.rotary_percent)
+
+    def recomputes(self, module: str) -> bool:
+        """Whether selective recompute covers ``module`` ("core_attn", "mlp" or "layernorm")."""
+        return self.recompute_granularity == "selective" and module in self.recompute_modules
 
     @property
     def num_heads_per_group(self) -> int:

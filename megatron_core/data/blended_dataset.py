@@ -14,11 +14,20 @@ from megatron_core.data.io_utils import atomic_save_npy
 logger = logging.getLogger(__name__)
 
 
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
 def parse_data_path(data_path: Sequence[str]) -> Tuple[List[str], Optional[List[float]]]:
     """Splits Megatron's ``--data-path`` list into prefixes and weights.
 
-    ``["a"]`` -> ``(["a"], None)``; ``["0.3", "a", "0.7", "b"]`` -> ``(["a", "b"], [0.3, 0.7])``.
-    Weights are returned as given (``BlendedDataset`` normalizes them).
+    ``["a"]`` -> ``(["a"], None)``; ``["0.3", "a", "0.7", "b"]`` -> ``(["a", "b"], [0.3, 0.7])``;
+    ``["a", "b"]`` (no item is a number) -> ``(["a", "b"], None)``: unweighted, blended by their sizes as
+    in Megatron-LM. Weights are returned as given (``BlendedDataset`` normalizes them).
 
     Raises:
         ValueError: an odd-length weighted list, a weight that is not a number, or a negative weight.
@@ -26,7 +35,7 @@ def parse_data_path(data_path: Sequence[str]) -> Tuple[List[str], Optional[List[
     data_path = [str(p) for p in data_path]
     if not data_path:
         raise ValueError("--data-path is empty; give a prefix, or weight-prefix pairs like 0.3 a 0.7 b")
-    if len(data_path) == 1:
+    if len(data_path) == 1 or not any(_is_number(item) for item in data_path):
         return data_path, None
     if len(data_path) % 2:
         raise ValueError(f"--data-path with several datasets must be weight-prefix pairs, got {len(data_path)} "

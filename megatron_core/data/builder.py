@@ -91,8 +91,10 @@ def build_gpt_datasets(config: GPTDataConfig) -> Tuple[Optional[object], Optiona
         prefixes, weights = [default_corpus_prefix(tokenizer, config.cache_dir)], None
     else:
         prefixes, weights = parse_data_path(config.data_path)
-    if weights is None:
+    if weights is None and len(prefixes) == 1:
         return tuple(_datasets_for_prefix(prefixes[0], config, counts, dataset_config))
+    if weights is None:
+        return _unweighted_blend(prefixes, config, counts, dataset_config)
     missing = [n for n, c in zip(SPLIT_NAMES, counts) if c is None]
     if missing:
         raise ValueError(f"blending {len(prefixes)} datasets needs sample counts; set {missing} (e.g. "
@@ -110,4 +112,23 @@ def build_gpt_datasets(config: GPTDataConfig) -> Tuple[Optional[object], Optiona
             continue
         blends.append(BlendedDataset(parts, weights, count, cache_dir=config.index_cache_dir
                                      or parts[0].cache_dir, name=name))
+    return tuple(blends)
+
+
+def _unweighted_blend(prefixes: Sequence[str], config: GPTDataConfig, counts: Sequence[Optional[int]],
+                      dataset_config: GPTDatasetConfig) -> Tuple[Optional[object], ...]:
+    """``--data-path a b`` without weights (Megatron-LM's rule): one epoch of each dataset per split, blended
+    with weights equal to their sample counts; a split holds ``min(requested, total)`` samples."""
+    per_prefix = [_datasets_for_prefix(p, config, [None if c else 0 for c in counts], dataset_config)
+                  for p in prefixes]
+    blends = []
+    for s, (name, count) in enumerate(zip(SPLIT_NAMES, counts)):
+        parts = [datasets[s] for datasets in per_prefix]
+        if count == 0 or any(p is None for p in parts):
+            blends.append(None)
+            continue
+        sizes = [len(p) for p in parts]
+        size = sum(sizes) if count is None else min(count, sum(sizes))
+        blends.append(BlendedDataset(parts, [float(n) for n in sizes], size,
+                                     cache_dir=config.index_cache_dir or parts[0].cache_dir, name=name))
     return tuple(blends)

@@ -11,6 +11,10 @@ type name                   what it needs
 ``GPT2BPETokenizer``        ``vocab_file`` (vocab.json) and ``merge_file`` (merges.txt), via HF ``tokenizers``
 ``NullTokenizer``           ``vocab_size``; text is space-separated integers, eod = vocab_size
 ``ByteTokenizer``           nothing: UTF-8 bytes are ids 0..255, eod = 256, vocab 257
+``GPTSentencePieceTokenizer`` ``tokenizer_model``: sentencepiece ``.model``; Megatron's name, no extra tokens
+``Llama2Tokenizer``         ``tokenizer_model``: Llama-2's sentencepiece ``.model``; bos before each text
+``HuggingFaceTokenizer``    ``tokenizer_model``: a local folder (or hub name already cached) for
+                            ``transformers.AutoTokenizer``; special tokens added as the tokenizer does
 ==========================  =======================================================================
 """
 import json
@@ -20,7 +24,8 @@ from typing import List, Optional, Sequence
 
 logger = logging.getLogger(__name__)
 
-TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPT2BPETokenizer", "NullTokenizer", "ByteTokenizer")
+TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPT2BPETokenizer", "NullTokenizer", "ByteTokenizer",
+                   "GPTSentencePieceTokenizer", "Llama2Tokenizer", "HuggingFaceTokenizer")
 
 
 class Tokenizer:
@@ -120,6 +125,62 @@ class SentencePieceTokenizer(Tokenizer):
                 "mtime_ns": os.stat(self.model_file).st_mtime_ns}
 
 
+class Llama2Tokenizer(SentencePieceTokenizer):
+    """Megatron's ``Llama2Tokenizer``: a sentencepiece model whose encoding starts with bos (as Llama-2 was
+    trained); eod is eos."""
+
+    def __init__(self, model_file: str) -> None:
+        super().__init__(model_file)
+        self.bos = int(self._sp.bos_id())
+        if self.bos < 0:
+            raise ValueError(f"{model_file} has no bos piece, which Llama2Tokenizer puts before each text; use "
+                             "GPTSentencePieceTokenizer")
+
+    def encode(self, text: str) -> List[int]:
+        return [self.bos, *self._sp.encode(text)]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._sp.decode([int(i) for i in ids if int(i) != self.bos])
+
+
+class HuggingFaceTokenizer(Tokenizer):
+    """Megatron's ``HuggingFaceTokenizer``: ``transformers.AutoTokenizer.from_pretrained(tokenizer_model)``
+    from a local folder (nothing is downloaded: ``local_files_only``). Encoding adds the tokenizer's own
+    special tokens (e.g. a bos), as Megatron's does; eod is the eos token; the vocabulary is ``len(tokenizer)``.
+
+    Args:
+        path: a folder with ``tokenizer.json`` / ``tokenizer_config.json`` (``save_pretrained``), or the name of
+            a model in the local Hugging Face cache.
+    """
+
+    def __init__(self, path: str) -> None:
+        try:
+            from transformers import AutoTokenizer
+        except ImportError as err:
+            raise ValueError("HuggingFaceTokenizer needs the transformers package: pip install transformers") from err
+        if not path:
+            raise ValueError("HuggingFaceTokenizer needs --tokenizer-model FOLDER (a saved Hugging Face tokenizer)")
+        try:
+            self._tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        except (OSError, ValueError) as err:
+            raise ValueError(f"HuggingFaceTokenizer could not load {path!r} from local files ({err}); pass a "
+                             "folder written by save_pretrained, or download the tokenizer first") from err
+        self.path = path
+        if self._tok.eos_token_id is None:
+            raise ValueError(f"the Hugging Face tokenizer {path!r} has no eos token to use as eod")
+        self.eod = int(self._tok.eos_token_id)
+        self.vocab_size = len(self._tok)
+
+    def encode(self, text: str) -> List[int]:
+        return list(self._tok(text).input_ids)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode([int(i) for i in ids])
+
+    def describe(self) -> dict:
+        return {**super().describe(), "path": os.path.abspath(self.path) if os.path.isdir(self.path) else self.path}
+
+
 class GPT2BPETokenizer(Tokenizer):
     """GPT-2 byte-level BPE from ``vocab.json`` + ``merges.txt``, run by Hugging Face ``tokenizers``.
 
@@ -167,7 +228,8 @@ def build_tokenizer(tokenizer_type: str, tokenizer_model: Optional[str] = None,
 
     Args:
         tokenizer_type: one of ``TOKENIZER_TYPES``.
-        tokenizer_model: sentencepiece ``.model`` (SentencePieceTokenizer).
+        tokenizer_model: sentencepiece ``.model`` (SentencePieceTokenizer, GPTSentencePieceTokenizer,
+            Llama2Tokenizer) or a tokenizer folder (HuggingFaceTokenizer).
         vocab_file: vocab.json (GPT2BPETokenizer).
         merge_file: merges.txt (GPT2BPETokenizer).
         vocab_size: ids before eod (NullTokenizer).
@@ -175,8 +237,12 @@ def build_tokenizer(tokenizer_type: str, tokenizer_model: Optional[str] = None,
     Raises:
         ValueError: unknown type, or a file the type needs is missing.
     """
-    if tokenizer_type == "SentencePieceTokenizer":
+    if tokenizer_type in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer"):
         return SentencePieceTokenizer(tokenizer_model)
+    if tokenizer_type == "Llama2Tokenizer":
+        return Llama2Tokenizer(tokenizer_model)
+    if tokenizer_type == "HuggingFaceTokenizer":
+        return HuggingFaceTokenizer(tokenizer_model)
     if tokenizer_type == "GPT2BPETokenizer":
         return GPT2BPETokenizer(vocab_file, merge_file)
     if tokenizer_type == "NullTokenizer":

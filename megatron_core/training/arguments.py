@@ -1,18 +1,26 @@
 """Megatron-LM's command-line flags, parsed once and validated, then turned into the typed configs.
 
 Defaults train a tiny GPT on the built-in corpus in about a minute on a CPU, so ``python pretrain_gpt.py``
-works with no flags. An unknown flag exits with the closest known flag suggested.
+works with no flags; the defaults that Megatron-LM also has (schedule, evaluation, split, NaN check) are
+Megatron's. The flags of Megatron-LM's example scripts are all recognized: the ones this framework implements
+act, the ones that do not apply here are accepted and documented, and features that are not built exit with
+status 2 and a paragraph naming the flag (``arguments_megatron.py``). An unknown flag exits with the closest
+known flag of the same polarity suggested.
 """
 from __future__ import annotations
 
 import argparse
-import difflib
+import logging
 import sys
-from typing import Optional, Sequence
+from typing import NoReturn, Optional, Sequence
 
 import torch
 
 from megatron_core.config import TransformerConfig
+from megatron_core.training import arguments_megatron as megatron_flags
+from megatron_core.training.schedule import validate_schedule_flags
+
+logger = logging.getLogger(__name__)
 
 
 def _model_flags(p: argparse.ArgumentParser) -> None:
@@ -26,21 +34,33 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-channels", type=int, default=None)
     g.add_argument("--seq-length", type=int, default=128)
     g.add_argument("--max-position-embeddings", type=int, default=None, help="default: --seq-length")
-    g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope"], default="learned_absolute")
+    g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope", "none"],
+                   default="learned_absolute")
+    g.add_argument("--no-position-embedding", action="store_false", dest="add_position_embedding",
+                   help="no learned position embedding: with rope a no-op, else --position-embedding-type none")
     g.add_argument("--rotary-base", type=float, default=10000.0)
+    g.add_argument("--rotary-percent", type=float, default=1.0, help="share of each head's channels rotated")
+    g.add_argument("--rotary-seq-len-interpolation-factor", type=float, default=None,
+                   help="divide positions by this factor (linear position interpolation)")
     g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
+    g.add_argument("--norm-epsilon", "--layernorm-epsilon", type=float, default=1e-5, dest="layernorm_epsilon")
+    g.add_argument("--apply-layernorm-1p", action="store_true",
+                   help="norm weights stored zero-centered: the norm multiplies by (1 + weight)")
+    g.add_argument("--qk-layernorm", action="store_true", help="normalize each head's query and key")
     g.add_argument("--swiglu", action="store_true")
     g.add_argument("--openai-gelu", action="store_true", help="GeLU with the tanh approximation (GPT-2)")
     g.add_argument("--disable-bias-linear", action="store_true")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--hidden-dropout", type=float, default=0.0)
     g.add_argument("--attention-dropout", type=float, default=0.0)
-    g.add_argument("--layernorm-epsilon", type=float, default=1e-5)
     g.add_argument("--init-method-std", type=float, default=0.02)
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--recompute-activations", action="store_true", help="= --recompute-granularity selective")
     g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
     g.add_argument("--recompute-method", choices=["uniform", "block"], default=None)
     g.add_argument("--recompute-num-layers", type=int, default=None)
+    g.add_argument("--recompute-modules", nargs="*", default=None,
+                   help="selective recompute of: core_attn (default), mlp, layernorm")
 
 
 def _parallel_flags(p: argparse.ArgumentParser) -> None:
@@ -48,12 +68,22 @@ def _parallel_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
-    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--sequence-parallel", action="store_true", help="turned off with a warning at tp 1")
     g.add_argument("--use-distributed-optimizer", action="store_true", help="ZeRO stage 1")
     g.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=None)
     g.add_argument("--data-parallel-sharding-strategy", default=None,
                    choices=["no_shard", "optim", "optim_grads", "optim_grads_params"])
+    g.add_argument("--use-megatron-fsdp", action="store_true",
+                   help="ZeRO stage 3 (default --data-parallel-sharding-strategy optim_grads_params)")
     g.add_argument("--overlap-grad-reduce", action="store_true")
+    g.add_argument("--overlap-param-gather", action="store_true",
+                   help="prefetch ZeRO-3 parameter all-gathers ahead of their use")
+    g.add_argument("--init-model-with-meta-device", action="store_true",
+                   help="build the model on the meta device and materialize only this rank's shards (ZeRO-3)")
+    g.add_argument("--grad-reduce-in-bf16", action="store_true",
+                   help="reduce grads in the parameters' 16-bit dtype (default: fp32)")
+    g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
+                   help="accumulate and reduce grads in fp32 (the default here)")
     g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None,
                    help="default: nccl with CUDA, gloo without")
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
@@ -63,9 +93,12 @@ def _training_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, default=4)
     g.add_argument("--global-batch-size", type=int, default=None, help="default: micro batch x dp")
-    g.add_argument("--train-iters", type=int, default=100)
-    g.add_argument("--eval-interval", type=int, default=50)
-    g.add_argument("--eval-iters", type=int, default=2)
+    g.add_argument("--step-batch-size-schedule", default=None,
+                   help='global batch by consumed tokens: "0:16 2.4B:320 12B:1536" (K, M, B, T suffixes)')
+    g.add_argument("--train-iters", type=int, default=None, help="default: 100 (unless --train-samples)")
+    g.add_argument("--train-samples", type=int, default=None, help="sample-based training")
+    g.add_argument("--eval-interval", type=int, default=1000)
+    g.add_argument("--eval-iters", type=int, default=100)
     g.add_argument("--log-interval", type=int, default=10)
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--bf16", action="store_true")
@@ -75,38 +108,52 @@ def _training_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--optimizer", choices=["adam", "sgd"], default="adam")
     g.add_argument("--lr", type=float, default=3e-3)
     g.add_argument("--min-lr", type=float, default=3e-4)
-    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="cosine")
-    g.add_argument("--lr-warmup-iters", type=int, default=10)
+    g.add_argument("--decoupled-lr", type=float, default=None, help="lr of the input embedding and output layer")
+    g.add_argument("--decoupled-min-lr", type=float, default=None)
+    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine", "inverse-square-root"],
+                   default="linear")
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-warmup-samples", type=int, default=0)
+    g.add_argument("--lr-warmup-fraction", type=float, default=None, help="warmup as a share of the decay")
+    g.add_argument("--lr-warmup-init", type=float, default=0.0, help="lr at the start of the warmup")
     g.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
+    g.add_argument("--lr-decay-samples", type=int, default=None, help="default: --train-samples")
     g.add_argument("--weight-decay", type=float, default=0.01)
     g.add_argument("--adam-beta1", type=float, default=0.9)
     g.add_argument("--adam-beta2", type=float, default=0.95)
     g.add_argument("--adam-eps", type=float, default=1e-8)
     g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--calculate-per-token-loss", action="store_true",
+                   help="average the loss over all tokens of the global batch, not per micro-batch")
     g.add_argument("--optimizer-cpu-offload", action="store_true")
     g.add_argument("--skip-train", action="store_true")
     g.add_argument("--exit-interval", type=int, default=None)
     g.add_argument("--exit-signal-handler", action="store_true")
     g.add_argument("--exit-duration-in-mins", type=float, default=None,
                    help="save and exit once the run has lasted this long")
-    g.add_argument("--check-for-nan-in-loss-and-grad", action="store_true",
-                   help="stop with an error naming the iteration and rank when the loss or grad norm is not finite")
+    g.add_argument("--check-for-nan-in-loss-and-grad", action="store_true", default=True,
+                   help="(default) stop with an error naming the iteration and rank on a non-finite loss or grad norm")
+    g.add_argument("--no-check-for-nan-in-loss-and-grad", action="store_false", dest="check_for_nan_in_loss_and_grad")
     g.add_argument("--max-consecutive-skipped-iterations", type=int, default=100,
                    help="abort when this many optimizer steps in a row were skipped (fp16 overflow)")
 
 
 def _io_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("data, checkpoints and logging")
-    g.add_argument("--data-path", nargs="*", default=None, help="prefixes, optionally weighted: 0.3 a 0.7 b")
-    g.add_argument("--split", default="949,50,1")
-    g.add_argument("--tokenizer-type", default=None, help="default: ByteTokenizer (no file needed)")
+    g.add_argument("--data-path", nargs="*", default=None,
+                   help="prefixes, weighted (0.3 a 0.7 b) or not (a b: blended by their sizes)")
+    g.add_argument("--mock-data", action="store_true", help="synthetic documents, no files")
+    g.add_argument("--split", default="969,30,1")
+    g.add_argument("--data-cache-path", default=None, help="where sample indices are cached")
+    g.add_argument("--tokenizer-type", default=None,
+                   help="default: GPT2BPETokenizer with --vocab-file/--merge-file, else ByteTokenizer")
     g.add_argument("--tokenizer-model", default=None)
     g.add_argument("--vocab-file", default=None)
     g.add_argument("--merge-file", default=None)
     g.add_argument("--vocab-size", type=int, default=None)
     g.add_argument("--save", default=None)
     g.add_argument("--save-interval", type=int, default=None)
-    g.add_argument("--load", default=None)
+    g.add_argument("--load", default=None, help="an empty or missing folder starts from scratch (with a notice)")
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
     g.add_argument("--load-fallback", action="store_true",
@@ -119,26 +166,32 @@ def _io_flags(p: argparse.ArgumentParser) -> None:
                    help="dense peak TFLOP/s of one device for MFU (default: from a table of known accelerators)")
 
 
+class _Parser(argparse.ArgumentParser):
+    """A usage error is one paragraph naming the problem, not the whole usage text."""
+
+    def error(self, message: str) -> NoReturn:
+        exit_with_config_error(f"{message} (see {self.prog} --help)")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pretrain_gpt.py", description="3D-parallel GPT pretraining",
-                                     allow_abbrev=False)
+    parser = _Parser(prog="pretrain_gpt.py", description="3D-parallel GPT pretraining", allow_abbrev=False)
     for add in (_model_flags, _parallel_flags, _training_flags, _io_flags):
         add(parser)
+    megatron_flags.add_megatron_flags(parser)
     return parser
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    """Parses and validates Megatron-style flags; exits with a message naming the problem."""
+    """Parses and validates Megatron-style flags; exits (status 2) with one paragraph naming the problem."""
     parser = build_parser()
+    argv = megatron_flags.strip_shell_quotes(sys.argv[1:] if argv is None else argv)
     args, unknown = parser.parse_known_args(argv)
+    refusal = megatron_flags.refusal(args, unknown)
+    if refusal:
+        exit_with_config_error(refusal)
     if unknown:
         known = [opt for action in parser._actions for opt in action.option_strings]
-        hints = []
-        for flag in unknown:
-            if flag.startswith("--"):
-                close = difflib.get_close_matches(flag.split("=")[0], known, n=1)
-                hints.append(f"{flag} (did you mean {close[0]}?)" if close else flag)
-        parser.error(f"unrecognized arguments: {' '.join(hints or unknown)}")
+        parser.error(megatron_flags.unrecognized_message(unknown, known))
     try:
         validate_args(args)
     except ValueError as error:
@@ -147,13 +200,16 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 
 def zero_stage(args: argparse.Namespace) -> int:
-    """The ZeRO stage from --zero-stage, --data-parallel-sharding-strategy or --use-distributed-optimizer."""
+    """The ZeRO stage from --zero-stage, --data-parallel-sharding-strategy, --use-megatron-fsdp (stage 3
+    unless a strategy says otherwise) or --use-distributed-optimizer (stage 1)."""
     strategies = {"no_shard": 0, "optim": 1, "optim_grads": 2, "optim_grads_params": 3}
     stages = set()
     if args.zero_stage is not None:
         stages.add(args.zero_stage)
     if args.data_parallel_sharding_strategy is not None:
         stages.add(strategies[args.data_parallel_sharding_strategy])
+    if args.use_megatron_fsdp and not stages:
+        stages.add(3)
     if args.use_distributed_optimizer and not stages:
         stages.add(1)
     if len(stages) > 1:
@@ -162,15 +218,31 @@ def zero_stage(args: argparse.Namespace) -> int:
     return stages.pop() if stages else 0
 
 
+def _resolve_model_flags(args: argparse.Namespace) -> None:
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    if not args.add_position_embedding and args.position_embedding_type == "learned_absolute":
+        args.position_embedding_type = "none"
+    if args.recompute_activations:
+        if args.recompute_granularity == "full":
+            raise ValueError("--recompute-activations (selective recompute) and --recompute-granularity full "
+                             "disagree; give one of them")
+        args.recompute_granularity = "selective"
+    if args.recompute_modules is not None and args.recompute_granularity != "selective":
+        raise ValueError(f"--recompute-modules {' '.join(args.recompute_modules)} needs selective recompute "
+                         "(--recompute-activations or --recompute-granularity selective)")
+    if args.sequence_parallel and args.tensor_model_parallel_size == 1:
+        megatron_flags.warn_rank_0("--sequence-parallel is turned off: tensor model parallelism is 1")
+        args.sequence_parallel = False
+
+
 def validate_args(args: argparse.Namespace) -> None:
     """Fills derived defaults and rejects invalid combinations (ValueError naming the values)."""
     if args.bf16 and args.fp16:
         raise ValueError("--bf16 and --fp16 are mutually exclusive")
-    if args.max_position_embeddings is None:
-        args.max_position_embeddings = args.seq_length
-    if args.lr_decay_iters is None:
-        args.lr_decay_iters = args.train_iters
-    for name in ("micro_batch_size", "train_iters", "log_interval", "eval_interval", "seq_length"):
+    _resolve_model_flags(args)
+    validate_schedule_flags(args)
+    for name in ("micro_batch_size", "log_interval", "eval_interval", "seq_length"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.position_embedding_type == "learned_absolute" and args.seq_length > args.max_position_embeddings:
@@ -183,11 +255,15 @@ def validate_args(args: argparse.Namespace) -> None:
     if args.num_layers_per_virtual_pipeline_stage is not None and args.pipeline_model_parallel_size == 1:
         raise ValueError("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
     args.zero_stage = zero_stage(args)
-    if args.lr_warmup_iters > args.lr_decay_iters:
-        raise ValueError(f"--lr-warmup-iters {args.lr_warmup_iters} is larger than --lr-decay-iters "
-                         f"{args.lr_decay_iters} (default: --train-iters); shorten the warmup")
+    if args.grad_reduce_in_bf16 and args.accumulate_allreduce_grads_in_fp32:
+        raise ValueError("--grad-reduce-in-bf16 and --accumulate-allreduce-grads-in-fp32 disagree; give one of them")
     if args.min_lr > args.lr:
         raise ValueError(f"--min-lr {args.min_lr} is larger than --lr {args.lr}")
+    if args.mock_data and args.data_path:
+        raise ValueError("--mock-data and --data-path disagree: synthetic data or files, give one of them")
+    if args.tokenizer_type is None and args.vocab_file and args.merge_file:
+        args.tokenizer_type = "GPT2BPETokenizer"  # Megatron's default tokenizer
+    megatron_flags.validate_megatron_flags(args)
 
 
 def virtual_pipeline_size(args: argparse.Namespace) -> Optional[int]:
@@ -211,19 +287,23 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
         normalization=args.normalization, activation="swiglu" if args.swiglu else "gelu",
         openai_gelu=args.openai_gelu,
         add_bias_linear=not args.disable_bias_linear, position_embedding_type=args.position_embedding_type,
-        rotary_base=args.rotary_base, max_position_embeddings=args.max_position_embeddings,
+        rotary_base=args.rotary_base, rotary_percent=args.rotary_percent,
+        rotary_seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor,
+        max_position_embeddings=args.max_position_embeddings,
         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
-        layernorm_epsilon=args.layernorm_epsilon, init_method_std=args.init_method_std,
+        layernorm_epsilon=args.layernorm_epsilon, layernorm_zero_centered_gamma=args.apply_layernorm_1p,
+        qk_layernorm=args.qk_layernorm, init_method_std=args.init_method_std,
         untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
         recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers,
+        recompute_modules=tuple(args.recompute_modules) if args.recompute_modules else ("core_attn",),
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=virtual_pipeline_size(args), sequence_parallel=args.sequence_parallel,
         params_dtype=dtype, bf16=args.bf16, fp16=args.fp16)
 
 
-def exit_with_config_error(error: Exception, status: int = 2) -> None:
+def exit_with_config_error(error: object, status: int = 2) -> NoReturn:
     """Prints ``pretrain_gpt.py: error: <message>`` (one paragraph, no traceback) and exits."""
-    print(f"pretrain_gpt.py: error: {error}", file=sys.stderr)
+    print(f"pretrain_gpt.py: error: {error}", file=sys.stderr)  # the command-line's error channel
     raise SystemExit(status)

@@ -7,7 +7,8 @@ from typing import Iterator, Optional
 
 import torch
 
-from megatron_core.data import GPTDataConfig, MegatronPretrainingSampler, build_gpt_datasets, build_tokenizer
+from megatron_core.data import (GPTDataConfig, MegatronPretrainingSampler, MockGPTDataset, build_gpt_datasets,
+                                build_tokenizer)
 from megatron_core.parallel_state import ParallelState
 
 
@@ -18,13 +19,19 @@ def build_run_tokenizer(args: argparse.Namespace):
 
 
 def build_datasets(args: argparse.Namespace, tokenizer, global_batch: int):
-    """(train, valid, test) sized for the run: train_iters global batches, and the evaluations."""
+    """(train, valid, test) sized for the run: train_iters global batches, and the evaluations. With
+    ``--mock-data``, synthetic documents over the tokenizer's vocabulary (no files; valid and test drawn from
+    other seeds)."""
     evaluations = args.train_iters // args.eval_interval + 1
     eval_samples = evaluations * args.eval_iters * global_batch
+    counts = (args.train_iters * global_batch, eval_samples, args.eval_iters * global_batch)
+    if args.mock_data:
+        return tuple(MockGPTDataset(count, args.seq_length, seed=args.seed + offset, vocab_size=tokenizer.vocab_size)
+                     if count else None for offset, count in enumerate(counts))
     return build_gpt_datasets(GPTDataConfig(
         seq_length=args.seq_length, data_path=args.data_path or None, split=args.split, seed=args.seed,
-        tokenizer=tokenizer, train_samples=args.train_iters * global_batch, valid_samples=eval_samples,
-        test_samples=args.eval_iters * global_batch))
+        tokenizer=tokenizer, train_samples=counts[0], valid_samples=counts[1], test_samples=counts[2],
+        index_cache_dir=args.data_cache_path))
 
 
 def micro_batches(dataset, *, consumed_samples: int, micro_batch_size: int, state: ParallelState,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import functools
 import logging
 import math
 import os
@@ -22,9 +23,10 @@ from megatron_core.pipeline_parallel import PipelineError, get_forward_backward_
 from megatron_core.tensor_parallel import model_parallel_seed
 from megatron_core.training.arguments import transformer_config
 from megatron_core.training.data import build_datasets, build_run_tokenizer, micro_batches, take
-from megatron_core.training.lr_scheduler import LRScheduler
 from megatron_core.training.metrics import MetricsWriter, format_log_line
 from megatron_core.training.optimizer_setup import build_optimizer, wrap_data_parallel
+from megatron_core.training.runtime import RuntimeHooks, WandbSink
+from megatron_core.training.schedule import build_lr_scheduler, check_batch_schedule, resolve_train_iters
 from megatron_core.training.state import Run, reduce_losses, step_record
 
 logger = logging.getLogger(__name__)
@@ -50,22 +52,26 @@ def build_run(args: argparse.Namespace) -> Run:
                                       config.virtual_pipeline_model_parallel_size,
                                       timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes))
     micro_per_step = args.micro_batch_size * state.dp_size
-    global_batch = args.global_batch_size or micro_per_step
+    schedule = args.batch_schedule
+    global_batch = args.global_batch_size or (schedule.largest if schedule else micro_per_step)
     if global_batch % micro_per_step != 0:
         raise ValueError(f"--global-batch-size {global_batch} is not divisible by --micro-batch-size "
                          f"{args.micro_batch_size} x data-parallel size {state.dp_size}")
+    check_batch_schedule(schedule, micro_per_step, micro_batch_size=args.micro_batch_size, dp_size=state.dp_size)
+    args.train_iters = resolve_train_iters(args, global_batch)
     tokenizer = build_run_tokenizer(args)
     torch.manual_seed(args.seed)  # the same on every rank: layout-independent initialization
+    # TODO(zero3): args.init_model_with_meta_device (bool, parsed and validated) -> build on the meta device here
     chunks = [_build_chunk(args, config, state, tokenizer.vocab_size, vp) for vp in range(state.vpp_size or 1)]
     model_parallel_seed(args.seed + 100 * state.pp_rank, tp_rank=state.tp_rank, device=state.device)
     chunks = wrap_data_parallel(args, chunks, state)
     optimizer = build_optimizer(args, chunks, state)
-    scheduler = LRScheduler(max_lr=args.lr, min_lr=args.min_lr, warmup_iters=args.lr_warmup_iters,
-                            decay_iters=args.lr_decay_iters, decay_style=args.lr_decay_style)
     train, valid, _ = build_datasets(args, tokenizer, global_batch)
-    return Run(args=args, config=config, state=state, chunks=chunks, optimizer=optimizer, scheduler=scheduler,
-               tokenizer=tokenizer, train_dataset=train, valid_dataset=valid, global_batch=global_batch,
-               num_microbatches=global_batch // micro_per_step)
+    run = Run(args=args, config=config, state=state, chunks=chunks, optimizer=optimizer,
+              scheduler=build_lr_scheduler(args), tokenizer=tokenizer, train_dataset=train, valid_dataset=valid,
+              global_batch=global_batch, num_microbatches=global_batch // micro_per_step)
+    run.set_global_batch(0)
+    return run
 
 
 def _build_chunk(args, config, state, vocab_size: int, vp: int) -> GPTModel:
@@ -78,17 +84,34 @@ def _build_chunk(args, config, state, vocab_size: int, vp: int) -> GPTModel:
                     make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
 
 
-def forward_step(data_iterator, model):
-    """Megatron's GPT forward step: per-token loss, then the loss-mask average."""
+def forward_step(data_iterator, model, *, tokens_scale: Optional[float] = None):
+    """Megatron's GPT forward step: per-token loss, then the loss-mask average of the micro-batch; with
+    ``tokens_scale`` (``--calculate-per-token-loss``) the loss-mask sum times ``tokens_scale``."""
     batch = next(data_iterator)
     output = model(batch["tokens"], batch["position_ids"], labels=batch["labels"])
 
     def loss_func(per_token_loss: torch.Tensor):
         mask = batch["loss_mask"]
-        loss = (per_token_loss.float() * mask).sum() / mask.sum().clamp(min=1)
+        total = (per_token_loss.float() * mask).sum()
+        loss = total / mask.sum().clamp(min=1) if tokens_scale is None else total * tokens_scale
         return loss, {"lm loss": loss.detach()}
 
     return output, loss_func
+
+
+def _per_token_scale(run: Run, batches: list[dict]) -> Optional[float]:
+    """``--calculate-per-token-loss``: the schedule divides each micro-batch loss by their number and the
+    data-parallel reduction averages over dp, so a micro-batch's token sum times ``num_microbatches * dp /
+    tokens of the global batch`` yields the gradient (and the logged loss) of the sum over every token of the
+    global batch divided by their count, as Megatron. Collective over the data-parallel group."""
+    if not run.args.calculate_per_token_loss:
+        return None
+    state = run.state
+    tokens = torch.stack([b["loss_mask"].sum() for b in batches]).sum().reshape(1).double() if batches \
+        else torch.zeros(1, dtype=torch.float64, device=state.device)
+    if state.dp_cp_group is not None and state.dp_cp_size > 1:
+        dist.all_reduce(tokens, group=state.dp_cp_group)
+    return len(batches) * state.dp_cp_size / max(float(tokens.item()), 1.0)
 
 
 def run_schedule(run: Run, batches: list[dict], *, forward_only: bool) -> list:
@@ -96,7 +119,8 @@ def run_schedule(run: Run, batches: list[dict], *, forward_only: bool) -> list:
     schedule = get_forward_backward_func(state.pp_size, state.vpp_size)
     iterators = [iter(batches) for _ in run.chunks] if state.vpp_size else iter(batches)
     scale = getattr(run.optimizer, "scale_loss", None) if run.config.fp16 else None
-    return schedule(forward_step_func=forward_step, data_iterator=iterators,
+    step_func = functools.partial(forward_step, tokens_scale=_per_token_scale(run, batches))
+    return schedule(forward_step_func=step_func, data_iterator=iterators,
                     model=run.chunks if state.vpp_size else run.chunks[0], num_microbatches=len(batches),
                     seq_length=run.args.seq_length, micro_batch_size=run.args.micro_batch_size,
                     forward_only=forward_only, parallel_state=state, grad_scale_func=scale)
@@ -123,15 +147,17 @@ def _is_communication_failure(error: RuntimeError) -> bool:
 
 
 def train_step(run: Run, batches: list[dict]) -> dict:
-    lr = run.scheduler.apply(run.optimizer.param_groups)
+    increment = run.scheduler.increment(run.global_batch)
+    lr = run.scheduler.apply(run.optimizer.param_groups, increment)
     run.optimizer.zero_grad()
     with _phase(run, "the forward-backward schedule (p2p with the neighbouring pipeline stages, tp collectives)"):
         losses = run_schedule(run, batches, forward_only=False)
+        lm_loss = reduce_losses(losses, run.state)  # over pp and dp: a stalled peer is named here too
     with _phase(run, "the optimizer step (grad reduction over data-parallel ranks, norm over model-parallel ranks)"):
-        update_ok, grad_norm, _ = run.optimizer.step()
+        update_ok, grad_norm, num_zeros = run.optimizer.step()
     if update_ok:
-        run.scheduler.step()
-    return {"lm_loss": reduce_losses(losses, run.state), "lr": lr, "grad_norm": grad_norm, "skipped": not update_ok}
+        run.scheduler.step(increment)
+    return {"lm_loss": lm_loss, "lr": lr, "grad_norm": grad_norm, "skipped": not update_ok, "num_zeros": num_zeros}
 
 
 def evaluate(run: Run, iteration: int, writer: MetricsWriter) -> Optional[float]:
@@ -166,8 +192,13 @@ def save(run: Run, iteration: int) -> None:
 
 
 def load(run: Run) -> int:
-    """Loads ``--load``; returns the iteration to continue from (0 with --finetune)."""
+    """Loads ``--load``; returns the iteration to continue from (0 with --finetune). An empty or missing
+    folder starts from scratch with a notice, as in Megatron-LM (its scripts pass --save and --load alike)."""
     args = run.args
+    if not os.path.isdir(args.load) or not os.listdir(args.load):
+        if run.is_logging_rank:
+            print(f" no checkpoint to load in {args.load} (empty or missing): starting from scratch", flush=True)
+        return 0
     folder, metadata = read_metadata(args.load, fallback=args.load_fallback)
     load_optim = not (args.finetune or args.no_load_optim)
     load_model_weights(folder, metadata, model_chunks=run.chunks, config=run.config, state=run.state,
@@ -201,17 +232,23 @@ def _train(run: Run) -> list[float]:
     stop_requested = {"signal": False}
     if args.exit_signal_handler:
         signal.signal(signal.SIGTERM, lambda *_: stop_requested.update(signal=True))
-    writer = MetricsWriter(args.metrics_file, args.tensorboard_dir, enabled=run.is_logging_rank)
+    writer = MetricsWriter(args.metrics_file, args.tensorboard_dir, enabled=run.is_logging_rank,
+                           sinks=[WandbSink(args, enabled=run.is_logging_rank)],
+                           tensorboard_exclude=() if args.log_loss_scale_to_tensorboard else ("loss_scale",))
+    hooks = RuntimeHooks(args, run.state)
     iterator = (micro_batches(run.train_dataset, consumed_samples=run.consumed_samples, state=run.state,
                               micro_batch_size=args.micro_batch_size, device=run.state.device)
                 if run.train_dataset is not None else None)
     losses, iteration = [], start
     try:
         while not args.skip_train and iteration < args.train_iters:
+            run.set_global_batch(run.consumed_samples)
+            hooks.before_step(iteration)
             begin = time.perf_counter()
             result = train_step(run, take(iterator, run.num_microbatches))
             iteration += 1
             run.consumed_samples += run.global_batch
+            hooks.after_step(iteration)
             losses.append(result["lm_loss"])
             _check_numerics(run, iteration, result)
             record = step_record(run, iteration, result, time.perf_counter() - begin)
@@ -220,13 +257,16 @@ def _train(run: Run) -> list[float]:
                 print(format_log_line(record, train_iters=args.train_iters, consumed_samples=run.consumed_samples,
                                       global_batch=run.global_batch), flush=True)
             if iteration % args.eval_interval == 0:
+                hooks.around_evaluation()
                 evaluate(run, iteration, writer)
+                hooks.around_evaluation()
             if _should_stop(run, iteration, stop_requested):
                 break
         if args.save and iteration > start:
             save(run, iteration)
     finally:
         writer.close()
+        hooks.close()
     if args.loss_curve_png and run.is_logging_rank and losses:
         from megatron_core.training.plots import write_loss_curve_png
         write_loss_curve_png(losses, args.loss_curve_png, first_iteration=start + 1)

@@ -2,15 +2,17 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import resource
 import time
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
 from megatron_core.config import TransformerConfig
 
+logger = logging.getLogger(__name__)
 PEAK_TFLOPS_BF16 = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0}
 
 
@@ -93,18 +95,32 @@ def memory_bytes(device: torch.device) -> int:
 
 
 class MetricsWriter:
-    """Appends one JSON object per line (rank 0 only); TensorBoard scalars when a directory is given."""
+    """Appends one JSON object per line (rank 0 only); TensorBoard scalars when a directory is given (a
+    warning when the tensorboard package is missing); every record also goes to ``sinks`` (e.g. wandb).
 
-    def __init__(self, path: Optional[str], tensorboard_dir: Optional[str], *, enabled: bool) -> None:
+    Args:
+        path: the JSON-lines file, or None.
+        tensorboard_dir: the TensorBoard log directory, or None.
+        enabled: whether this rank writes (the logging rank).
+        sinks: objects with ``write(record)`` and ``close()``.
+        tensorboard_exclude: record keys not sent to TensorBoard (``--no-log-loss-scale-to-tensorboard``).
+    """
+
+    def __init__(self, path: Optional[str], tensorboard_dir: Optional[str], *, enabled: bool,
+                 sinks: Sequence = (), tensorboard_exclude: Sequence[str] = ()) -> None:
         self.enabled = enabled
         self.file = open(path, "a", encoding="utf-8") if (path and enabled) else None
+        self.sinks = list(sinks)
+        self.exclude = {"iteration", *tensorboard_exclude}
         self.tensorboard = None
         if tensorboard_dir and enabled:
             try:
                 from torch.utils.tensorboard import SummaryWriter
-            except ImportError as error:
-                raise ValueError("--tensorboard-dir needs the tensorboard package: pip install tensorboard") from error
-            self.tensorboard = SummaryWriter(log_dir=tensorboard_dir)
+            except ImportError:
+                logger.warning("--tensorboard-dir %s: the tensorboard package is not installed (pip install "
+                               "tensorboard); not writing TensorBoard logs", tensorboard_dir)
+            else:
+                self.tensorboard = SummaryWriter(log_dir=tensorboard_dir)
 
     def write(self, record: dict) -> None:
         if self.file is not None:
@@ -114,14 +130,19 @@ class MetricsWriter:
         if self.tensorboard is not None:
             prefix = record.get("split", "train")
             for key, value in record.items():
-                if isinstance(value, (int, float)) and key not in ("iteration",):
+                if isinstance(value, (int, float)) and key not in self.exclude:
                     self.tensorboard.add_scalar(f"{prefix}/{key}", value, record["iteration"])
+        if self.enabled:
+            for sink in self.sinks:
+                sink.write(record)
 
     def close(self) -> None:
         if self.file is not None:
             self.file.close()
         if self.tensorboard is not None:
             self.tensorboard.close()
+        for sink in self.sinks:
+            sink.close()
 
 
 def format_log_line(record: dict, *, train_iters: int, consumed_samples: int, global_batch: int) -> str:
@@ -134,4 +155,9 @@ def format_log_line(record: dict, *, train_iters: int, consumed_samples: int, gl
             f" lm loss: {fmt(record['lm_loss'], '.6E')} | loss scale: {record['loss_scale']:.1f} |"
             f" grad norm: {fmt(record['grad_norm'], '.3f')} | number of skipped iterations: {record['skipped']:3d} |"
             f" tokens/s: {record['tokens_per_sec']:.0f} | TFLOP/s/rank: {record['tflops_per_rank']:.3f} |"
-            f" MFU: {fmt(record['mfu'], '.2%')} | mem: {record['mem_bytes'] / 2**20:.0f} MiB |")
+            f" MFU: {fmt(record['mfu'], '.2%')} | mem: {record['mem_bytes'] / 2**20:.0f} MiB |"
+            + "".join(f" {label}: {format(record[key], spec)} |" for key, label, spec in _OPTIONAL_FIELDS
+                      if record.get(key) is not None))
+
+
+_OPTIONAL_FIELDS = (("params_norm", "params norm", ".3f"), ("num_zeros", "num zeros", ".1f"))

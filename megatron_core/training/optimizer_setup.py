@@ -5,14 +5,27 @@ import argparse
 
 from torch import nn
 
+from megatron_core.checkpointing.layout import unwrap
 from megatron_core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron_core.optimizer import OptimizerConfig, get_optimizer
 from megatron_core.parallel_state import ParallelState
 
 
+def ddp_config(args: argparse.Namespace) -> DistributedDataParallelConfig:
+    """The data-parallel config of the flags: ZeRO stage (--zero-stage, --data-parallel-sharding-strategy,
+    --use-megatron-fsdp, --use-distributed-optimizer), --overlap-grad-reduce, and the grad dtype
+    (--grad-reduce-in-bf16: reduce in the parameters' dtype; default and --accumulate-allreduce-grads-in-fp32:
+    fp32)."""
+    kwargs = dict(zero_stage=args.zero_stage, overlap_grad_reduce=args.overlap_grad_reduce,
+                  grad_reduce_in_fp32=not args.grad_reduce_in_bf16)
+    # TODO(zero3): pass args.overlap_param_gather here once DistributedDataParallelConfig has the field:
+    #   kwargs["overlap_param_gather"] = args.overlap_param_gather
+    return DistributedDataParallelConfig(**kwargs)
+
+
 def wrap_data_parallel(args: argparse.Namespace, chunks: list[nn.Module], state: ParallelState) -> list[nn.Module]:
     """Each model chunk in DistributedDataParallel over the data(-and-context)-parallel group."""
-    config = DistributedDataParallelConfig(zero_stage=args.zero_stage, overlap_grad_reduce=args.overlap_grad_reduce)
+    config = ddp_config(args)
     return [DistributedDataParallel(chunk, config=config, dp_group=state.dp_cp_group) for chunk in chunks]
 
 
@@ -21,5 +34,45 @@ def build_optimizer(args: argparse.Namespace, chunks: list[nn.Module], state: Pa
         optimizer=args.optimizer, lr=args.lr, weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
         adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, clip_grad=args.clip_grad, bf16=args.bf16,
         fp16=args.fp16, initial_loss_scale=args.initial_loss_scale, loss_scale=args.loss_scale,
-        optimizer_cpu_offload=args.optimizer_cpu_offload)
-    return get_optimizer(config, chunks, parallel_state=state)
+        optimizer_cpu_offload=args.optimizer_cpu_offload, log_num_zeros_in_grad=args.log_num_zeros_in_grad)
+    optimizer = get_optimizer(config, chunks, parallel_state=state)
+    if args.decoupled_lr is not None:
+        split_decoupled_groups(optimizer, chunks)
+    return optimizer
+
+
+def embedding_and_output_parameters(chunks: list[nn.Module]) -> set[int]:
+    """``id`` of the input word-embedding and output-layer weights of ``chunks`` (Megatron's
+    ``is_embedding_or_output_parameter``: the parameters ``--decoupled-lr`` applies to)."""
+    found = set()
+    for chunk in chunks:
+        model = unwrap(chunk)
+        embedding = getattr(getattr(model, "embedding", None), "word_embeddings", None)
+        output = getattr(model, "output_layer", None)
+        for module in (embedding, output):
+            weight = getattr(module, "weight", None)
+            if isinstance(weight, nn.Parameter):
+                found.add(id(weight))
+    return found
+
+
+def split_decoupled_groups(optimizer, chunks: list[nn.Module]) -> None:
+    """Moves the fp32 masters of the embedding and output weights into their own param groups, marked
+    ``decoupled_lr`` (the scheduler gives them ``--decoupled-lr`` / ``--decoupled-min-lr``), before any step.
+
+    Optimizer states are keyed by master tensor, not by group, so checkpoints are unaffected."""
+    inner = getattr(optimizer, "optimizer", None)
+    if inner is None:
+        return
+    if inner.state:
+        raise ValueError("--decoupled-lr groups must be split before the first optimizer step")
+    targets = embedding_and_output_parameters(chunks)
+    decoupled = {id(piece.master) for piece in optimizer.pieces if id(piece.param) in targets}
+    groups = []
+    for group in inner.param_groups:
+        kept = [p for p in group["params"] if id(p) not in decoupled]
+        moved = [p for p in group["params"] if id(p) in decoupled]
+        for params, marked in ((kept, False), (moved, True)):
+            if params:
+                groups.append({**group, "params": params, "decoupled_lr": marked})
+    inner.param_groups = groups

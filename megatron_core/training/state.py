@@ -12,6 +12,7 @@ from torch import nn
 
 from megatron_core.checkpointing.layout import unwrap
 from megatron_core.config import TransformerConfig
+from megatron_core.optimizer.clip_grads import counts_once, global_norm_and_zeros
 from megatron_core.parallel_state import ParallelState
 from megatron_core.training.metrics import gpt_flops_per_iteration, memory_bytes, peak_tflops_per_device
 
@@ -33,6 +34,16 @@ class Run:
     valid_consumed: int = 0
     consecutive_skips: int = 0
     start_time: float = dataclasses.field(default_factory=time.monotonic)
+
+    def set_global_batch(self, consumed_samples: int) -> None:
+        """The global batch (and micro-batches per step) of the next step: ``--step-batch-size-schedule`` at
+        ``consumed_samples``; unchanged without a schedule."""
+        schedule = getattr(self.args, "batch_schedule", None)
+        if schedule is None:
+            return
+        micro_per_step = self.args.micro_batch_size * self.state.dp_size
+        self.global_batch = schedule.global_batch(consumed_samples)
+        self.num_microbatches = self.global_batch // micro_per_step
 
     @property
     def is_logging_rank(self) -> bool:
@@ -68,11 +79,28 @@ def step_record(run: Run, iteration: int, result: dict, seconds: float) -> dict:
     peak = peak_tflops_per_device(run.state.device, getattr(run.args, "peak_tflops", None))
     scale = run.optimizer.get_loss_scale() if hasattr(run.optimizer, "get_loss_scale") else 1.0
     grad_norm = result["grad_norm"]
-    return {"iteration": iteration, "lm_loss": result["lm_loss"],
-            "grad_norm": None if grad_norm is None else float(grad_norm), "lr": result["lr"],
-            "loss_scale": float(scale), "skipped": int(result["skipped"]), "ms_per_iter": seconds * 1e3,
-            "tokens_per_sec": tokens / seconds, "tflops_per_rank": tflops_per_rank,
-            "mfu": None if peak is None else tflops_per_rank / peak, "mem_bytes": memory_bytes(run.state.device)}
+    optional = {"num_zeros": result.get("num_zeros")}
+    if getattr(run.args, "log_params_norm", False):
+        optional["params_norm"] = params_norm(run.optimizer, run.state)
+    if getattr(run.args, "log_world_size_to_tensorboard", False):
+        optional["world_size"] = run.state.world_size
+    record = {"iteration": iteration, "lm_loss": result["lm_loss"],
+              "grad_norm": None if grad_norm is None else float(grad_norm), "lr": result["lr"],
+              "loss_scale": float(scale), "skipped": int(result["skipped"]), "ms_per_iter": seconds * 1e3,
+              "tokens_per_sec": tokens / seconds, "tflops_per_rank": tflops_per_rank,
+              "mfu": None if peak is None else tflops_per_rank / peak, "mem_bytes": memory_bytes(run.state.device)}
+    record.update({k: v for k, v in optional.items() if v is not None})
+    return record
 
 
-__all__ = ["Run", "reduce_losses", "step_record"]
+def params_norm(optimizer: Any, state: ParallelState) -> float:
+    """Global L2 norm of the parameters (``--log-params-norm``), from the optimizer's fp32 masters: each
+    parameter counted once over tp replicas and tied copies, ZeRO shards summed over dp. Collective over the
+    data-parallel and model-parallel groups, as the grad norm."""
+    counted = [(piece.master, piece.is_shard) for piece in optimizer.pieces if counts_once(piece.param, state)]
+    norm, _ = global_norm_and_zeros(counted, dp_group=optimizer.dp_group, mp_group=optimizer.mp_group,
+                                    device=optimizer.device, count_zeros=False)
+    return norm
+
+
+__all__ = ["Run", "reduce_losses", "step_record", "params_norm"]

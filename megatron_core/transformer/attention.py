@@ -26,6 +26,7 @@ from megatron_core.tensor_parallel import (
     scaled_init_method_normal,
 )
 from megatron_core.transformer.inference_cache import InferenceCache
+from megatron_core.transformer.norms import Norm
 from megatron_core.transformer.rope import apply_rotary_pos_emb
 
 
@@ -109,6 +110,13 @@ class SelfAttention(nn.Module):
         self.linear_qkv = ColumnParallelLinear(config.hidden_size, qkv_size, bias=config.add_qkv_bias,
                                                init_method=init_method_normal(config.init_method_std), **common)
         self.core_attention = core_attention(config, layer_number=layer_number, parallel_state=parallel_state)
+        self.q_layernorm = self.k_layernorm = None
+        if config.qk_layernorm:  # over each head's kv_channels; every tp rank sees its own heads only, so the
+            # weight grads are partial sums over heads: tagged for the tp all-reduce of finalize_model_grads
+            self.q_layernorm = Norm(config, config.kv_channels, device=device)
+            self.k_layernorm = Norm(config, config.kv_channels, device=device)
+            for param in (*self.q_layernorm.parameters(), *self.k_layernorm.parameters()):
+                param.sequence_parallel = config.tensor_model_parallel_size > 1
         self.linear_proj = RowParallelLinear(
             config.num_attention_heads * config.kv_channels, config.hidden_size, bias=config.add_bias_linear,
             input_is_parallel=True, skip_bias_add=True,
@@ -126,6 +134,8 @@ class SelfAttention(nn.Module):
                 rotary_pos_emb: Optional[torch.Tensor] = None, inference_cache: Optional[InferenceCache] = None):
         mixed, _ = self.linear_qkv(hidden)  # [s, b, (heads + 2 groups)/tp * d]
         query, key, value = self.split_qkv(mixed)
+        if self.q_layernorm is not None:
+            query, key = self.q_layernorm(query), self.k_layernorm(key)
         if rotary_pos_emb is not None:
             query = apply_rotary_pos_emb(query, rotary_pos_emb)
             key = apply_rotary_pos_emb(key, rotary_pos_emb)
@@ -135,7 +145,7 @@ class SelfAttention(nn.Module):
                                  "without sequence parallelism")
             attention_mask = inference_cache.attention_mask(query.shape[0], query.device)
             key, value = inference_cache.update(self.layer_number, key, value)  # [offset + s, b, groups/tp, d]
-        if self.config.recompute_granularity == "selective":
+        if self.config.recomputes("core_attn"):
             context = checkpoint(self.core_attention, query, key, value, attention_mask,
                                  rng_tracker=get_rng_tracker(query.device))
         else:

@@ -10,7 +10,7 @@ from torch import nn
 
 from megatron_core.config import TransformerConfig
 from megatron_core.parallel_state import ParallelState
-from megatron_core.tensor_parallel import get_rng_tracker
+from megatron_core.tensor_parallel import checkpoint, get_rng_tracker
 
 if TYPE_CHECKING:
     from megatron_core.transformer.spec import TransformerLayerSpec
@@ -43,10 +43,17 @@ class TransformerLayer(nn.Module):
                 rotary_pos_emb: Optional[torch.Tensor] = None, inference_cache=None) -> torch.Tensor:
         """``inference_cache`` (an ``InferenceCache`` or None) is passed to self-attention when given."""
         cache = {} if inference_cache is None else {"inference_cache": inference_cache}
-        output, bias = self.self_attention(self.input_layernorm(hidden), attention_mask, rotary_pos_emb, **cache)
+        normed = self._run("layernorm", self.input_layernorm, hidden)
+        output, bias = self.self_attention(normed, attention_mask, rotary_pos_emb, **cache)
         hidden = self.bias_dropout_add(output, bias, hidden)
-        output, bias = self.mlp(self.pre_mlp_layernorm(hidden))
+        output, bias = self._run("mlp", self.mlp, self._run("layernorm", self.pre_mlp_layernorm, hidden))
         return self.bias_dropout_add(output, bias, hidden)
+
+    def _run(self, module: str, function, hidden: torch.Tensor):
+        """``function(hidden)``, checkpointed when selective recompute covers ``module`` ("mlp", "layernorm")."""
+        if self.training and self.config.recomputes(module) and torch.is_grad_enabled():
+            return checkpoint(function, hidden, rng_tracker=get_rng_tracker(hidden.device))
+        return function(hidden)
 
     def bias_dropout_add(self, x: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tensor) -> torch.Tensor:
         if bias is not None:

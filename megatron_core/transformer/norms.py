@@ -23,29 +23,39 @@ def _replicated(tensor: torch.Tensor, config: TransformerConfig, value: float) -
     return param
 
 
+def _gamma(config: TransformerConfig, hidden_size: int, device) -> nn.Parameter:
+    """The scale: ones, or zeros applied as ``1 + weight`` with ``layernorm_zero_centered_gamma``."""
+    value = 0.0 if config.layernorm_zero_centered_gamma else 1.0
+    return _replicated(torch.full((hidden_size,), value, dtype=config.params_dtype, device=device), config, value)
+
+
 class LayerNorm(nn.Module):
-    """``(x - mean) / sqrt(var + eps) * weight + bias`` over the last dim; ``[..., h] -> [..., h]``."""
+    """``(x - mean) / sqrt(var + eps) * weight + bias`` over the last dim; ``[..., h] -> [..., h]``.
+    With ``layernorm_zero_centered_gamma`` the scale is ``1 + weight`` (Megatron's ``--apply-layernorm-1p``)."""
 
     def __init__(self, config: TransformerConfig, hidden_size: int, *, device=None) -> None:
         super().__init__()
-        self.eps = config.layernorm_epsilon
-        self.weight = _replicated(torch.ones(hidden_size, dtype=config.params_dtype, device=device), config, 1.0)
+        self.eps, self.zero_centered = config.layernorm_epsilon, config.layernorm_zero_centered_gamma
+        self.weight = _gamma(config, hidden_size, device)
         self.bias = _replicated(torch.zeros(hidden_size, dtype=config.params_dtype, device=device), config, 0.0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.layer_norm(x, self.weight, self.bias, self.eps)
+        weight = self.weight + 1 if self.zero_centered else self.weight
+        return kernels.layer_norm(x, weight, self.bias, self.eps)
 
 
 class RMSNorm(nn.Module):
-    """``x / sqrt(mean(x^2) + eps) * weight`` over the last dim; ``[..., h] -> [..., h]``."""
+    """``x / sqrt(mean(x^2) + eps) * weight`` over the last dim; ``[..., h] -> [..., h]`` (scale ``1 + weight``
+    with ``layernorm_zero_centered_gamma``)."""
 
     def __init__(self, config: TransformerConfig, hidden_size: int, *, device=None) -> None:
         super().__init__()
-        self.eps = config.layernorm_epsilon
-        self.weight = _replicated(torch.ones(hidden_size, dtype=config.params_dtype, device=device), config, 1.0)
+        self.eps, self.zero_centered = config.layernorm_epsilon, config.layernorm_zero_centered_gamma
+        self.weight = _gamma(config, hidden_size, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.rms_norm(x, self.weight, self.eps)
+        weight = self.weight + 1 if self.zero_centered else self.weight
+        return kernels.rms_norm(x, weight, self.eps)
 
 
 def Norm(config: TransformerConfig, hidden_size: int, *, device=None) -> nn.Module:  # noqa: N802 - a class factory

@@ -91,3 +91,35 @@ def test_gpt2_bpe_from_vocab_and_merges(tmp_path):
 def test_build_tokenizer_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
         build_tokenizer(**kwargs)
+
+
+def _saved_hf_tokenizer(folder) -> str:
+    """A tiny byte-level BPE saved with transformers' ``save_pretrained`` (what a model folder holds)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    hf = Tokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>"],
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    PreTrainedTokenizerFast(tokenizer_object=hf, bos_token="<s>", eos_token="</s>").save_pretrained(str(folder))
+    return str(folder)
+
+
+def test_huggingface_tokenizer_from_a_local_folder(tmp_path):
+    folder = _saved_hf_tokenizer(tmp_path / "hf")
+    tok = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=folder)
+    from transformers import AutoTokenizer
+    reference = AutoTokenizer.from_pretrained(folder)
+    assert tok.eod == reference.eos_token_id and tok.vocab_size == len(reference)
+    assert tok.encode(CORPUS[0]) == reference(CORPUS[0]).input_ids
+    with pytest.raises(ValueError, match="could not load '/no/such/tokenizer'"):
+        build_tokenizer("HuggingFaceTokenizer", tokenizer_model="/no/such/tokenizer")
+
+
+def test_megatron_sentencepiece_names(spm_model):
+    gpt = build_tokenizer("GPTSentencePieceTokenizer", tokenizer_model=spm_model)
+    llama = build_tokenizer("Llama2Tokenizer", tokenizer_model=spm_model)
+    text = "Megatron users switch without edits"
+    assert llama.encode(text) == [llama.bos, *gpt.encode(text)] and llama.eod == gpt.eod
+    assert llama.decode(llama.encode(text)) == text

@@ -54,6 +54,10 @@ CONFIGS = {
     "gqa-rope-swiglu-rmsnorm": dict(num_query_groups=2 * 2, num_attention_heads=8, position_embedding_type="rope",
                                     activation="swiglu", normalization="RMSNorm"),
     "untied-nobias": dict(untie_embeddings_and_output_weights=True, add_bias_linear=False),
+    # Megatron's --qk-layernorm --apply-layernorm-1p --rotary-percent 0.5: the q/k norm weights see only this
+    # rank's heads, so their grads must be summed over tp
+    "qk-norm-1p-partial-rope": dict(qk_layernorm=True, layernorm_zero_centered_gamma=True, normalization="RMSNorm",
+                                    position_embedding_type="rope", rotary_percent=0.5),
 }
 
 

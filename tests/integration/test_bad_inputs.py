@@ -25,7 +25,6 @@ FLAG_CASES = {
     "zero micro batch": (["--micro-batch-size", "0"], "--micro-batch-size must be >= 1, got 0"),
     "zero sequence length": (["--seq-length", "0"], "--seq-length must be >= 1, got 0"),
     "zero train iters": (["--train-iters", "0"], "--train-iters must be >= 1, got 0"),
-    "sequence parallel without tp": (["--sequence-parallel"], "sequence_parallel=True needs tensor_model_parallel_size > 1"),
     "query groups without GQA flag": (["--num-query-groups", "2"], "--num-query-groups 2 needs --group-query-attention"),
     "query groups not dividing heads": (["--group-query-attention", "--num-query-groups", "3"], "num_query_groups 3 does not divide num_attention_heads 4"),
     "full recompute without method": (["--recompute-granularity", "full"], "recompute_granularity='full' needs recompute_method"),
@@ -42,7 +41,6 @@ FLAG_CASES = {
     "unknown tokenizer": (["--tokenizer-type", "NoSuchTokenizer"], "unknown tokenizer type 'NoSuchTokenizer'"),
     "sentencepiece without a model": (["--tokenizer-type", "SentencePieceTokenizer"], "tokenizer"),
     "missing data prefix": (["--data-path", "/nonexistent/corpus_text_document"], "/nonexistent/corpus_text_document"),
-    "load from an empty folder": (["--load", "/nonexistent/checkpoints"], "no checkpoint in /nonexistent/checkpoints"),
 }
 
 
@@ -53,6 +51,14 @@ def test_bad_flag(distributed, name):
     assert status == 2, err
     assert fragment in err, err
     assert "Traceback" not in err
+
+
+def test_load_from_a_folder_without_a_checkpoint(distributed, tmp_path):
+    """An empty or missing --load folder starts from scratch (Megatron's scripts pass --save and --load
+    alike); a folder with other files in it is not taken for an empty one."""
+    (tmp_path / "notes.txt").write_text("not a checkpoint")
+    status, err = distributed(1, run_main, [*TINY, "--train-iters", "2", "--load", str(tmp_path)])[0]
+    assert status == 2 and f"no checkpoint in {tmp_path}" in err and "Traceback" not in err
 
 
 def test_world_size_not_matching_the_layout(distributed):

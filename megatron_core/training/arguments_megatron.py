@@ -1,0 +1,225 @@
+"""The rest of Megatron-LM's flags: runtime and logging switches this framework implements, switches that
+do not apply here (accepted, documented in ``ACCEPTED_NO_OPS`` and the README), and features that are not
+built (``refusal``: exit status 2 with one paragraph naming the flags and why).
+
+Nothing here reads a flag that ``pretrain_gpt.py`` does not pass: every flag of Megatron-LM's example
+scripts (examples/gpt3, llama, mixtral, gptoss, megatron_fsdp) either acts, is accepted, or is refused by name.
+"""
+from __future__ import annotations
+
+import argparse
+import difflib
+import logging
+import os
+from typing import Optional, Sequence
+
+logger = logging.getLogger(__name__)
+
+_FUSION = "fusion switch: the kernels in kernels/ pick their own fused or reference path, with the same numerics"
+ACCEPTED_NO_OPS: dict[str, str] = {
+    "--use-mcore-models": "the models are always megatron-core style",
+    "--transformer-impl": "one implementation (this framework's own modules, no Transformer Engine)",
+    "--attention-backend": "attention runs the fused Triton softmax or PyTorch SDPA, chosen per device",
+    "--use-flash-attn": "attention runs the fused Triton softmax or PyTorch SDPA, chosen per device",
+    "--attention-softmax-in-fp32": "the softmax always computes in fp32",
+    "--no-masked-softmax-fusion": _FUSION, "--no-bias-gelu-fusion": _FUSION, "--no-bias-swiglu-fusion": _FUSION,
+    "--no-bias-dropout-fusion": _FUSION, "--no-rope-fusion": _FUSION, "--no-gradient-accumulation-fusion": _FUSION,
+    "--no-persist-layer-norm": _FUSION, "--cross-entropy-loss-fusion": _FUSION, "--cross-entropy-fusion-impl": _FUSION,
+    "--use-nccl-ub": "NCCL user buffers: a CUDA allocator tuning", "--fsdp-double-buffer": "a buffer tuning of "
+    "Megatron-FSDP", "--fsdp-manual-registration": "a buffer tuning of Megatron-FSDP",
+    "--no-async-tensor-model-parallel-allreduce": "a CUDA stream overlap switch",
+    "--export-force-local-attention": "an export switch", "--enable-experimental": "nothing here is gated",
+    "--num-workers": "samples are read in the training process from the memory-mapped files",
+    "--no-create-attention-mask-in-dataloader": "no mask is built: attention is causal inside the kernel",
+    "--no-mmap-bin-files": "the .bin files are always memory-mapped read-only",
+    "--use-pytorch-profiler": "--profile always records a torch.profiler trace",
+    "--ckpt-format": "checkpoints are always this framework's layout-independent safetensors format; "
+    "tools/checkpoint_convert.py converts",
+    "--auto-detect-ckpt-format": "the checkpoint format is always detected",
+    "--dist-ckpt-strictness": "loading is always strict: a missing or unexpected tensor is an error",
+    "--log-throughput": "tokens/s and TFLOP/s per rank are always in the log line",
+    "--timing-log-level": "the log line always has the iteration time", "--timing-log-option": "as --timing-log-level",
+    "--tensorboard-log-interval": "TensorBoard gets every iteration", "--tensorboard-queue-size": "a TensorBoard "
+    "writer tuning", "--log-timers-to-tensorboard": "TensorBoard gets ms_per_iter anyway",
+    "--log-memory-to-tensorboard": "TensorBoard gets mem_bytes anyway", "--log-validation-ppl-to-tensorboard":
+    "TensorBoard gets the validation ppl anyway", "--log-throughput-to-tensorboard": "TensorBoard gets tokens/s anyway",
+    "--log-l2-norm-grad-to-tensorboard": "TensorBoard gets grad_norm anyway",
+    "--disable-bf16-reduced-precision-matmul": "acts on CUDA only (bf16 matmuls reduce in fp32)",
+    "--rampup-batch-size": "deprecated and ignored by Megatron-LM too: use --step-batch-size-schedule",
+}
+_VALUE_NO_OPS = {"--transformer-impl": ["local", "transformer_engine", "inference_optimized"],
+                 "--attention-backend": ["auto", "flash", "fused", "unfused", "local"],
+                 "--cross-entropy-fusion-impl": ["native", "te"],
+                 "--ckpt-format": ["torch", "torch_dist", "zarr", "torch_dcp", "fsdp_dtensor"],
+                 "--dist-ckpt-strictness": ["assume_ok_unexpected", "log_unexpected", "log_all", "raise_unexpected",
+                                            "raise_all", "return_unexpected", "return_all", "ignore_all"],
+                 "--num-workers": int, "--timing-log-level": int, "--timing-log-option": ["max", "minmax", "all"],
+                 "--tensorboard-log-interval": int, "--tensorboard-queue-size": int, "--rampup-batch-size": 3}
+
+_MOE = "mixture of experts is not built yet (it comes with its own issue); drop the MoE flags to train the dense model"
+_FP8 = ("fp8/fp4 training needs Transformer Engine on an fp8-capable GPU, which this framework does not use; drop "
+        "these flags (--bf16 is the closest supported precision)")
+_MLA = "multi-latent attention (DeepSeek) is not built; drop these flags to use grouped-query attention"
+_MTP = "multi-token prediction is not built; drop these flags"
+_GPT_OSS = ("gpt-oss's layer variants (windowed attention, learnable softmax, clamped GeGLU) are not built; "
+            "drop these flags")
+_CP = "context parallelism is not built yet (it comes with its own issue); use --context-parallel-size 1"
+_CUDA_GRAPH = "CUDA graphs are not built; drop these flags"
+REFUSED_PREFIXES: dict[str, str] = {"--moe-": _MOE, "--fp8": _FP8, "--fp4": _FP8, "--mtp-": _MTP,
+                                    "--cuda-graph": _CUDA_GRAPH}
+REFUSED_FLAGS: dict[str, str] = {
+    "--num-experts": _MOE, "--expert-model-parallel-size": _MOE, "--expert-tensor-parallel-size": _MOE,
+    "--multi-latent-attention": _MLA, "--q-lora-rank": _MLA, "--kv-lora-rank": _MLA, "--qk-head-dim": _MLA,
+    "--qk-pos-emb-head-dim": _MLA, "--v-head-dim": _MLA, "--mscale": _MLA, "--mscale-all-dim": _MLA,
+    "--rope-type yarn": "YaRN rotary scaling (used with multi-latent attention) is not built; use --rope-type rope",
+    "--quick-geglu": _GPT_OSS, "--glu-linear-offset": _GPT_OSS, "--softmax-type": _GPT_OSS, "--window-size": _GPT_OSS,
+    "--window-attn-skip-freq": _GPT_OSS, "--activation-func-clamp-value": _GPT_OSS, "--enable-gpt-oss": _GPT_OSS,
+    "--context-parallel-size": _CP, "--enable-cuda-graph": _CUDA_GRAPH, "--external-cuda-graph": _CUDA_GRAPH,
+    "--recompute-modules": "selective recompute of MoE or MLA modules needs those modules; use core_attn, mlp, "
+    "layernorm",
+}
+_SELECTIVE_MODULES = ("core_attn", "mlp", "layernorm")
+
+
+def add_megatron_flags(parser: argparse.ArgumentParser) -> None:
+    """Runtime, logging and compatibility flags (the core model/parallel/training flags live in arguments.py)."""
+    g = parser.add_argument_group("Megatron-LM runtime and logging")
+    g.add_argument("--log-params-norm", action="store_true", help="log the global L2 norm of the parameters")
+    g.add_argument("--log-num-zeros-in-grad", action="store_true", help="log the number of zero grad elements")
+    g.add_argument("--log-world-size-to-tensorboard", action="store_true")
+    g.add_argument("--log-loss-scale-to-tensorboard", action="store_true", default=True)
+    g.add_argument("--no-log-loss-scale-to-tensorboard", action="store_false", dest="log_loss_scale_to_tensorboard")
+    g.add_argument("--logging-level", type=int, default=None, help="Python logging level (10 debug ... 40 error)")
+    g.add_argument("--manual-gc", action="store_true", help="disable automatic garbage collection; collect manually")
+    g.add_argument("--manual-gc-interval", type=int, default=0, help="with --manual-gc: collect every N iterations")
+    g.add_argument("--no-manual-gc-eval", action="store_false", dest="manual_gc_eval",
+                   help="with --manual-gc: no collection around evaluation")
+    g.add_argument("--empty-unused-memory-level", type=int, choices=[0, 1, 2], default=0,
+                   help="CUDA: release cached blocks after each step (1) and evaluation (2)")
+    g.add_argument("--profile", action="store_true", help="torch.profiler trace of --profile-step-start..end")
+    g.add_argument("--profile-step-start", type=int, default=10)
+    g.add_argument("--profile-step-end", type=int, default=12)
+    g.add_argument("--profile-ranks", type=int, nargs="+", default=[], help="default: every rank")
+    g.add_argument("--record-memory-history", action="store_true", help="CUDA: dump a memory snapshot")
+    g.add_argument("--memory-snapshot-path", default="snapshot.pickle")
+    g.add_argument("--wandb-project", default=None, help="log to Weights & Biases (needs the wandb package)")
+    g.add_argument("--wandb-exp-name", default=None)
+    g.add_argument("--wandb-save-dir", default=None)
+    g.add_argument("--wandb-entity", default=None)
+    g.add_argument("--tiktoken-pattern", default=None, help="TikTokenizer: v1 or v2")
+    g.add_argument("--tiktoken-num-special-tokens", type=int, default=1000)
+    g.add_argument("--rope-type", choices=["rope", "yarn"], default=None)
+    g.add_argument("--rotary-scaling-factor", type=float, default=1.0, help="YaRN only (not built)")
+    g.add_argument("--context-parallel-size", type=int, default=1)
+    g.add_argument("--expert-model-parallel-size", type=int, default=1)
+    g.add_argument("--expert-tensor-parallel-size", type=int, default=None)
+    g.add_argument("--softmax-type", default="vanilla")
+    g = parser.add_argument_group("accepted for Megatron-LM compatibility, no effect here (see README)")
+    for flag, why in ACCEPTED_NO_OPS.items():
+        kind = _VALUE_NO_OPS.get(flag)
+        if kind is None:
+            g.add_argument(flag, action="store_true", help=why)
+        elif kind is int:
+            g.add_argument(flag, type=int, default=None, help=why)
+        elif isinstance(kind, int):
+            g.add_argument(flag, nargs=kind, default=None, help=why)
+        else:
+            g.add_argument(flag, choices=kind, default=None, help=why)
+
+
+def strip_shell_quotes(argv: Sequence[str]) -> list[str]:
+    """``'99,1,0'`` -> ``99,1,0``: Megatron's scripts put quotes inside array items (``"--split '99,1,0'"``)
+    that bash passes through literally when the array is expanded unquoted."""
+    out = []
+    for token in argv:
+        token = str(token)
+        if len(token) >= 2 and token[0] == token[-1] and token[0] in "'\"":
+            token = token[1:-1]
+        out.append(token)
+    return out
+
+
+def _flag_with_value(tokens: Sequence[str], i: int) -> str:
+    flag = tokens[i]
+    if "=" not in flag and i + 1 < len(tokens) and not tokens[i + 1].startswith("--"):
+        return f"{flag} {tokens[i + 1]}"
+    return flag.replace("=", " ", 1)
+
+
+def _refused_on_known(args: argparse.Namespace) -> list[tuple[str, str]]:
+    given = []
+    if args.context_parallel_size != 1:
+        given.append((f"--context-parallel-size {args.context_parallel_size}", "--context-parallel-size"))
+    if args.expert_model_parallel_size != 1:
+        given.append((f"--expert-model-parallel-size {args.expert_model_parallel_size}", "--expert-model-parallel-size"))
+    if args.expert_tensor_parallel_size not in (None, 1):
+        given.append((f"--expert-tensor-parallel-size {args.expert_tensor_parallel_size}",
+                      "--expert-tensor-parallel-size"))
+    if args.rope_type == "yarn":
+        given.append(("--rope-type yarn", "--rope-type yarn"))
+    if args.softmax_type != "vanilla":
+        given.append((f"--softmax-type {args.softmax_type}", "--softmax-type"))
+    extra = sorted(set(args.recompute_modules or ()) - set(_SELECTIVE_MODULES))
+    if extra:
+        given.append((f"--recompute-modules {' '.join(extra)}", "--recompute-modules"))
+    return given
+
+
+def refusal(args: argparse.Namespace, unknown: Sequence[str]) -> Optional[str]:
+    """One paragraph naming every given flag of a feature that is not built, and why; None if there is none."""
+    by_reason: dict[str, list[str]] = {}
+    for shown, key in _refused_on_known(args):
+        by_reason.setdefault(REFUSED_FLAGS[key], []).append(shown)
+    for i, token in enumerate(unknown):
+        if not token.startswith("--"):
+            continue
+        name = token.split("=", 1)[0]
+        reason = REFUSED_FLAGS.get(name) or next(
+            (why for prefix, why in REFUSED_PREFIXES.items() if name.startswith(prefix)), None)
+        if reason is not None:
+            by_reason.setdefault(reason, []).append(_flag_with_value(unknown, i))
+    if not by_reason:
+        return None
+    sentences = [f"{', '.join(flags)}: {why}." for why, flags in by_reason.items()]
+    return "not supported by this framework: " + " ".join(sentences)
+
+
+def _is_negative(flag: str) -> bool:
+    return flag.startswith("--no-") or flag.startswith("--disable-")
+
+
+def unrecognized_message(unknown: Sequence[str], known: Sequence[str]) -> str:
+    """``unrecognized arguments: --x (did you mean --y?)``; a suggestion never flips the flag's polarity
+    (``--no-check-...`` is never answered with ``--check-...``)."""
+    hints = []
+    for flag in unknown:
+        if not flag.startswith("--"):
+            continue
+        name = flag.split("=")[0]
+        same_polarity = [k for k in known if k.startswith("--") and _is_negative(k) == _is_negative(name)]
+        close = difflib.get_close_matches(name, same_polarity, n=1)
+        hints.append(f"{flag} (did you mean {close[0]}?)" if close else flag)
+    return f"unrecognized arguments: {' '.join(hints or unknown)}"
+
+
+def warn_rank_0(message: str) -> None:
+    """A warning from the first rank only (before the process group exists: RANK from the environment)."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    if rank == 0:
+        logger.warning(message)
+
+
+def validate_megatron_flags(args: argparse.Namespace) -> None:
+    """Checks of the runtime flags (ValueError naming the values) and warnings for ignored ones."""
+    if args.profile and not 0 <= args.profile_step_start < args.profile_step_end:
+        raise ValueError(f"--profile-step-start {args.profile_step_start} must be >= 0 and below "
+                         f"--profile-step-end {args.profile_step_end}")
+    if args.manual_gc_interval < 0:
+        raise ValueError(f"--manual-gc-interval must be >= 0, got {args.manual_gc_interval}")
+    if args.rotary_scaling_factor != 1.0:
+        warn_rank_0(f"--rotary-scaling-factor {args.rotary_scaling_factor} has no effect without YaRN "
+                    "(--rope-type yarn), as in Megatron-LM")
+    if args.rampup_batch_size is not None:
+        warn_rank_0("--rampup-batch-size is ignored (deprecated in Megatron-LM): use --step-batch-size-schedule")
