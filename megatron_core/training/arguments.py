@@ -77,7 +77,8 @@ def _parallel_flags(p: argparse.ArgumentParser) -> None:
                    help="ZeRO stage 3 (default --data-parallel-sharding-strategy optim_grads_params)")
     g.add_argument("--overlap-grad-reduce", action="store_true")
     g.add_argument("--overlap-param-gather", action="store_true",
-                   help="prefetch ZeRO-3 parameter all-gathers ahead of their use")
+                   help="ZeRO 1-2: overlap the all-gather of updated parameters with the next forward (each "
+                        "module waits for its bucket); ZeRO-3 always prefetches")
     g.add_argument("--init-model-with-meta-device", action="store_true",
                    help="build the model on the meta device and materialize only this rank's shards (ZeRO-3)")
     g.add_argument("--grad-reduce-in-bf16", action="store_true",
@@ -255,6 +256,12 @@ def validate_args(args: argparse.Namespace) -> None:
     if args.num_layers_per_virtual_pipeline_stage is not None and args.pipeline_model_parallel_size == 1:
         raise ValueError("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
     args.zero_stage = zero_stage(args)
+    if args.overlap_param_gather and args.zero_stage == 0:
+        raise ValueError("--overlap-param-gather needs the distributed optimizer: add --use-distributed-optimizer "
+                         "(or --zero-stage 1-3)")
+    if args.init_model_with_meta_device and args.zero_stage != 3:
+        raise ValueError(f"--init-model-with-meta-device needs ZeRO-3 (--use-megatron-fsdp or --zero-stage 3), got "
+                         f"ZeRO stage {args.zero_stage}: only ZeRO-3 materializes each rank's shard alone")
     if args.grad_reduce_in_bf16 and args.accumulate_allreduce_grads_in_fp32:
         raise ValueError("--grad-reduce-in-bf16 and --accumulate-allreduce-grads-in-fp32 disagree; give one of them")
     if args.min_lr > args.lr:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import functools
 import logging
@@ -61,8 +62,12 @@ def build_run(args: argparse.Namespace) -> Run:
     args.train_iters = resolve_train_iters(args, global_batch)
     tokenizer = build_run_tokenizer(args)
     torch.manual_seed(args.seed)  # the same on every rank: layout-independent initialization
-    # TODO(zero3): args.init_model_with_meta_device (bool, parsed and validated) -> build on the meta device here
-    chunks = [_build_chunk(args, config, state, tokenizer.vocab_size, vp) for vp in range(state.vpp_size or 1)]
+    # --init-model-with-meta-device (ZeRO-3): nothing is drawn now; DistributedDataParallel writes each rank's
+    # shard from the parameters' init recipes, so the full model never exists on one rank (same weights)
+    build_state = dataclasses.replace(state, device=torch.device("meta")) if args.init_model_with_meta_device else state
+    chunks = [_build_chunk(args, config, build_state, tokenizer.vocab_size, vp) for vp in range(state.vpp_size or 1)]
+    for chunk in chunks:
+        chunk.parallel_state = state  # the layout the model runs at (build_state only placed its parameters)
     model_parallel_seed(args.seed + 100 * state.pp_rank, tp_rank=state.tp_rank, device=state.device)
     chunks = wrap_data_parallel(args, chunks, state)
     optimizer = build_optimizer(args, chunks, state)

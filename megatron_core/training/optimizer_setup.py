@@ -15,12 +15,11 @@ def ddp_config(args: argparse.Namespace) -> DistributedDataParallelConfig:
     """The data-parallel config of the flags: ZeRO stage (--zero-stage, --data-parallel-sharding-strategy,
     --use-megatron-fsdp, --use-distributed-optimizer), --overlap-grad-reduce, and the grad dtype
     (--grad-reduce-in-bf16: reduce in the parameters' dtype; default and --accumulate-allreduce-grads-in-fp32:
-    fp32)."""
-    kwargs = dict(zero_stage=args.zero_stage, overlap_grad_reduce=args.overlap_grad_reduce,
-                  grad_reduce_in_fp32=not args.grad_reduce_in_bf16)
-    # TODO(zero3): pass args.overlap_param_gather here once DistributedDataParallelConfig has the field:
-    #   kwargs["overlap_param_gather"] = args.overlap_param_gather
-    return DistributedDataParallelConfig(**kwargs)
+    fp32), --overlap-param-gather (ZeRO 1-2; ZeRO-3 always prefetches its gathers)."""
+    return DistributedDataParallelConfig(
+        zero_stage=args.zero_stage, overlap_grad_reduce=args.overlap_grad_reduce,
+        grad_reduce_in_fp32=not args.grad_reduce_in_bf16,
+        overlap_param_gather=args.overlap_param_gather and args.zero_stage in (1, 2))
 
 
 def wrap_data_parallel(args: argparse.Namespace, chunks: list[nn.Module], state: ParallelState) -> list[nn.Module]:
