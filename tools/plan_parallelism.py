@@ -103,15 +103,16 @@ def torchrun_command(plan: Plan, model_argv: list[str], *, num_devices: int, dev
 
 
 def format_table(plans: list[Plan], top: int) -> str:
-    header = ("| rank | tp | pp | dp | vpp | ZeRO | SP | recompute | states GiB | activations GiB | total GiB | fits |"
-              " step s | compute s | comm s | bubble |")
-    rows = [header, "|" + " ---: |" * 4 + " ---: | ---: | --- | --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: |"]
+    header = ("| rank | tp | pp | dp | vpp | ZeRO | SP | recompute | states GiB | activations GiB | transient GiB |"
+              " total GiB | fits | step s | compute s | comm s | bubble |")
+    rows = [header, "|" + " ---: |" * 4 + " ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | --- | ---: | ---: "
+                    "| ---: | ---: |"]
     for i, plan in enumerate(plans[:top], 1):
         lay = plan.layout
         rows.append(f"| {i} | {lay.tp} | {lay.pp} | {lay.dp} | {lay.vpp or 1} | {lay.zero_stage} | "
                     f"{'yes' if lay.sequence_parallel else 'no'} | {lay.recompute or 'none'} | "
                     f"{plan.model_state_bytes / 2**30:.2f} | {plan.activation_bytes / 2**30:.2f} | "
-                    f"{plan.memory_bytes / 2**30:.2f} | {'yes' if plan.fits else 'NO'} | {plan.step_seconds:.3f} | "
+                    f"{plan.transient_bytes / 2**30:.2f} | {plan.memory_bytes / 2**30:.2f} | {'yes' if plan.fits else 'NO'} | {plan.step_seconds:.3f} | "
                     f"{plan.compute_seconds:.3f} | {plan.comm_seconds:.3f} | {plan.bubble:.3f} |")
     return "\n".join(rows)
 

@@ -12,7 +12,8 @@ Collectives per backward: stage 0 all-reduces each bucket's grads over dp and st
 the rank's 1/dp grad shard after every backward (``no_sync()`` does not defer them: keeping full grads
 across micro-batches would undo the grad sharding, so they accumulate in the shard, as in DeepSpeed). The
 transient full-size bucket of stages 2-3 is freed as soon as its reduce-scatter completes: at most two
-exist at once (one filling, one in flight), and none after backward. Stage 3 also all-gathers parameters
+exist at once, and usually one: the reduce-scatters in flight are waited for (they overlapped the backward
+compute in between) before the next transient bucket is allocated, and none outlives the backward. Stage 3 also all-gathers parameters
 around every submodule (see ``zero3``); at stages 1-2 the optimizer's updated shards are all-gathered after
 the step (with ``overlap_param_gather``, waited on by each module just before its next forward).
 
@@ -78,9 +79,10 @@ class DistributedDataParallel(nn.Module):
                        for p in self._param_to_bucket]
         self.gatherer: Optional[ParameterGatherer] = None
         if config.zero_stage == 3:
-            units = {unit: [b for b in self.buckets if b.params[0] in set(params)]
+            units = {unit: list(dict.fromkeys(self._param_to_bucket[p] for p in params))
                      for unit, params in self._units.items()}
-            self.gatherer = ParameterGatherer(module, units, backward_started=self._queue_backward_end,
+            self.gatherer = ParameterGatherer(module, units, param_bucket=self._param_to_bucket,
+                                              backward_started=self._queue_backward_end,
                                               reshard_after_forward=config.reshard_after_forward)
         self._param_sync_hooks = self._install_param_sync_hooks() if config.overlap_param_gather else []
 
@@ -99,11 +101,19 @@ class DistributedDataParallel(nn.Module):
         groups: list[tuple[BucketKind, list[nn.Parameter]]] = []
         if self.config.zero_stage == 3:
             self._units = plan_units(self.module)
-            for params in reversed(list(self._units.values())):
-                by_kind: dict[tuple[BucketKind, bool], list[nn.Parameter]] = {}
+            users: dict[nn.Parameter, int] = {}
+            for params in self._units.values():
                 for param in params:
-                    by_kind.setdefault((self._kind(param), len(logical_shape(param)) <= 1), []).append(param)
-                groups.extend((kind, group) for (kind, _), group in by_kind.items())
+                    users[param] = users.get(param, 0) + 1
+            placed: set[nn.Parameter] = set()
+            for params in reversed(list(self._units.values())):
+                by_kind: dict[tuple[BucketKind, bool, bool], list[nn.Parameter]] = {}
+                for param in params:
+                    if param not in placed:  # a tied parameter: buckets of its own, under its first unit
+                        placed.add(param)
+                        key = (self._kind(param), len(logical_shape(param)) <= 1, users[param] > 1)
+                        by_kind.setdefault(key, []).append(param)
+                groups.extend((kind, group) for (kind, _, _), group in by_kind.items())
         else:
             limit = self.config.resolved_bucket_size(self.dp_size)
             params = list(dict.fromkeys(p for p in self.module.parameters() if p.requires_grad))
@@ -183,6 +193,11 @@ class DistributedDataParallel(nn.Module):
                     "last micro-batch's backward in no_sync(), or call finish_grad_sync() and zero_grad_buffer() "
                     "between steps")
             self._retire(bucket)
+        if bucket.kind.shard_grads and bucket.grad_data is None:
+            # a new transient bucket: the reduce-scatters in flight had this unit's backward to overlap with;
+            # finishing them first keeps a single full-size bucket alive at a time
+            for older in list(self._in_flight):
+                self._retire(older)
         if bucket.add_grad(param):
             if self.gatherer is not None:
                 self.gatherer.on_bucket_grads_done(bucket)

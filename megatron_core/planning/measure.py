@@ -7,6 +7,7 @@ its own numbers. Used by ``tests/distributed/test_planner.py`` and ``scripts/ben
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import time
 import weakref
@@ -21,8 +22,10 @@ from megatron_core.config import TransformerConfig
 from megatron_core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron_core.models import GPTModel
 from megatron_core.optimizer import OptimizerConfig, get_optimizer, memory_report
+from megatron_core.optimizer.memory import memory_categories
 from megatron_core.pipeline_parallel import get_forward_backward_func
 from megatron_core.tensor_parallel import model_parallel_seed
+from megatron_core.utils.live_memory import LiveMemoryTracker
 
 
 class SavedActivationTracker:
@@ -123,6 +126,9 @@ class LayoutMeasurement:
     model_state_bytes: int
     activation_bytes: int
     step_seconds: float
+    transient_bytes: Optional[int] = None
+    """With ``track_live``: the peak live bytes of ZeRO's gathered parameters plus that of its gradient buckets
+    (``LiveMemoryTracker``; the step time then includes the tracker's overhead)."""
 
 
 def _chunks(config: TransformerConfig, state, vocab_size: int, seq_length: int) -> list[GPTModel]:
@@ -140,7 +146,7 @@ def _chunks(config: TransformerConfig, state, vocab_size: int, seq_length: int) 
 
 def measure_layout(config_kwargs: dict, *, tp: int, pp: int, zero_stage: int, vocab_size: int, seq_length: int,
                    micro_batch_size: int, num_microbatches: int, steps: int = 1,
-                   vpp: Optional[int] = None) -> LayoutMeasurement:
+                   vpp: Optional[int] = None, track_live: bool = False) -> LayoutMeasurement:
     """Builds the GPT at (tp, pp, dp = world / (tp pp)) with ZeRO ``zero_stage``, bf16 with fp32 grads and
     fp32 Adam masters (the training loop's defaults), runs ``steps`` steps; returns the last step's numbers."""
     state = initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
@@ -168,14 +174,18 @@ def measure_layout(config_kwargs: dict, *, tp: int, pp: int, zero_stage: int, vo
         if dist.is_initialized():
             dist.barrier()
         start = time.perf_counter()
-        with SavedActivationTracker() as tracker:
+        live = LiveMemoryTracker(categories=lambda: memory_categories(chunks, optimizer))
+        with SavedActivationTracker() as tracker, live if track_live else contextlib.nullcontext():
             schedule(forward_step_func=forward_step, data_iterator=[iter(batches) for _ in chunks] if vpp
                      else iter(batches), model=chunks if vpp else chunks[0], num_microbatches=num_microbatches,
                      seq_length=seq_length, micro_batch_size=micro_batch_size, parallel_state=state)
         optimizer.step()
         seconds = time.perf_counter() - start
+    transient = None
+    if track_live:
+        transient = live.peak_by_category["gathered_parameters"] + live.peak_by_category["grad_buckets"]
     result = LayoutMeasurement(pp_rank=state.pp_rank, model_state_bytes=memory_report(chunks, optimizer).total,
-                               activation_bytes=tracker.peak, step_seconds=seconds)
+                               activation_bytes=tracker.peak, step_seconds=seconds, transient_bytes=transient)
     destroy_model_parallel(state)
     return result
 

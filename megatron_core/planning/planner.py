@@ -3,7 +3,8 @@
 
 Memory per rank = model states (parameters, gradients, fp32 master weights, Adam states, each sharded as the
 ZeRO stage says) + activations (``activations.stage_activation_bytes``: Korthikanti et al. per layer with SP
-and recompute, times the micro-batches a 1F1B stage holds). Step time = compute (hardware FLOPs, recompute
+and recompute, times the micro-batches a 1F1B stage holds) + ZeRO's transients (``zero_memory``: gathered
+parameters at stage 3, gradient buckets at stages 2-3, at their peak). Step time = compute (hardware FLOPs, recompute
 included, over ``peak x efficiency``) and tensor-parallel collectives, stretched by the pipeline bubble
 ``(p - 1) / (v m)``, plus pipeline sends and data-parallel collectives (ring volumes over the link bandwidth;
 nothing assumed overlapped). Ranks are ordered tp-cp-dp-pp (tp fastest), so a group stays inside a node when
@@ -17,6 +18,7 @@ from typing import Iterator, Optional
 
 from megatron_core.config import TransformerConfig
 from megatron_core.planning.activations import ActivationShape, in_flight_microbatches, stage_activation_bytes
+from megatron_core.planning.zero_memory import zero_transient_bytes
 from megatron_core.tensor_parallel.utils import vocab_size_with_padding
 from megatron_core.training.metrics import hardware_flops_per_iteration
 
@@ -77,10 +79,12 @@ class Plan:
     comm_seconds: float
     bubble: float
     fits: bool
+    transient_bytes: float = 0.0
+    """ZeRO's gathered parameters and gradient buckets at their peak (``zero_memory``)."""
 
     @property
     def memory_bytes(self) -> float:
-        return self.model_state_bytes + self.activation_bytes
+        return self.model_state_bytes + self.activation_bytes + self.transient_bytes
 
 
 def layout_config(base: TransformerConfig, layout: Layout) -> TransformerConfig:
@@ -165,6 +169,14 @@ def rank_activation_bytes(config: TransformerConfig, workload: Workload, *, pp_r
                                   padded_vocab_size=padded)
 
 
+def rank_transient_bytes(config: TransformerConfig, workload: Workload, *, pp_rank: int, zero_stage: int) -> float:
+    """Peak bytes of ZeRO's gathered parameters and gradient buckets on a rank of stage ``pp_rank``."""
+    params, full_grad = stage_parameters(config, workload, pp_rank=pp_rank)
+    return zero_transient_bytes(config, vocab_size=workload.vocab_size,
+                                make_vocab_size_divisible_by=workload.make_vocab_size_divisible_by,
+                                pp_rank=pp_rank, zero_stage=zero_stage, stage_params=params - full_grad)
+
+
 def _bandwidth(span: int, hardware: Hardware) -> float:
     """Bytes/s of a group whose ranks span ``span`` consecutive global ranks."""
     gbps = hardware.intra_node_bandwidth_gbps if span <= hardware.devices_per_node else hardware.inter_node_bandwidth_gbps
@@ -200,7 +212,9 @@ def plan_layout(base: TransformerConfig, workload: Workload, hardware: Hardware,
     states = [model_state_bytes(config, workload, pp_rank=r, dp=layout.dp, zero_stage=layout.zero_stage)
               for r in range(layout.pp)]
     acts = [rank_activation_bytes(config, workload, pp_rank=r, num_microbatches=m) for r in range(layout.pp)]
-    fullest = max(range(layout.pp), key=lambda r: states[r] + acts[r])
+    transients = [rank_transient_bytes(config, workload, pp_rank=r, zero_stage=layout.zero_stage)
+                  for r in range(layout.pp)]
+    fullest = max(range(layout.pp), key=lambda r: states[r] + acts[r] + transients[r])
     flops = hardware_flops_per_iteration(config, batch_size=workload.global_batch_size,
                                          seq_length=workload.seq_length,
                                          padded_vocab_size=vocab_size_with_padding(
@@ -210,10 +224,10 @@ def plan_layout(base: TransformerConfig, workload: Workload, hardware: Hardware,
     tp_s, other_s = _comm_seconds(config, workload, layout, hardware, m)
     bubble = (layout.pp - 1) / ((layout.vpp or 1) * m)
     step = (compute + tp_s) * (1 + bubble) + other_s
-    memory = states[fullest] + acts[fullest]
+    memory = states[fullest] + acts[fullest] + transients[fullest]
     return Plan(layout=layout, model_state_bytes=states[fullest], activation_bytes=acts[fullest], step_seconds=step,
                 compute_seconds=compute, comm_seconds=tp_s + other_s, bubble=bubble,
-                fits=memory <= hardware.memory_per_device_gb * 2**30)
+                fits=memory <= hardware.memory_per_device_gb * 2**30, transient_bytes=transients[fullest])
 
 
 def valid_layouts(base: TransformerConfig, workload: Workload, num_devices: int) -> Iterator[Layout]:
@@ -252,4 +266,5 @@ def _divisors(n: int) -> list[int]:
 
 
 __all__ = ["Hardware", "Workload", "Layout", "Plan", "layout_config", "model_state_bytes", "rank_activation_bytes",
+           "rank_transient_bytes",
            "stage_parameters", "plan_layout", "valid_layouts", "rank_plans"]

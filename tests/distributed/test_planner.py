@@ -15,6 +15,7 @@ from megatron_core.planning.planner import (
     model_state_bytes,
     rank_activation_bytes,
     rank_plans,
+    rank_transient_bytes,
 )
 
 S, B, V, M = 64, 2, 200, 4
@@ -36,10 +37,11 @@ LAYOUTS = [  # tp, pp, dp, vpp, zero stage, sequence parallel, recompute
 ]
 
 
-def _measure(layout: Layout, model: dict, steps: int = 1):
+def _measure(layout: Layout, model: dict, steps: int = 1, track_live: bool = False):
     with kernels.use_backend("torch"):
         return measure_layout(model, tp=layout.tp, pp=layout.pp, zero_stage=layout.zero_stage, vocab_size=V,
-                              seq_length=S, micro_batch_size=B, num_microbatches=M, vpp=layout.vpp, steps=steps)
+                              seq_length=S, micro_batch_size=B, num_microbatches=M, vpp=layout.vpp, steps=steps,
+                              track_live=track_live)
 
 
 def predicted_and_measured(distributed, layout: Layout, model: dict = MODEL) -> list[tuple[float, float]]:
@@ -63,6 +65,25 @@ def predicted_and_measured(distributed, layout: Layout, model: dict = MODEL) -> 
 def test_predicted_memory_within_ten_percent(distributed, layout):
     for predicted, measured in predicted_and_measured(distributed, layout):
         assert abs(predicted / measured - 1) < 0.10, (layout, predicted, measured)
+
+
+ZERO_LAYOUTS = [Layout(1, 1, 2, None, 2, False, None), Layout(1, 1, 2, None, 3, False, None),
+                Layout(2, 1, 2, None, 3, True, None), Layout(1, 2, 2, None, 3, False, None)]
+
+
+@pytest.mark.parametrize("layout", ZERO_LAYOUTS, ids=str)
+def test_predicted_zero_transients_match_the_measured_peaks(distributed, layout):
+    """The planner's ZeRO rows count what a real step holds transiently: gathered parameters (stage 3) and
+    full-size gradient buckets (stages 2-3), against the live-storage counter's peaks."""
+    base = TransformerConfig(**MODEL, max_position_embeddings=S, params_dtype=torch.bfloat16, bf16=True)
+    config = layout_config(base, layout)
+    workload = Workload(vocab_size=V, seq_length=S, micro_batch_size=B, global_batch_size=B * M * layout.dp,
+                        make_vocab_size_divisible_by=8, mask_bytes=2)
+    kwargs = {**MODEL, "sequence_parallel": layout.sequence_parallel}
+    for result in distributed(layout.tp * layout.pp * layout.dp, _measure, layout, kwargs, 1, True):
+        predicted = rank_transient_bytes(config, workload, pp_rank=result.pp_rank, zero_stage=layout.zero_stage)
+        assert result.transient_bytes > 0
+        assert 0.9 < result.transient_bytes / predicted <= 1.0, (layout, result.transient_bytes, predicted)
 
 
 def test_ranking_prefers_fitting_layouts_and_validates_inputs():

@@ -1,0 +1,68 @@
+"""The transient bytes of data parallelism that model states miss: what exists only for part of a step.
+
+- ZeRO-3 gathers parameters around each unit (a module owning parameters): at most two units (current +
+  prefetched) and the biases that units return for the caller to add (``skip_bias_add``) are full at once.
+- ZeRO 2-3 reduce-scatter full-size fp32 gradient buckets that are freed when the collective completes; the
+  reduce-scatters in flight are finished before the next bucket is allocated, so one exists at a time.
+- At every stage autograd first produces a parameter's grad in the parameter's dtype before it moves into its
+  bucket: one parameter's worth.
+
+These are upper bounds that a real run reaches (tested against ``LiveMemoryTracker`` peaks in
+``tests/distributed/test_planner.py``).
+"""
+from __future__ import annotations
+
+from megatron_core.config import TransformerConfig
+from megatron_core.tensor_parallel.utils import vocab_size_with_padding
+
+DEFAULT_STAGE2_BUCKET = 4_000_000  # DistributedDataParallelConfig's default bucket at ZeRO-2, in elements
+
+
+def stage_units(config: TransformerConfig, *, vocab_size: int, make_vocab_size_divisible_by: int,
+                first: bool, last: bool) -> tuple[list[float], float]:
+    """(elements of each unit, elements of the biases units return) on one tp rank of a pipeline stage of
+    ``GPTModel``. A tied output layer on the embedding's stage borrows the embedding's unit."""
+    tp, pp = config.tensor_model_parallel_size, config.pipeline_model_parallel_size
+    h = config.hidden_size
+    ffn = config.ffn_hidden_size * (2 if config.activation == "swiglu" else 1)
+    qkv = config.kv_channels * (config.num_attention_heads + 2 * config.num_query_groups)
+    q_dim = config.kv_channels * config.num_attention_heads
+    norm = h * (2 if config.normalization == "LayerNorm" else 1)
+    layer_units = [norm, (qkv * h + (qkv if config.add_qkv_bias else 0)) / tp, h * q_dim / tp, norm,
+                   (ffn * h + (ffn if config.add_bias_linear else 0)) / tp, h * config.ffn_hidden_size / tp]
+    units = layer_units * (config.num_layers // pp)
+    returned = (2 * h if config.add_bias_linear else 0) * (config.num_layers // pp)
+    padded = vocab_size_with_padding(vocab_size, make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+                                     tensor_model_parallel_size=tp)
+    tied = not config.untie_embeddings_and_output_weights
+    if first:
+        units.append(padded * h / tp)
+        if config.position_embedding_type == "learned_absolute":
+            units.append(h * config.max_position_embeddings)
+    if last:
+        units.append(norm)
+        if not (tied and first):
+            units.append(padded * h / tp)
+    return units, returned
+
+
+def zero_transient_bytes(config: TransformerConfig, *, vocab_size: int, make_vocab_size_divisible_by: int,
+                         pp_rank: int, zero_stage: int, stage_params: float,
+                         bucket_size: int = DEFAULT_STAGE2_BUCKET) -> float:
+    """Peak transient bytes on one rank of pipeline stage ``pp_rank`` (see the module docstring)."""
+    pp = config.pipeline_model_parallel_size
+    param_bytes = 2 if (config.bf16 or config.fp16) else 4
+    units, returned = stage_units(config, vocab_size=vocab_size,
+                                  make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+                                  first=pp_rank == 0, last=pp_rank == pp - 1)
+    largest = sorted(units, reverse=True)
+    transient = param_bytes * largest[0]  # autograd's grad of one parameter, before it moves into a bucket
+    if zero_stage == 3:
+        transient += param_bytes * (returned + sum(largest[:2]))  # two units gathered, the returned biases
+        transient += 4 * largest[0]  # one full-size fp32 gradient bucket
+    elif zero_stage == 2:
+        transient += 4 * min(bucket_size, stage_params)
+    return transient
+
+
+__all__ = ["stage_units", "zero_transient_bytes"]
