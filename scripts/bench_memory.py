@@ -3,10 +3,12 @@
 The model is ``GPTModel`` (fp32, 4 layers, hidden 768, 12 heads, vocab 8192, seq 128: 34.7M parameters),
 trained with AdamW on the same gloo ranks, the same data and 2 micro-batches per step (our ZeRO: ``no_sync``
 on the first; FSDP2 in its lowest-memory mode: ``fully_shard`` per layer and on the root, reduce-scatter every
-micro-batch, ``reshard_after_forward=True``). Per rank it reports, in bytes per parameter:
+micro-batch, ``reshard_after_forward=True``). Memory is measured with each configuration alone in fresh
+processes; step time with all of them built side by side and their steps alternating (median). Per rank it
+reports, in bytes per parameter:
 
 - peak RSS: the growth of the resident set (``VmHWM``) over steady steps (after a warm-up step creates the
-  Adam states), from just before the model is built;
+  Adam states), from just before the model is built (one-time imports paid before, by every run alike);
 - peak live: the largest total of live tensor bytes in one tracked step (``LiveMemoryTracker``), with its
   split into model states and activations;
 
@@ -107,30 +109,55 @@ class _nullcontext:
         return False
 
 
+def _warm_up_imports() -> None:
+    """One-time costs that are not the model's (``torch.optim`` imports dynamo on first use, ~70 MB of
+    RSS): paid before the baseline, by every configuration alike."""
+    param = torch.nn.Parameter(torch.zeros(4))
+    optimizer = torch.optim.AdamW([param])
+    param.sum().backward()
+    optimizer.step()
+    from torch.distributed import fsdp  # noqa: F401
+
+
 def _measure(kind: str, stage, reshard: bool, shape: Shape, steps: int) -> dict:
-    """One configuration on this rank: peak RSS growth, step time, and one tracked step's live bytes."""
+    """One configuration alone on this rank: peak RSS growth over ``steps`` steps and one tracked step's
+    live bytes."""
     with kernels.use_backend("torch"):
         state = initialize_model_parallel()
         torch.set_num_threads(1)
+        _warm_up_imports()
         reset_peak_rss()
         baseline = current_rss_bytes()
         model, step, categories = _wrap(kind, stage, reshard, shape, state)
         step()  # warm-up: creates the Adam states
         reset_peak_rss()
-        times = []
         for _ in range(steps):
-            dist.barrier()
-            start = time.perf_counter()
             step()
-            times.append(time.perf_counter() - start)
         peak_rss = peak_rss_bytes() - baseline
         tracker = LiveMemoryTracker(categories=categories)
         with tracker:
             step()
         numel = shape_numel(shape)
         return dict(rss=peak_rss / numel, live=tracker.peak_total / numel,
-                    breakdown={k: v / numel for k, v in tracker.peak_breakdown.items()},
-                    time=sorted(times)[len(times) // 2])
+                    breakdown={k: v / numel for k, v in tracker.peak_breakdown.items()})
+
+
+def _alternating_times(shape: Shape, steps: int) -> dict[str, float]:
+    """Every configuration built side by side on these ranks, their steps alternating (so a busy machine
+    slows them alike); the median seconds per step of each."""
+    with kernels.use_backend("torch"):
+        state = initialize_model_parallel()
+        torch.set_num_threads(1)
+        runs = {name: _wrap(name, stage, reshard, shape, state)[1] for name, stage, reshard in RUNS}
+        times: dict[str, list[float]] = {name: [] for name in runs}
+        for round_ in range(steps + 1):
+            for name, step in runs.items():
+                dist.barrier()
+                start = time.perf_counter()
+                step()
+                if round_:  # the first round creates the Adam states
+                    times[name].append(time.perf_counter() - start)
+        return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
 
 
 def shape_numel(shape: Shape) -> int:
@@ -175,7 +202,7 @@ def main() -> None:
     shape = Shape(hidden=args.hidden, layers=args.layers)
     print(f"GPTModel fp32, {shape.layers} layers, hidden {shape.hidden}, vocab {shape.vocab}, seq {shape.seq}: "
           f"{shape_numel(shape) / 1e6:.1f}M parameters; AdamW; {shape.micro_batches} micro-batches of "
-          f"{shape.micro_batch} per step; {args.steps} timed steps; {os.cpu_count()} CPU cores, gloo\n")
+          f"{shape.micro_batch} per step; {args.steps} steps each; {os.cpu_count()} CPU cores, gloo\n")
     results: dict[int, dict] = {}
     for dp in args.dp:
         print(f"dp {dp} (bytes per parameter, per rank; the largest rank)\n")
@@ -187,6 +214,10 @@ def main() -> None:
             with DistributedPool(dp) as pool:
                 per_rank = pool.run(_measure, name, stage, reshard, shape, args.steps, timeout_s=1800)
             rows[name] = max(per_rank, key=lambda r: r["rss"])
+        with DistributedPool(dp) as pool:
+            per_rank = pool.run(_alternating_times, shape, args.steps, timeout_s=3600)
+        for name in rows:
+            rows[name]["time"] = max(times[name] for times in per_rank)
         results[dp] = rows
         for name, stage, _ in RUNS:
             row, fsdp, zero0 = rows[name], rows["FSDP2"], rows["ZeRO-0"]

@@ -97,7 +97,8 @@ class DistributedDataParallel(nn.Module):
 
     def _build_buckets(self) -> list[Bucket]:
         """Stages 0-2: greedy buckets of ``bucket_size`` elements over the parameters in reverse order.
-        Stage 3: one bucket per unit, kind and 1-D or not, units in reverse order."""
+        Stage 3: one bucket per unit and kind (1-D parameters apart when the unit returns its bias; tied
+        parameters apart), units in reverse order."""
         groups: list[tuple[BucketKind, list[nn.Parameter]]] = []
         if self.config.zero_stage == 3:
             self._units = plan_units(self.module)
@@ -106,12 +107,15 @@ class DistributedDataParallel(nn.Module):
                 for param in params:
                     users[param] = users.get(param, 0) + 1
             placed: set[nn.Parameter] = set()
-            for params in reversed(list(self._units.values())):
+            for unit, params in reversed(list(self._units.items())):
+                # a unit that returns its bias (skip_bias_add) keeps 1-D parameters in a bucket of their own,
+                # which stays gathered for the caller while the weights are freed
+                returns_bias = getattr(unit, "skip_bias_add", False)
                 by_kind: dict[tuple[BucketKind, bool, bool], list[nn.Parameter]] = {}
                 for param in params:
                     if param not in placed:  # a tied parameter: buckets of its own, under its first unit
                         placed.add(param)
-                        key = (self._kind(param), len(logical_shape(param)) <= 1, users[param] > 1)
+                        key = (self._kind(param), returns_bias and len(logical_shape(param)) <= 1, users[param] > 1)
                         by_kind.setdefault(key, []).append(param)
                 groups.extend((kind, group) for (kind, _, _), group in by_kind.items())
         else:

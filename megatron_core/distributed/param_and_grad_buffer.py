@@ -295,6 +295,14 @@ class Bucket:
                 param.data = _empty(self.kind.param_dtype, self.device)
         self.gathered = False
 
+    def shape_params(self) -> None:
+        """Stage 3, not gathered: gives every parameter its shape without memory (a broadcast scalar), for a
+        backward that reads no parameter values but whose grad accumulation checks the parameter's shape."""
+        if self.shard_params and not self.gathered:
+            scalar = torch.zeros((), dtype=self.kind.param_dtype, device=self.device)
+            for param in self.params:
+                param.data = scalar.expand(self.shapes[param])
+
     def load_full(self, param: nn.Parameter, full: torch.Tensor) -> None:
         """Stage 3: writes this rank's shard of ``full`` (the whole parameter) into the shard storage."""
         lo, hi = self.ranges[param]

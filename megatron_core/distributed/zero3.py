@@ -20,8 +20,8 @@ With ``reshard_after_forward`` at most ``max_live_units`` (2) units besides the 
 prefetch that would exceed it waits until a unit is freed. Under activation recompute the recomputing forward
 (run from inside a unit's backward) gathers and frees each unit as a forward does, without prefetching and
 after dropping pending prefetches; the unit whose backward triggered it stays gathered. A parameter that a
-unit returns (a bias under ``skip_bias_add``) is used by the caller: its bucket (stage-3 buckets keep 1-D and
-other parameters apart) stays gathered until the root's forward ends and is gathered again when the root's
+unit returns (a bias under ``skip_bias_add``) is used by the caller: its bucket (the 1-D parameters of a unit
+with ``skip_bias_add`` get buckets of their own) stays gathered until the root's forward ends and is gathered again when the root's
 backward starts. A module called twice is gathered twice in forward and once in backward (its grads
 accumulate once). All ranks issue the same collectives in the same order: the hooks fire in the same order on
 every dp rank, and every collection iterated here is ordered (lists and dicts, never sets).
@@ -60,6 +60,14 @@ def _tensors(output: Any) -> Iterable[torch.Tensor]:
     elif isinstance(output, dict):
         for item in output.values():
             yield from _tensors(item)
+
+
+def _backward_uses_parameters(unit: nn.Module) -> bool:
+    """False for a module whose backward needs no parameter values (an embedding lookup's weight grad is a
+    scatter-add of the output grad): its backward is not preceded by a gather, its parameters only get their
+    shape back (``Bucket.shape_params``). A module says so with a ``backward_uses_parameters = False``
+    attribute; ``nn.Embedding`` is known."""
+    return getattr(unit, "backward_uses_parameters", not isinstance(unit, nn.Embedding))
 
 
 class ParameterGatherer:
@@ -210,7 +218,10 @@ class ParameterGatherer:
                 bucket.wait_gather()
         else:
             self._active[unit] = None
-        if not all(bucket.gathered for bucket in self.buckets_of(unit)):
+        if not _backward_uses_parameters(unit):
+            for bucket in self.buckets_of(unit):
+                bucket.shape_params()
+        elif not all(bucket.gathered for bucket in self.buckets_of(unit)):
             self._gather(unit)
         if unit in self._order:
             position = len(self._order) - 1 - self._order[::-1].index(unit)

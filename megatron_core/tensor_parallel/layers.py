@@ -225,6 +225,8 @@ class VocabParallelEmbedding(nn.Module):
     Ids outside ``[0, num_embeddings)`` raise instead of silently embedding to zeros.
     """
 
+    backward_uses_parameters = False  # the weight grad is a scatter-add of the output grad (ZeRO-3 skips a gather)
+
     def __init__(
         self, num_embeddings: int, embedding_dim: int, *, tp_group=None, init_method: Optional[InitMethod] = None,
         params_dtype: torch.dtype = torch.float32, device=None, reduce_scatter_embeddings: bool = False,

@@ -44,7 +44,8 @@ def _overlap_events(stage: int):
 
 
 def test_first_bucket_collective_launched_before_backward_finishes(distributed):
-    for stage, collective in ((0, "all_reduce"), (2, "reduce_scatter_single")):
+    # ZeRO-1 reduce-scatters too (Megatron's distributed optimizer), it does not all-reduce
+    for stage, collective in ((0, "all_reduce"), (1, "reduce_scatter_single"), (2, "reduce_scatter_single")):
         events, launch_log, num_buckets = distributed(2, _overlap_events, stage)[0]
         names = [name for name, _ in events]
         assert num_buckets >= 3 and launch_log == list(range(num_buckets))
@@ -168,3 +169,43 @@ def test_fp16_overflow_skips_and_backs_off_then_grows(distributed):
     assert [scale for *_, scale in h1[0]] == [1024.0, 512.0, 256.0, 256.0, 512.0, 512.0]
     h2 = distributed(2, _fp16_scaler, 2)[0]  # hysteresis 2: the first overflow keeps the scale
     assert [scale for *_, scale in h2] == [1024.0, 1024.0, 512.0, 512.0, 1024.0, 1024.0]
+
+
+# ------------------------------------------------------------------------------------------------------------
+def _overlapped_param_gather(stage: int):
+    """Trains with overlap_param_gather: after each step the gather is pending until the next forward."""
+    state = initialize_model_parallel()
+    torch.manual_seed(0)
+    ddp = DistributedDataParallel(Net(), config=DistributedDataParallelConfig(
+        zero_stage=stage, bucket_size=100, overlap_param_gather=True), dp_group=state.dp_group)
+    optimizer = get_optimizer(OptimizerConfig(**OPT), ddp, parallel_state=state)
+    pending_after_step, pending_after_forward = [], []
+    for step in range(4):
+        x, y = net_batch(step)
+        rows = x.shape[0] // state.dp_size
+        optimizer.zero_grad()
+        loss = F.mse_loss(ddp(x[state.dp_rank * rows:(state.dp_rank + 1) * rows]),
+                          y[state.dp_rank * rows:(state.dp_rank + 1) * rows])
+        pending_after_forward.append(any(b.param_sync_pending for b in ddp.buckets))
+        loss.backward()
+        finalize_model_grads([ddp], state)
+        assert optimizer.step()[0]
+        pending_after_step.append(all(b.param_sync_pending for b in ddp.buckets))
+    return ddp.state_dict(), pending_after_step, pending_after_forward
+
+
+def test_overlap_param_gather_waits_in_the_next_forward(distributed):
+    torch.manual_seed(0)
+    reference, _ = reference_adamw(Net(), lambda model, step: F.mse_loss(model(net_batch(step)[0]), net_batch(step)[1]),
+                                   steps=4)
+    for stage in (1, 2):
+        for params, after_step, after_forward in distributed(2, _overlapped_param_gather, stage):
+            assert all(after_step) and not any(after_forward)  # started by the step, finished by the forward
+            for name, value in params.items():
+                torch.testing.assert_close(value, reference[name], rtol=0, atol=1e-5)
+
+
+def test_overlap_param_gather_needs_the_distributed_optimizer():
+    import pytest
+    with pytest.raises(ValueError, match="overlap_param_gather=True needs the distributed optimizer"):
+        DistributedDataParallelConfig(zero_stage=0, overlap_param_gather=True)
