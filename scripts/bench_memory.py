@@ -19,6 +19,7 @@ re-executes itself with ``MALLOC_MMAP_THRESHOLD_=65536`` (allocations above 64 K
 
     python scripts/bench_memory.py                   # dp 2 and 4; writes outputs/bench_memory.png
     python scripts/bench_memory.py --dp 2 --steps 3 --hidden 256   # a quick look
+    python scripts/bench_memory.py --dp 2 --pipeline                 # + pp 2 x dp 2 with 2 and 8 micro-batches
 """
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ from megatron_core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron_core.models import GPTModel
 from megatron_core.optimizer import OptimizerConfig, get_optimizer
 from megatron_core.optimizer.memory import memory_categories
+from megatron_core.pipeline_parallel import get_forward_backward_func
 from megatron_core.testing import DistributedPool
 from megatron_core.utils.live_memory import LiveMemoryTracker, current_rss_bytes, peak_rss_bytes, reset_peak_rss
 
@@ -160,6 +162,51 @@ def _alternating_times(shape: Shape, steps: int) -> dict[str, float]:
         return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
 
 
+def _pipeline_peaks(shape: Shape, num_microbatches: int) -> dict:
+    """pp 2 x dp 2, ZeRO-3 (meta build), 1F1B over ``num_microbatches``: one tracked step's peak split into
+    model states (persistent + gathered + grad buckets) and activations, per parameter of this stage."""
+    with kernels.use_backend("torch"):
+        state = initialize_model_parallel(pipeline_model_parallel_size=2)
+        torch.set_num_threads(1)
+        config = TransformerConfig(num_layers=shape.layers, hidden_size=shape.hidden,
+                                   num_attention_heads=max(1, shape.hidden // 64), hidden_dropout=0.0,
+                                   attention_dropout=0.0, max_position_embeddings=shape.seq,
+                                   pipeline_model_parallel_size=2)
+        torch.manual_seed(0)
+        model = GPTModel(config, parallel_state=dataclasses.replace(state, device=torch.device("meta")),
+                         vocab_size=shape.vocab, max_sequence_length=shape.seq,
+                         pre_process=state.is_pipeline_first_stage, post_process=state.is_pipeline_last_stage)
+        model.parallel_state = state
+        ddp = DistributedDataParallel(model, dp_group=state.dp_group,
+                                      config=DistributedDataParallelConfig(zero_stage=3))
+        optimizer = get_optimizer(OptimizerConfig(lr=1e-4, clip_grad=0.0), ddp, parallel_state=state)
+        g = torch.Generator().manual_seed(state.dp_rank)
+        batches = [torch.randint(0, shape.vocab, (shape.micro_batch, shape.seq + 1), generator=g)
+                   for _ in range(num_microbatches)]
+        positions = torch.arange(shape.seq).expand(shape.micro_batch, shape.seq)
+
+        def forward_step(iterator, model_):
+            tokens = next(iterator)
+            out = model_(tokens[:, :-1], positions, labels=tokens[:, 1:])
+            return out, lambda loss: (loss.mean(), {"lm loss": loss.mean().detach()})
+
+        def step() -> None:
+            optimizer.zero_grad()
+            get_forward_backward_func(2)(forward_step_func=forward_step, data_iterator=iter(batches), model=ddp,
+                                         num_microbatches=num_microbatches, seq_length=shape.seq,
+                                         micro_batch_size=shape.micro_batch, parallel_state=state)
+            optimizer.step()
+        step()
+        tracker = LiveMemoryTracker(categories=lambda: memory_categories(ddp, optimizer))
+        with tracker:
+            step()
+        numel = sum(b.numel for b in ddp.buckets) * state.dp_size
+        activations = tracker.peak_breakdown.get("activations", 0)
+        return dict(stage=state.pp_rank, states=(tracker.peak_total - activations) / numel,
+                    activations=activations / numel,
+                    gathered=tracker.peak_by_category.get("gathered_parameters", 0) / numel)
+
+
 def shape_numel(shape: Shape) -> int:
     h = shape.hidden
     return shape.layers * (12 * h * h + 13 * h) + (shape.vocab + shape.seq) * h + 2 * h
@@ -196,6 +243,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--png", default="outputs/bench_memory.png")
+    parser.add_argument("--pipeline", action="store_true",
+                        help="also pp 2 x dp 2 ZeRO-3 with 2 and 8 micro-batches (model states must not grow)")
     args = parser.parse_args()
     if os.environ.get("MALLOC_MMAP_THRESHOLD_") != "65536":
         os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"})
@@ -229,6 +278,16 @@ def main() -> None:
                   f"{row['time'] / fsdp['time']:.2f} |")
         print()
     _chart(results, args.png)
+    if args.pipeline:
+        print("pp 2 x dp 2, ZeRO-3, 1F1B: peak live bytes per parameter of the stage (the largest dp rank)\n")
+        print("| micro-batches | stage | model states (incl. gathered, grad buckets) | of which gathered | activations |")
+        print("| ---: | ---: | ---: | ---: | ---: |")
+        for m in (2, 8):
+            with DistributedPool(4) as pool:
+                per_rank = pool.run(_pipeline_peaks, shape, m, timeout_s=1800)
+            for stage in (0, 1):
+                row = max((r for r in per_rank if r["stage"] == stage), key=lambda r: r["states"])
+                print(f"| {m} | {stage} | {row['states']:.2f} | {row['gathered']:.2f} | {row['activations']:.2f} |")
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from megatron_core.optimizer import OptimizerConfig, get_optimizer
 from megatron_core.optimizer.memory import memory_categories
 from megatron_core.pipeline_parallel import get_forward_backward_func
 from megatron_core.utils.live_memory import LiveMemoryTracker
-from tests.distributed.test_pipeline_schedules import MICRO_BATCH, _batches, _forward_step
+from tests.distributed.test_pipeline_schedules import MICRO_BATCH, _batches, _build_chunks, _forward_step
 from tests.model_helpers import SEQ, VOCAB, build_model, make_batch, tiny_config
 
 CONFIG = dict(num_layers=4, hidden_size=32, num_attention_heads=4, ffn_hidden_size=128)
@@ -108,8 +108,10 @@ def test_zero3_keeps_parameters_gathered_without_reshard(distributed, stage0):
         assert measured["after_backward"].get("gathered_parameters", 0) == 0
 
 
-def test_zero3_under_full_recompute(distributed):
-    recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+@pytest.mark.parametrize("recompute", [
+    dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+    dict(recompute_granularity="selective")], ids=["full", "selective"])
+def test_zero3_under_recompute(distributed, recompute):
     reference = distributed(2, _train_tracked, 0, **recompute)
     results = distributed(2, _train_tracked, 3, **recompute)
     _assert_same_weights(results, reference)
@@ -128,41 +130,40 @@ def test_zero2_frees_gradient_buckets_during_backward(distributed, stage0):
 
 
 # ------------------------------------------------------------------------------------------------------------
-def _pipeline_zero3(stage: int):
-    """pp 2 x dp 2, 1F1B with 4 micro-batches: the most gathered bytes seen, against the bound."""
+def _pipeline_zero3(stage: int, vpp=None):
+    """pp 2 x dp 2, 1F1B (or interleaved with ``vpp`` chunks) with 4 micro-batches: the most gathered bytes
+    seen on this rank, against the bound (the sum of each chunk's: chunks are gathered independently)."""
     with kernels.use_backend("torch"):
-        state = initialize_model_parallel(pipeline_model_parallel_size=2)
-        torch.manual_seed(1234)
-        config = tiny_config(**CONFIG, pipeline_model_parallel_size=2)
-        from megatron_core.models import GPTModel
-        model = GPTModel(config, parallel_state=state, vocab_size=VOCAB, max_sequence_length=SEQ,
-                         make_vocab_size_divisible_by=16, pre_process=state.is_pipeline_first_stage,
-                         post_process=state.is_pipeline_last_stage)
-        ddp = DistributedDataParallel(model, config=DistributedDataParallelConfig(zero_stage=stage, bucket_size=3000),
-                                      dp_group=state.dp_group)
-        optimizer = get_optimizer(OptimizerConfig(**OPT), ddp, parallel_state=state)
-        tracker = LiveMemoryTracker(categories=lambda: memory_categories(ddp, optimizer))
+        state = initialize_model_parallel(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=vpp)
+        _, chunks = _build_chunks(state, 4, vpp, **{k: v for k, v in CONFIG.items() if k != "num_layers"})
+        ddps = [DistributedDataParallel(c, config=DistributedDataParallelConfig(zero_stage=stage, bucket_size=3000),
+                                        dp_group=state.dp_group) for c in chunks]
+        optimizer = get_optimizer(OptimizerConfig(**OPT), ddps, parallel_state=state)
+        tracker = LiveMemoryTracker(categories=lambda: memory_categories(ddps, optimizer))
         with tracker:
             for step in range(2):
                 optimizer.zero_grad()
                 batches = _batches(8)[state.dp_rank * 4:(state.dp_rank + 1) * 4]
-                get_forward_backward_func(2)(
-                    forward_step_func=_forward_step, data_iterator=iter(batches), model=ddp, num_microbatches=4,
+                get_forward_backward_func(2, vpp)(
+                    forward_step_func=_forward_step, model=ddps if vpp else ddps[0], num_microbatches=4,
+                    data_iterator=[iter(batches) for _ in ddps] if vpp else iter(batches),
                     seq_length=SEQ, micro_batch_size=MICRO_BATCH, parallel_state=state)
                 assert optimizer.step()[0]
         gathered = tracker.peak_by_category.get("gathered_parameters", 0)
-        bound = _gather_bound(ddp) if stage == 3 else 0
-        params = ddp.state_dict()
+        bound = sum(_gather_bound(d) for d in ddps) if stage == 3 else 0
+        params = [d.state_dict() for d in ddps]
         destroy_model_parallel(state)
         return params, gathered, bound
 
 
-def test_zero3_in_1f1b_with_four_microbatches_in_flight(distributed):
-    reference = distributed(4, _pipeline_zero3, 0)
-    results = distributed(4, _pipeline_zero3, 3)
+@pytest.mark.parametrize("vpp", [None, 2], ids=["1f1b", "interleaved"])
+def test_zero3_in_pipelines_with_four_microbatches_in_flight(distributed, vpp):
+    reference = distributed(4, _pipeline_zero3, 0, vpp)
+    results = distributed(4, _pipeline_zero3, 3, vpp)
     for (params, gathered, bound), (ref_params, _, _) in zip(results, reference):
-        for name, value in params.items():
-            torch.testing.assert_close(value, ref_params[name], rtol=0, atol=1e-5, msg=name)
+        for chunk, ref_chunk in zip(params, ref_params):
+            for name, value in chunk.items():
+                torch.testing.assert_close(value, ref_chunk[name], rtol=0, atol=1e-5, msg=name)
         assert 0 < gathered <= bound
 
 
