@@ -35,16 +35,31 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from megatron_core.distributed.param_and_grad_buffer import Bucket
+from megatron_core.tensor_parallel.initialization import logical_shape
 
 
 def plan_units(root: nn.Module) -> dict[nn.Module, list[nn.Parameter]]:
-    """Maps each unit (root first, then modules in registration order) to the trainable parameters registered
-    in it; a parameter registered in several modules appears in each of their lists. Leaf modules without
-    parameters are units with an empty list (they may borrow parameters passed to their forward)."""
+    """Maps each unit (root first, then modules in registration order) to the trainable parameters it gathers.
+
+    A module's unit holds the parameters registered in it; a parameter registered in several modules appears
+    in each of their lists. A module with ``gathers_small_parameters = True`` (``TransformerLayer``) takes the
+    1-D parameters of everything inside it (norm weights, biases) into its own unit, gathered for its whole
+    forward and backward: one small gather instead of one per norm and bias, and a bias returned to the
+    layer (``skip_bias_add``) needs no special keeping. Leaf modules without parameters are units with an
+    empty list (they may borrow parameters passed to their forward).
+    """
+    claimed: dict[nn.Parameter, nn.Module] = {}
+    for module in root.modules():
+        if getattr(module, "gathers_small_parameters", False):
+            for param in module.parameters():
+                if param.requires_grad and len(logical_shape(param)) <= 1:
+                    claimed.setdefault(param, module)
     units: dict[nn.Module, list[nn.Parameter]] = {root: []}
     for module in root.modules():
+        if getattr(module, "gathers_small_parameters", False):
+            units.setdefault(module, []).extend(dict.fromkeys(p for p, owner in claimed.items() if owner is module))
         for param in module.parameters(recurse=False):
-            if param.requires_grad:
+            if param.requires_grad and param not in claimed:
                 units.setdefault(module, []).append(param)
         if next(module.children(), None) is None:
             units.setdefault(module, [])  # a leaf without parameters may borrow one through its arguments
@@ -115,8 +130,10 @@ class ParameterGatherer:
         return self.unit_buckets[unit] + [b for b in self.borrowed.get(unit, ()) if b not in self.unit_buckets[unit]]
 
     def live_units(self) -> list[nn.Module]:
-        """Units other than the root whose parameters are gathered or being gathered (by first user)."""
-        return list(dict.fromkeys(self.bucket_users[b][0] for b in self._live))
+        """Units other than the root whose parameters are gathered or being gathered (by first user); the
+        small-parameter units of ``gathers_small_parameters`` modules do not count."""
+        return list(dict.fromkeys(self.bucket_users[b][0] for b in self._live
+                                  if not getattr(self.bucket_users[b][0], "gathers_small_parameters", False)))
 
     def _start(self, unit: nn.Module) -> None:
         for bucket in self.buckets_of(unit):

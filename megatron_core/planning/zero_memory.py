@@ -1,7 +1,7 @@
 """The transient bytes of data parallelism that model states miss: what exists only for part of a step.
 
 - ZeRO-3 gathers parameters around each unit (a module owning parameters): at most two units (current +
-  prefetched) and the biases that units return for the caller to add (``skip_bias_add``) are full at once.
+  prefetched) are full at once, plus the small unit (norms and biases) of this layer and the next.
 - ZeRO 2-3 reduce-scatter full-size fp32 gradient buckets that are freed when the collective completes; the
   reduce-scatters in flight are finished before the next bucket is allocated, so one exists at a time.
 - At every stage autograd first produces a parameter's grad in the parameter's dtype before it moves into its
@@ -20,18 +20,20 @@ DEFAULT_STAGE2_BUCKET = 4_000_000  # DistributedDataParallelConfig's default buc
 
 def stage_units(config: TransformerConfig, *, vocab_size: int, make_vocab_size_divisible_by: int,
                 first: bool, last: bool) -> tuple[list[float], float]:
-    """(elements of each unit, elements of the biases units return) on one tp rank of a pipeline stage of
-    ``GPTModel``. A tied output layer on the embedding's stage borrows the embedding's unit."""
+    """(elements of each weight unit, elements of one layer's small unit: its norms and biases) on one tp
+    rank of a pipeline stage of ``GPTModel``. A tied output layer on the embedding's stage borrows the
+    embedding's unit."""
     tp, pp = config.tensor_model_parallel_size, config.pipeline_model_parallel_size
     h = config.hidden_size
     ffn = config.ffn_hidden_size * (2 if config.activation == "swiglu" else 1)
     qkv = config.kv_channels * (config.num_attention_heads + 2 * config.num_query_groups)
     q_dim = config.kv_channels * config.num_attention_heads
     norm = h * (2 if config.normalization == "LayerNorm" else 1)
-    layer_units = [norm, (qkv * h + (qkv if config.add_qkv_bias else 0)) / tp, h * q_dim / tp, norm,
-                   (ffn * h + (ffn if config.add_bias_linear else 0)) / tp, h * config.ffn_hidden_size / tp]
+    layer_units = [qkv * h / tp, h * q_dim / tp, ffn * h / tp, h * config.ffn_hidden_size / tp]
     units = layer_units * (config.num_layers // pp)
-    returned = (2 * h if config.add_bias_linear else 0) * (config.num_layers // pp)
+    # a layer's norms and biases: one small unit of the layer (gathers_small_parameters)
+    small = 2 * norm + (qkv / tp if config.add_qkv_bias else 0) + (
+        (2 * h + ffn / tp) if config.add_bias_linear else 0)
     padded = vocab_size_with_padding(vocab_size, make_vocab_size_divisible_by=make_vocab_size_divisible_by,
                                      tensor_model_parallel_size=tp)
     tied = not config.untie_embeddings_and_output_weights
@@ -43,7 +45,7 @@ def stage_units(config: TransformerConfig, *, vocab_size: int, make_vocab_size_d
         units.append(norm)
         if not (tied and first):
             units.append(padded * h / tp)
-    return units, returned
+    return units, small
 
 
 def zero_transient_bytes(config: TransformerConfig, *, vocab_size: int, make_vocab_size_divisible_by: int,
@@ -52,14 +54,15 @@ def zero_transient_bytes(config: TransformerConfig, *, vocab_size: int, make_voc
     """Peak transient bytes on one rank of pipeline stage ``pp_rank`` (see the module docstring)."""
     pp = config.pipeline_model_parallel_size
     param_bytes = 2 if (config.bf16 or config.fp16) else 4
-    units, returned = stage_units(config, vocab_size=vocab_size,
+    units, small = stage_units(config, vocab_size=vocab_size,
                                   make_vocab_size_divisible_by=make_vocab_size_divisible_by,
                                   first=pp_rank == 0, last=pp_rank == pp - 1)
     largest = sorted(units, reverse=True)
     transient = param_bytes * largest[0]  # autograd's grad of one parameter, before it moves into a bucket
     if zero_stage == 3:
-        transient += param_bytes * (returned + sum(largest[:2]))  # two units gathered, the returned biases
-        transient += 4 * largest[0]  # one full-size fp32 gradient bucket
+        transient += param_bytes * (2 * small + sum(largest[:2]))  # two units, this and the next layer's small
+        transient += 4 * (largest[0] + small)  # a full-size fp32 grad bucket, and the layer's small one, which
+        #                                         fills during the whole backward of the layer
     elif zero_stage == 2:
         transient += 4 * min(bucket_size, stage_params)
     return transient

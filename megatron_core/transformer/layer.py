@@ -28,6 +28,8 @@ class TransformerLayer(nn.Module):
     tracker's model-parallel state instead.
     """
 
+    gathers_small_parameters = True  # ZeRO-3: the layer's norms and biases are gathered once, with the layer
+
     def __init__(self, config: TransformerConfig, *, layer_number: int, parallel_state: ParallelState,
                  spec: "TransformerLayerSpec") -> None:
         super().__init__()

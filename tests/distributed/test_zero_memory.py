@@ -23,13 +23,16 @@ PERSISTENT = ("parameters", "gradients", "master_weights", "optimizer_states")
 
 
 def _gather_bound(ddp: DistributedDataParallel) -> int:
-    """Bytes ZeRO-3 may hold gathered at once: the root unit (tied embedding), the returned biases that a
-    caller uses (``deferred``), and the two largest other units."""
+    """Bytes ZeRO-3 may hold gathered at once: the two largest units, plus what is small: the layers' norms and
+    biases (``gathers_small_parameters``), any returned bias a caller uses (``deferred``), the root's own."""
     gatherer = ddp.gatherer
+    small = [unit for unit in gatherer.unit_buckets if getattr(unit, "gathers_small_parameters", False)]
     units = sorted((sum(b.param_bytes for b in buckets if b not in gatherer.deferred)
-                    for unit, buckets in gatherer.unit_buckets.items() if unit is not gatherer.root), reverse=True)
+                    for unit, buckets in gatherer.unit_buckets.items()
+                    if unit is not gatherer.root and unit not in small), reverse=True)
     root = sum(b.param_bytes for b in gatherer.unit_buckets[gatherer.root])
-    return root + sum(b.param_bytes for b in gatherer.deferred) + sum(units[:2])
+    small_bytes = sum(b.param_bytes for unit in small for b in gatherer.unit_buckets[unit])
+    return root + small_bytes + sum(b.param_bytes for b in gatherer.deferred) + sum(units[:2])
 
 
 def _full_model_bytes(ddp: DistributedDataParallel) -> int:
