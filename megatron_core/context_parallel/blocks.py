@@ -3,13 +3,19 @@ the block's backward from the final statistics (flash-attention style: probabili
 stored). Used by ring attention; no communication here.
 
 Shapes, per rank: query ``[b, hq, sq, d]``, key and value ``[b, hk, sk, d]`` with ``hq = hk * heads_per_group``
-(GQA: each key/value head serves ``heads_per_group`` consecutive query heads). Statistics are fp32.
+(GQA: each key/value head serves ``heads_per_group`` consecutive query heads). The math and statistics are
+fp32 (fp64 for fp64 inputs: ``accumulation_dtype``).
 """
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 for 16- and 32-bit inputs, fp64 for fp64."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 def expand_kv(x: torch.Tensor, heads_per_group: int) -> torch.Tensor:
@@ -36,7 +42,8 @@ def dropout_keep_mask(shape: tuple[int, ...], *, p: float, seed: int, device: to
 def _scores(q: torch.Tensor, k: torch.Tensor, *, scale: float, causal: bool,
             mask: Optional[torch.Tensor]) -> torch.Tensor:
     """fp32 ``scale * q k^T`` ``[b, hq, sq, sk]`` with masked positions at -inf (causal: ``k > q``, sq == sk)."""
-    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    acc = accumulation_dtype(q.dtype)
+    scores = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale
     if causal:
         upper = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).triu_(1)
         mask = upper if mask is None else mask | upper
@@ -72,7 +79,7 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: f
     probs = torch.exp(scores - _finite(lse).unsqueeze(-1))
     if keep is not None:
         probs = probs * keep / (1.0 - dropout_p)
-    return torch.matmul(probs, expand_kv(v, heads_per_group).float()), lse
+    return torch.matmul(probs, expand_kv(v, heads_per_group).to(probs.dtype)), lse
 
 
 def merge_(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
@@ -103,7 +110,8 @@ def block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torc
         fp32 ``(dq [b, hq, sq, d], dk [b, hk, sk, d], dv [b, hk, sk, d])``.
     """
     heads_per_group = q.shape[1] // k.shape[1]
-    k_full, v_full = expand_kv(k, heads_per_group).float(), expand_kv(v, heads_per_group).float()
+    acc = accumulation_dtype(q.dtype)
+    k_full, v_full = expand_kv(k, heads_per_group).to(acc), expand_kv(v, heads_per_group).to(acc)
     scores = _scores(q, k_full, scale=scale, causal=causal, mask=mask)
     probs = torch.exp(scores - _finite(lse).unsqueeze(-1))  # the final softmax, restricted to this block
     dropped = probs if keep is None else probs * keep / (1.0 - dropout_p)
@@ -113,8 +121,8 @@ def block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torc
         dprobs = dprobs * keep / (1.0 - dropout_p)
     dscores = probs * (dprobs - delta.unsqueeze(-1)) * scale
     dq = torch.matmul(dscores, k_full)
-    dk = torch.matmul(dscores.transpose(-1, -2), q.float())
+    dk = torch.matmul(dscores.transpose(-1, -2), q.to(acc))
     return dq, fold_kv(dk, heads_per_group), fold_kv(dv, heads_per_group)
 
 
-__all__ = ["block_backward", "block_forward", "dropout_keep_mask", "expand_kv", "fold_kv", "merge_"]
+__all__ = ["accumulation_dtype", "block_backward", "block_forward", "dropout_keep_mask", "expand_kv", "fold_kv", "merge_"]

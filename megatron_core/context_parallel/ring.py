@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron_core.context_parallel.blocks import block_backward, block_forward, dropout_keep_mask, merge_
+from megatron_core.context_parallel.blocks import accumulation_dtype, block_backward, block_forward, dropout_keep_mask, merge_
 from megatron_core.context_parallel.split import local_positions
 from megatron_core.tensor_parallel import get_rng_tracker
 
@@ -97,8 +97,9 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, mask, spec: RingSpec):
         b, hq, local, d = q.shape
         seq_length = local * spec.cp_size
-        out = torch.zeros(b, hq, local, d, dtype=torch.float32, device=q.device)
-        lse = torch.full((b, hq, local), float("-inf"), dtype=torch.float32, device=q.device)
+        acc = accumulation_dtype(q.dtype)
+        out = torch.zeros(b, hq, local, d, dtype=acc, device=q.device)
+        lse = torch.full((b, hq, local), float("-inf"), dtype=acc, device=q.device)
         kv = torch.stack([k, v]).contiguous()  # [2, b, hk, s/cp, d]: only the kv heads travel
         for step in range(spec.cp_size):
             incoming = torch.empty_like(kv) if step < spec.cp_size - 1 else None
@@ -122,14 +123,15 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, mask, out, lse = ctx.saved_tensors
         spec: RingSpec = ctx.spec
         b, hq, local, _ = q.shape
-        dout = dout.float()
-        delta = (dout * out.float()).sum(dim=-1)  # [b, hq, s/cp]
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        acc = accumulation_dtype(q.dtype)
+        dout = dout.to(acc)
+        delta = (dout * out.to(acc)).sum(dim=-1)  # [b, hq, s/cp]
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         kv = torch.stack([k, v]).contiguous()
         sending: list = []
         for step in range(spec.cp_size):
             # per pair of neighbours the order is kv_0, dkv_0, kv_1, dkv_1, ...: post dkv_(i-1) before kv_i
-            arriving = torch.empty(kv.shape, dtype=torch.float32, device=q.device) if step > 0 else None
+            arriving = torch.empty(kv.shape, dtype=acc, device=q.device) if step > 0 else None
             incoming = torch.empty_like(kv) if step < spec.cp_size - 1 else None
             ops = [("recv", arriving, spec.prev_rank)] if arriving is not None else []
             ops += [("send", kv, spec.next_rank), ("recv", incoming, spec.prev_rank)] if incoming is not None else []
@@ -141,7 +143,7 @@ class _RingAttention(torch.autograd.Function):
             _wait(sending)
             sending = _post([("send", dkv, spec.next_rank)], spec.cp_group)  # the last hop reaches the owner
             kv = incoming if incoming is not None else kv
-        own = torch.empty(kv.shape, dtype=torch.float32, device=q.device)
+        own = torch.empty(kv.shape, dtype=acc, device=q.device)
         _wait(_post([("recv", own, spec.prev_rank)], spec.cp_group))
         _wait(sending)
         return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None, None
@@ -158,7 +160,7 @@ def _backward_block(q, kv, dout, delta, lse, mask, dq, spec: RingSpec, step: int
         lse=lse[:, :, rows], scale=spec.scale, causal=causal,
         mask=_block_mask(mask, spec, step, rows, cols, local * spec.cp_size), keep=keep, dropout_p=spec.dropout_p)
     dq[:, :, rows] += block_dq
-    dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
+    dkv = torch.zeros(kv.shape, dtype=dq.dtype, device=q.device)
     dkv[0][:, :, cols] = block_dk
     dkv[1][:, :, cols] = block_dv
     return dkv

@@ -83,3 +83,48 @@ def _self_attention_parity(cp: int, comm_type: str, name: str) -> None:
 @pytest.mark.parametrize("cp", [2, 4])
 def test_self_attention_matches_full_attention(distributed, cp, comm_type, name):
     distributed(cp, _self_attention_parity, cp, comm_type, name)
+
+
+def _ring_dropout_is_consistent(p: float) -> dict:
+    """Ring attention with attention dropout, fp64: the same tracker state draws the same masks, and the
+    backward's directional derivative equals central finite differences of the forward (so backward drew
+    exactly the forward's masks)."""
+    from megatron_core.context_parallel import ring_attention
+    from megatron_core.tensor_parallel import model_parallel_seed
+    state = initialize_model_parallel(context_parallel_size=2)
+    try:
+        tracker = model_parallel_seed(5, tp_rank=0)
+        snapshot = tracker.get_states()
+        g = torch.Generator().manual_seed(10 + state.rank)
+        shapes = [(8, 1, 4, 3), (8, 1, 2, 3), (8, 1, 2, 3)]  # GQA: 4 query heads, 2 key/value groups
+        qkv = [torch.randn(shape, generator=g, dtype=torch.float64) for shape in shapes]
+        weight = torch.randn(8, 1, 12, generator=g, dtype=torch.float64)
+        directions = [torch.randn(shape, generator=g, dtype=torch.float64) for shape in shapes]
+
+        def total(tensors, dropout):
+            tracker.set_states(snapshot)
+            out = ring_attention(*tensors, None, cp_group=state.cp_group, cp_ranks=state.cp_ranks,
+                                 cp_rank=state.cp_rank, scale=0.5, dropout_p=dropout)
+            return (out * weight).sum()
+
+        leaves = [x.clone().requires_grad_() for x in qkv]
+        total(leaves, p).backward()
+        analytic = torch.stack([sum((x.grad * d).sum() for x, d in zip(leaves, directions))])
+        eps = 1e-6
+        with torch.no_grad():
+            plus = total([x + eps * d for x, d in zip(qkv, directions)], p)
+            minus = total([x - eps * d for x, d in zip(qkv, directions)], p)
+            numeric = ((plus - minus) / (2 * eps)).reshape(1)
+            values = torch.stack([total(qkv, p), total(qkv, p), total(qkv, 0.0)])
+        for tensor in (analytic, numeric):  # the objective is the sum over cp ranks
+            dist.all_reduce(tensor, group=state.cp_group)
+        return {"analytic": analytic, "numeric": numeric, "values": values}
+    finally:
+        destroy_model_parallel(state)
+
+
+def test_ring_attention_dropout_backward_replays_the_forward_masks(distributed):
+    for result in distributed(2, _ring_dropout_is_consistent, 0.3):
+        torch.testing.assert_close(result["analytic"], result["numeric"], rtol=1e-6, atol=1e-8)
+        first, again, undropped = result["values"].tolist()
+        assert first == again and abs(first - undropped) > 1e-3

@@ -38,6 +38,7 @@ LAYOUTS = {  # name: (world size, flags, reference)
     "cp2-allgather": (2, _cp(2, "--cp-comm-type", "allgather", *ROPE_GQA), "rope-gqa"),
     "cp4-p2p-rope-gqa": (4, _cp(4, *ROPE_GQA), "rope-gqa"),
     "cp2-tp2-sp": (4, _cp(2, "--tensor-model-parallel-size", "2", "--sequence-parallel"), "learned"),
+    "cp2-recompute-core-attn": (2, _cp(2, "--recompute-activations"), "learned"),
     "cp2-pp2": (4, _cp(2, "--pipeline-model-parallel-size", "2"), "learned"),
     "cp2-dp2-zero3": (4, _cp(2, "--zero-stage", "3"), "learned"),
     "cp2-dp2-zero1-per-token": (4, _cp(2, "--use-distributed-optimizer", "--calculate-per-token-loss"), "learned"),
