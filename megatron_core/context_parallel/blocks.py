@@ -1,16 +1,21 @@
 """Attention over one block of keys with its log-sum-exp, the online-softmax merge of partial results, and
-the block's backward from the final statistics (flash-attention style: probabilities are recomputed, never
-stored). Used by ring attention; no communication here.
+the block's backward from the final statistics (flash-attention style: probabilities are recomputed in
+backward, never stored). Used by ring attention; no communication here.
 
 Shapes, per rank: query ``[b, hq, sq, d]``, key and value ``[b, hk, sk, d]`` with ``hq = hk * heads_per_group``
 (GQA: each key/value head serves ``heads_per_group`` consecutive query heads). The math and statistics are
-fp32 (fp64 for fp64 inputs: ``accumulation_dtype``).
+fp32 (fp64 for fp64 inputs: ``accumulation_dtype``). Query rows are processed in tiles of at most
+``tile_elements`` scores, so the transient score / probability / dropout-mask tensors stay bounded whatever
+the sequence length.
 """
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
+
+TILE_ELEMENTS = 1 << 21
+"""Scores per tile (``b * hq * rows * sk``): 8 MiB of fp32 transients per tensor."""
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -31,35 +36,41 @@ def fold_kv(grad: torch.Tensor, heads_per_group: int) -> torch.Tensor:
     return grad.view(b, hq // heads_per_group, heads_per_group, s, d).sum(dim=2)
 
 
-def dropout_keep_mask(shape: tuple[int, ...], *, p: float, seed: int, device: torch.device) -> torch.Tensor:
-    """Boolean keep mask (``True`` with probability ``1 - p``) drawn from its own generator seeded with ``seed``,
-    so the backward pass draws exactly the forward's mask again."""
+def tile_keep_mask(shape: tuple[int, ...], *, p: float, seed: int, first_row: int,
+                   device: torch.device) -> torch.Tensor:
+    """Dropout keep mask (True with probability ``1 - p``) of the tile starting at query row ``first_row``,
+    drawn from its own generator, so backward draws exactly the forward's mask again."""
     generator = torch.Generator(device=device)
-    generator.manual_seed(seed)
+    generator.manual_seed(seed * 1_000_003 + first_row)
     return torch.rand(shape, generator=generator, device=device) >= p
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, *, scale: float, causal: bool,
-            mask: Optional[torch.Tensor]) -> torch.Tensor:
-    """fp32 ``scale * q k^T`` ``[b, hq, sq, sk]`` with masked positions at -inf (causal: ``k > q``, sq == sk)."""
-    acc = accumulation_dtype(q.dtype)
-    scores = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale
+def _row_tiles(q: torch.Tensor, sk: int, tile_elements: int) -> list[tuple[int, int]]:
+    b, hq, sq, _ = q.shape
+    rows = max(1, tile_elements // max(1, b * hq * sk))
+    return [(start, min(sq, start + rows)) for start in range(0, sq, rows)]
+
+
+def _tile_probs(q: torch.Tensor, k: torch.Tensor, *, scale: float, causal: bool, first_row: int,
+                mask: Optional[torch.Tensor], lse: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(probs, lse)`` of query rows ``[first_row, first_row + tile)``: scores ``scale * q k^T`` with masked
+    positions at -inf (causal: key ``j`` masked for row ``i`` when ``j > first_row + i``), normalized by
+    ``lse`` when given (backward: the final statistics), else by their own log-sum-exp."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [b, hq, tile, sk]
     if causal:
-        upper = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).triu_(1)
+        upper = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).triu_(first_row + 1)
         mask = upper if mask is None else mask | upper
     if mask is not None:
         scores = scores.masked_fill(mask, float("-inf"))
-    return scores
-
-
-def _finite(lse: torch.Tensor) -> torch.Tensor:
-    """lse with fully masked rows (-inf) set to 0, so ``exp(scores - lse)`` is 0 there instead of nan."""
-    return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    if lse is None:
+        lse = torch.logsumexp(scores, dim=-1)
+    finite = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)  # fully masked rows: probs 0, not nan
+    return torch.exp(scores - finite.unsqueeze(-1)), lse
 
 
 def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, causal: bool,
-                  mask: Optional[torch.Tensor] = None, keep: Optional[torch.Tensor] = None,
-                  dropout_p: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+                  mask: Optional[torch.Tensor] = None, dropout_p: float = 0.0, dropout_seed: Optional[int] = None,
+                  tile_elements: int = TILE_ELEMENTS) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of ``q`` over this block's keys only.
 
     Args:
@@ -67,62 +78,75 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: f
         scale: multiplies the scores (``1 / sqrt(d)``).
         causal: mask keys after each query (the diagonal block: ``sq == sk``, same positions).
         mask: boolean, broadcastable to ``[b, hq, sq, sk]``, True = masked out; or None.
-        keep: dropout keep mask ``[b, hq, sq, sk]`` (None: no dropout); kept entries are scaled by 1/(1-p).
+        dropout_p, dropout_seed: attention dropout (kept entries scaled by 1/(1-p)) with masks drawn per tile
+            from ``dropout_seed``; no dropout when the seed is None or p is 0.
+        tile_elements: bound on the scores computed at once.
 
     Returns:
-        ``(out, lse)``: fp32 ``[b, hq, sq, d]`` normalized over this block, and fp32 ``[b, hq, sq]`` its
-        log-sum-exp (-inf, with out 0, for rows this block fully masks).
+        ``(out, lse)``: ``[b, hq, sq, d]`` normalized over this block, and ``[b, hq, sq]`` its log-sum-exp
+        (-inf, with out 0, for rows this block fully masks), both in the accumulation dtype.
     """
-    heads_per_group = q.shape[1] // k.shape[1]
-    scores = _scores(q, expand_kv(k, heads_per_group), scale=scale, causal=causal, mask=mask)
-    lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - _finite(lse).unsqueeze(-1))
-    if keep is not None:
-        probs = probs * keep / (1.0 - dropout_p)
-    return torch.matmul(probs, expand_kv(v, heads_per_group).to(probs.dtype)), lse
+    acc, heads_per_group = accumulation_dtype(q.dtype), q.shape[1] // k.shape[1]
+    k, v = expand_kv(k, heads_per_group).to(acc), expand_kv(v, heads_per_group).to(acc)
+    outs, lses = [], []
+    for start, end in _row_tiles(q, k.shape[2], tile_elements):
+        probs, lse = _tile_probs(q[:, :, start:end].to(acc), k, scale=scale, causal=causal, first_row=start,
+                                 mask=None if mask is None else mask[..., start:end, :], lse=None)
+        if dropout_p > 0.0 and dropout_seed is not None:
+            keep = tile_keep_mask(probs.shape, p=dropout_p, seed=dropout_seed, first_row=start, device=q.device)
+            probs = probs * keep / (1.0 - dropout_p)
+        outs.append(torch.matmul(probs, v))
+        lses.append(lse)
+    return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
 
 
 def merge_(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
     """Online-softmax merge, in place: ``(out, lse) <- (out, lse) (+) (block_out, block_lse)``.
 
     ``lse' = log(e^lse + e^block_lse)`` and ``out' = out e^(lse - lse') + block_out e^(block_lse - lse')``,
-    all fp32; rows masked in both stay 0 with lse -inf. ``out`` ``[..., sq, d]``, ``lse`` ``[..., sq]``.
+    in the accumulation dtype; rows masked in both stay 0 with lse -inf. ``out`` ``[..., sq, d]``, ``lse``
+    ``[..., sq]``.
     """
     merged = torch.logaddexp(lse, block_lse)
-    safe = _finite(merged)
+    safe = torch.where(torch.isinf(merged), torch.zeros_like(merged), merged)
     out.mul_(torch.exp(lse - safe).unsqueeze(-1)).add_(block_out * torch.exp(block_lse - safe).unsqueeze(-1))
     lse.copy_(merged)
 
 
 def block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, *, delta: torch.Tensor,
                    lse: torch.Tensor, scale: float, causal: bool, mask: Optional[torch.Tensor] = None,
-                   keep: Optional[torch.Tensor] = None,
-                   dropout_p: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   dropout_p: float = 0.0, dropout_seed: Optional[int] = None,
+                   tile_elements: int = TILE_ELEMENTS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of this block's share of the attention output, from the final (merged) statistics.
 
     Args:
-        q, k, v, scale, causal, mask, keep, dropout_p: as in ``block_forward``.
-        dout: fp32 ``[b, hq, sq, d]`` gradient of the final attention output (for this block's query rows).
-        delta: fp32 ``[b, hq, sq]``, ``rowsum(dout * out)`` of the final output.
-        lse: fp32 ``[b, hq, sq]`` log-sum-exp over every key (after the merge).
+        q, k, v, scale, causal, mask, dropout_p, dropout_seed, tile_elements: as in ``block_forward`` (the
+            same tiles, so the same dropout masks).
+        dout: ``[b, hq, sq, d]`` gradient of the final attention output (for this block's query rows).
+        delta: ``[b, hq, sq]``, ``rowsum(dout * out)`` of the final output.
+        lse: ``[b, hq, sq]`` log-sum-exp over every key (after the merge).
 
     Returns:
-        fp32 ``(dq [b, hq, sq, d], dk [b, hk, sk, d], dv [b, hk, sk, d])``.
+        ``(dq [b, hq, sq, d], dk [b, hk, sk, d], dv [b, hk, sk, d])`` in the accumulation dtype.
     """
-    heads_per_group = q.shape[1] // k.shape[1]
-    acc = accumulation_dtype(q.dtype)
-    k_full, v_full = expand_kv(k, heads_per_group).to(acc), expand_kv(v, heads_per_group).to(acc)
-    scores = _scores(q, k_full, scale=scale, causal=causal, mask=mask)
-    probs = torch.exp(scores - _finite(lse).unsqueeze(-1))  # the final softmax, restricted to this block
-    dropped = probs if keep is None else probs * keep / (1.0 - dropout_p)
-    dv = torch.matmul(dropped.transpose(-1, -2), dout)
-    dprobs = torch.matmul(dout, v_full.transpose(-1, -2))
-    if keep is not None:
-        dprobs = dprobs * keep / (1.0 - dropout_p)
-    dscores = probs * (dprobs - delta.unsqueeze(-1)) * scale
-    dq = torch.matmul(dscores, k_full)
-    dk = torch.matmul(dscores.transpose(-1, -2), q.to(acc))
-    return dq, fold_kv(dk, heads_per_group), fold_kv(dv, heads_per_group)
+    acc, heads_per_group = accumulation_dtype(q.dtype), q.shape[1] // k.shape[1]
+    k, v = expand_kv(k, heads_per_group).to(acc), expand_kv(v, heads_per_group).to(acc)
+    dq_tiles, dk, dv = [], torch.zeros_like(k), torch.zeros_like(v)
+    for start, end in _row_tiles(q, k.shape[2], tile_elements):
+        q_tile, dout_tile = q[:, :, start:end].to(acc), dout[:, :, start:end].to(acc)
+        probs, _ = _tile_probs(q_tile, k, scale=scale, causal=causal, first_row=start,
+                               mask=None if mask is None else mask[..., start:end, :], lse=lse[:, :, start:end])
+        dprobs = torch.matmul(dout_tile, v.transpose(-1, -2))
+        dropped = probs
+        if dropout_p > 0.0 and dropout_seed is not None:
+            keep = tile_keep_mask(probs.shape, p=dropout_p, seed=dropout_seed, first_row=start, device=q.device)
+            dropped, dprobs = probs * keep / (1.0 - dropout_p), dprobs * keep / (1.0 - dropout_p)
+        dv += torch.matmul(dropped.transpose(-1, -2), dout_tile)
+        dscores = probs * (dprobs - delta[:, :, start:end].unsqueeze(-1)) * scale
+        dq_tiles.append(torch.matmul(dscores, k))
+        dk += torch.matmul(dscores.transpose(-1, -2), q_tile)
+    return torch.cat(dq_tiles, dim=2), fold_kv(dk, heads_per_group), fold_kv(dv, heads_per_group)
 
 
-__all__ = ["accumulation_dtype", "block_backward", "block_forward", "dropout_keep_mask", "expand_kv", "fold_kv", "merge_"]
+__all__ = ["TILE_ELEMENTS", "accumulation_dtype", "block_backward", "block_forward", "expand_kv", "fold_kv",
+           "merge_", "tile_keep_mask"]

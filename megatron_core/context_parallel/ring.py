@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron_core.context_parallel.blocks import accumulation_dtype, block_backward, block_forward, dropout_keep_mask, merge_
+from megatron_core.context_parallel.blocks import accumulation_dtype, block_backward, block_forward, merge_
 from megatron_core.context_parallel.split import local_positions
 from megatron_core.tensor_parallel import get_rng_tracker
 
@@ -84,10 +84,8 @@ def _block_mask(mask: Optional[torch.Tensor], spec: RingSpec, step: int, rows: s
     return mask.index_select(2, q_pos).index_select(3, k_pos)
 
 
-def _keep(spec: RingSpec, step: int, shape: tuple[int, ...], device: torch.device) -> Optional[torch.Tensor]:
-    if spec.dropout_p == 0.0:
-        return None
-    return dropout_keep_mask(shape, p=spec.dropout_p, seed=spec.seed + step, device=device)
+def _dropout_seed(spec: RingSpec, step: int) -> Optional[int]:
+    return spec.seed + step if spec.dropout_p > 0.0 else None
 
 
 class _RingAttention(torch.autograd.Function):
@@ -106,10 +104,10 @@ class _RingAttention(torch.autograd.Function):
             requests = _post([("send", kv, spec.next_rank), ("recv", incoming, spec.prev_rank)]
                              if incoming is not None else [], spec.cp_group)
             rows, cols, causal = _block_plan(spec, step, local)
-            keep = _keep(spec, step, (b, hq, rows.stop - rows.start, cols.stop - cols.start), q.device)
             block_out, block_lse = block_forward(
                 q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], scale=spec.scale, causal=causal,
-                mask=_block_mask(mask, spec, step, rows, cols, seq_length), keep=keep, dropout_p=spec.dropout_p)
+                mask=_block_mask(mask, spec, step, rows, cols, seq_length), dropout_p=spec.dropout_p,
+                dropout_seed=_dropout_seed(spec, step))
             merge_(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
             _wait(requests)
             kv = incoming if incoming is not None else kv
@@ -122,7 +120,6 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, mask, out, lse = ctx.saved_tensors
         spec: RingSpec = ctx.spec
-        b, hq, local, _ = q.shape
         acc = accumulation_dtype(q.dtype)
         dout = dout.to(acc)
         delta = (dout * out.to(acc)).sum(dim=-1)  # [b, hq, s/cp]
@@ -152,13 +149,13 @@ class _RingAttention(torch.autograd.Function):
 def _backward_block(q, kv, dout, delta, lse, mask, dq, spec: RingSpec, step: int) -> torch.Tensor:
     """Adds step ``step``'s query grads into ``dq``; returns the fp32 ``[2, b, hk, s/cp, d]`` dK/dV of the
     kv block held at this step."""
-    b, hq, local, _ = q.shape
+    local = q.shape[2]
     rows, cols, causal = _block_plan(spec, step, local)
-    keep = _keep(spec, step, (b, hq, rows.stop - rows.start, cols.stop - cols.start), q.device)
     block_dq, block_dk, block_dv = block_backward(
         q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], dout[:, :, rows], delta=delta[:, :, rows],
         lse=lse[:, :, rows], scale=spec.scale, causal=causal,
-        mask=_block_mask(mask, spec, step, rows, cols, local * spec.cp_size), keep=keep, dropout_p=spec.dropout_p)
+        mask=_block_mask(mask, spec, step, rows, cols, local * spec.cp_size), dropout_p=spec.dropout_p,
+        dropout_seed=_dropout_seed(spec, step))
     dq[:, :, rows] += block_dq
     dkv = torch.zeros(kv.shape, dtype=dq.dtype, device=q.device)
     dkv[0][:, :, cols] = block_dk

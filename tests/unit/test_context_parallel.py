@@ -14,7 +14,7 @@ from megatron_core.context_parallel import (
     to_natural_order,
     to_rank_chunk_order,
 )
-from megatron_core.context_parallel.blocks import block_backward, block_forward, dropout_keep_mask, merge_
+from megatron_core.context_parallel.blocks import block_backward, block_forward, merge_, tile_keep_mask
 
 
 def test_rank_r_holds_chunks_r_and_2cp_minus_1_minus_r():
@@ -76,21 +76,21 @@ def test_merging_two_key_blocks_equals_one_softmax():
     assert torch.isinf(lse[0, 0, 1]) and not torch.isnan(out).any()
 
 
-@pytest.mark.parametrize("dropout", [0.0, 0.3])
-def test_block_backward_equals_autograd(dropout):
+@pytest.mark.parametrize("dropout, tile_elements", [(0.0, 1 << 20), (0.3, 1 << 20), (0.0, 30)],
+                         ids=["one-tile", "one-tile-dropout", "tiles-of-1-row"])
+def test_block_backward_equals_autograd(dropout, tile_elements):
     q, k, v = (x.requires_grad_() for x in _inputs())
     causal = torch.ones(6, 6, dtype=torch.bool).triu(1)
     mask = torch.zeros(1, 1, 6, 6, dtype=torch.bool)
     mask[..., 4] = True  # a padded key
-    keep = dropout_keep_mask((1, 4, 6, 6), p=dropout, seed=3, device=q.device) if dropout else None
+    keep = tile_keep_mask((1, 4, 6, 6), p=dropout, seed=3, first_row=0, device=q.device) if dropout else None
     scale = 1 / math.sqrt(3)
     expected = _attention(q, k, v, mask | causal, scale, keep, dropout)
     dout = torch.randn_like(expected)
     expected.backward(dout)
-    out, lse = block_forward(q.detach(), k.detach(), v.detach(), scale=scale, causal=True, mask=mask, keep=keep,
-                             dropout_p=dropout)
+    common = dict(scale=scale, causal=True, mask=mask, dropout_p=dropout, dropout_seed=3, tile_elements=tile_elements)
+    out, lse = block_forward(q.detach(), k.detach(), v.detach(), **common)
     torch.testing.assert_close(out, expected.detach())
-    grads = block_backward(q.detach(), k.detach(), v.detach(), dout, delta=(dout * out).sum(-1), lse=lse,
-                           scale=scale, causal=True, mask=mask, keep=keep, dropout_p=dropout)
+    grads = block_backward(q.detach(), k.detach(), v.detach(), dout, delta=(dout * out).sum(-1), lse=lse, **common)
     for grad, tensor in zip(grads, (q, k, v)):
         torch.testing.assert_close(grad, tensor.grad)
