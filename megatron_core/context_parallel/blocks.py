@@ -54,7 +54,7 @@ def _row_tiles(q: torch.Tensor, sk: int, tile_elements: int) -> list[tuple[int, 
 def _tile_probs(q: torch.Tensor, k: torch.Tensor, *, scale: float, causal: bool, first_row: int,
                 mask: Optional[torch.Tensor], lse: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """``(probs, lse)`` of query rows ``[first_row, first_row + tile)``: scores ``scale * q k^T`` with masked
-    positions at -inf (causal: key ``j`` masked for row ``i`` when ``j > first_row + i``), normalized by
+    positions at -inf (causal: key ``j`` masked for tile row ``i`` when ``j > first_row + i``), normalized by
     ``lse`` when given (backward: the final statistics), else by their own log-sum-exp."""
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [b, hq, tile, sk]
     if causal:
@@ -69,14 +69,15 @@ def _tile_probs(q: torch.Tensor, k: torch.Tensor, *, scale: float, causal: bool,
 
 
 def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, causal: bool,
-                  mask: Optional[torch.Tensor] = None, dropout_p: float = 0.0, dropout_seed: Optional[int] = None,
+                  causal_offset: int = 0, mask: Optional[torch.Tensor] = None, dropout_p: float = 0.0, dropout_seed: Optional[int] = None,
                   tile_elements: int = TILE_ELEMENTS) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of ``q`` over this block's keys only.
 
     Args:
         q, k, v: ``[b, hq, sq, d]``, ``[b, hk, sk, d]``, ``[b, hk, sk, d]``.
         scale: multiplies the scores (``1 / sqrt(d)``).
-        causal: mask keys after each query (the diagonal block: ``sq == sk``, same positions).
+        causal: mask keys after each query; query row ``i`` sits at key position ``i + causal_offset``
+            (0: the diagonal block, same positions).
         mask: boolean, broadcastable to ``[b, hq, sq, sk]``, True = masked out; or None.
         dropout_p, dropout_seed: attention dropout (kept entries scaled by 1/(1-p)) with masks drawn per tile
             from ``dropout_seed``; no dropout when the seed is None or p is 0.
@@ -90,7 +91,8 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: f
     k, v = expand_kv(k, heads_per_group).to(acc), expand_kv(v, heads_per_group).to(acc)
     outs, lses = [], []
     for start, end in _row_tiles(q, k.shape[2], tile_elements):
-        probs, lse = _tile_probs(q[:, :, start:end].to(acc), k, scale=scale, causal=causal, first_row=start,
+        probs, lse = _tile_probs(q[:, :, start:end].to(acc), k, scale=scale, causal=causal,
+                                 first_row=start + causal_offset,
                                  mask=None if mask is None else mask[..., start:end, :], lse=None)
         if dropout_p > 0.0 and dropout_seed is not None:
             keep = tile_keep_mask(probs.shape, p=dropout_p, seed=dropout_seed, first_row=start, device=q.device)
@@ -114,14 +116,15 @@ def merge_(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_
 
 
 def block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, *, delta: torch.Tensor,
-                   lse: torch.Tensor, scale: float, causal: bool, mask: Optional[torch.Tensor] = None,
+                   lse: torch.Tensor, scale: float, causal: bool, causal_offset: int = 0,
+                   mask: Optional[torch.Tensor] = None,
                    dropout_p: float = 0.0, dropout_seed: Optional[int] = None,
                    tile_elements: int = TILE_ELEMENTS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of this block's share of the attention output, from the final (merged) statistics.
 
     Args:
-        q, k, v, scale, causal, mask, dropout_p, dropout_seed, tile_elements: as in ``block_forward`` (the
-            same tiles, so the same dropout masks).
+        q, k, v, scale, causal, causal_offset, mask, dropout_p, dropout_seed, tile_elements: as in
+            ``block_forward`` (the same tiles, so the same dropout masks).
         dout: ``[b, hq, sq, d]`` gradient of the final attention output (for this block's query rows).
         delta: ``[b, hq, sq]``, ``rowsum(dout * out)`` of the final output.
         lse: ``[b, hq, sq]`` log-sum-exp over every key (after the merge).
@@ -134,7 +137,8 @@ def block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torc
     dq_tiles, dk, dv = [], torch.zeros_like(k), torch.zeros_like(v)
     for start, end in _row_tiles(q, k.shape[2], tile_elements):
         q_tile, dout_tile = q[:, :, start:end].to(acc), dout[:, :, start:end].to(acc)
-        probs, _ = _tile_probs(q_tile, k, scale=scale, causal=causal, first_row=start,
+        probs, _ = _tile_probs(q_tile, k, scale=scale, causal=causal,
+                               first_row=start + causal_offset,
                                mask=None if mask is None else mask[..., start:end, :], lse=lse[:, :, start:end])
         dprobs = torch.matmul(dout_tile, v.transpose(-1, -2))
         dropped = probs

@@ -85,11 +85,11 @@ def test_self_attention_matches_full_attention(distributed, cp, comm_type, name)
     distributed(cp, _self_attention_parity, cp, comm_type, name)
 
 
-def _ring_dropout_is_consistent(p: float) -> dict:
-    """Ring attention with attention dropout, fp64: the same tracker state draws the same masks, and the
-    backward's directional derivative equals central finite differences of the forward (so backward drew
-    exactly the forward's masks)."""
-    from megatron_core.context_parallel import ring_attention
+def _dropout_is_consistent(kind: str, p: float) -> dict:
+    """Ring or allgather attention with attention dropout, fp64: the same tracker state draws the same masks,
+    and the backward's directional derivative equals central finite differences of the forward (so backward
+    drew exactly the forward's masks)."""
+    from megatron_core.context_parallel import allgather_attention, ring_attention
     from megatron_core.tensor_parallel import model_parallel_seed
     state = initialize_model_parallel(context_parallel_size=2)
     try:
@@ -103,8 +103,11 @@ def _ring_dropout_is_consistent(p: float) -> dict:
 
         def total(tensors, dropout):
             tracker.set_states(snapshot)
-            out = ring_attention(*tensors, None, cp_group=state.cp_group, cp_ranks=state.cp_ranks,
-                                 cp_rank=state.cp_rank, scale=0.5, dropout_p=dropout)
+            common = dict(cp_group=state.cp_group, cp_rank=state.cp_rank, scale=0.5, dropout_p=dropout)
+            if kind == "p2p":
+                out = ring_attention(*tensors, None, cp_ranks=state.cp_ranks, **common)
+            else:
+                out = allgather_attention(*tensors, None, cp_size=state.cp_size, **common)
             return (out * weight).sum()
 
         leaves = [x.clone().requires_grad_() for x in qkv]
@@ -123,8 +126,9 @@ def _ring_dropout_is_consistent(p: float) -> dict:
         destroy_model_parallel(state)
 
 
-def test_ring_attention_dropout_backward_replays_the_forward_masks(distributed):
-    for result in distributed(2, _ring_dropout_is_consistent, 0.3):
+@pytest.mark.parametrize("kind", ["p2p", "allgather"])
+def test_attention_dropout_backward_replays_the_forward_masks(distributed, kind):
+    for result in distributed(2, _dropout_is_consistent, kind, 0.3):
         torch.testing.assert_close(result["analytic"], result["numeric"], rtol=1e-6, atol=1e-8)
         first, again, undropped = result["values"].tolist()
         assert first == again and abs(first - undropped) > 1e-3
