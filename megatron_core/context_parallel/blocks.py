@@ -14,8 +14,8 @@ from typing import Optional
 
 import torch
 
-TILE_ELEMENTS = 1 << 21
-"""Scores per tile (``b * hq * rows * sk``): 8 MiB of fp32 transients per tensor."""
+TILE_ELEMENTS = 1 << 20
+"""Scores per tile (``b * hq * rows * sk``): about two such fp32 buffers (8 MiB) live at once in backward."""
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -55,17 +55,22 @@ def _tile_probs(q: torch.Tensor, k: torch.Tensor, *, scale: float, causal: bool,
                 mask: Optional[torch.Tensor], lse: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """``(probs, lse)`` of query rows ``[first_row, first_row + tile)``: scores ``scale * q k^T`` with masked
     positions at -inf (causal: key ``j`` masked for tile row ``i`` when ``j > first_row + i``), normalized by
-    ``lse`` when given (backward: the final statistics), else by their own log-sum-exp."""
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [b, hq, tile, sk]
+    ``lse`` when given (backward: the final statistics), else by their own log-sum-exp. In place on one
+    ``[b, hq, tile, sk]`` buffer (plus the boolean mask), so a tile costs about one score tensor."""
+    probs = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)  # [b, hq, tile, sk]
     if causal:
-        upper = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).triu_(first_row + 1)
+        upper = torch.ones(probs.shape[-2:], dtype=torch.bool, device=probs.device).triu_(first_row + 1)
         mask = upper if mask is None else mask | upper
     if mask is not None:
-        scores = scores.masked_fill(mask, float("-inf"))
+        probs.masked_fill_(mask, float("-inf"))
     if lse is None:
-        lse = torch.logsumexp(scores, dim=-1)
+        row_max = probs.amax(dim=-1)
+        row_max = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)
+        total = probs.sub_(row_max.unsqueeze(-1)).exp_().sum(dim=-1)
+        lse = total.log().add_(row_max)  # -inf for fully masked rows
+        return probs.div_(torch.where(total == 0, torch.ones_like(total), total).unsqueeze(-1)), lse
     finite = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)  # fully masked rows: probs 0, not nan
-    return torch.exp(scores - finite.unsqueeze(-1)), lse
+    return probs.sub_(finite.unsqueeze(-1)).exp_(), lse
 
 
 def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, causal: bool,
@@ -96,7 +101,7 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: f
                                  mask=None if mask is None else mask[..., start:end, :], lse=None)
         if dropout_p > 0.0 and dropout_seed is not None:
             keep = tile_keep_mask(probs.shape, p=dropout_p, seed=dropout_seed, first_row=start, device=q.device)
-            probs = probs * keep / (1.0 - dropout_p)
+            probs.mul_(keep).div_(1.0 - dropout_p)
         outs.append(torch.matmul(probs, v))
         lses.append(lse)
     return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
@@ -141,12 +146,14 @@ def block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torc
                                first_row=start + causal_offset,
                                mask=None if mask is None else mask[..., start:end, :], lse=lse[:, :, start:end])
         dprobs = torch.matmul(dout_tile, v.transpose(-1, -2))
-        dropped = probs
         if dropout_p > 0.0 and dropout_seed is not None:
             keep = tile_keep_mask(probs.shape, p=dropout_p, seed=dropout_seed, first_row=start, device=q.device)
-            dropped, dprobs = probs * keep / (1.0 - dropout_p), dprobs * keep / (1.0 - dropout_p)
-        dv += torch.matmul(dropped.transpose(-1, -2), dout_tile)
-        dscores = probs * (dprobs - delta[:, :, start:end].unsqueeze(-1)) * scale
+            dv += torch.matmul((probs * keep).transpose(-1, -2), dout_tile).div_(1.0 - dropout_p)
+            dprobs.mul_(keep).div_(1.0 - dropout_p)
+        else:
+            dv += torch.matmul(probs.transpose(-1, -2), dout_tile)
+        dscores = dprobs.sub_(delta[:, :, start:end].unsqueeze(-1)).mul_(probs).mul_(scale)  # in dprobs' buffer
+        del probs
         dq_tiles.append(torch.matmul(dscores, k))
         dk += torch.matmul(dscores.transpose(-1, -2), q_tile)
     return torch.cat(dq_tiles, dim=2), fold_kv(dk, heads_per_group), fold_kv(dv, heads_per_group)

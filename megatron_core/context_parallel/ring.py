@@ -137,6 +137,8 @@ class _RingAttention(torch.autograd.Function):
             _wait(requests)
             if arriving is not None:
                 dkv += arriving  # the accumulated grads of this kv block from the ranks it visited before
+            if spec.cp_size == 1:  # one rank: its own grads, no ring
+                return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
             _wait(sending)
             sending = _post([("send", dkv, spec.next_rank)], spec.cp_group)  # the last hop reaches the owner
             kv = incoming if incoming is not None else kv

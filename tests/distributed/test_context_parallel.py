@@ -14,6 +14,7 @@ from megatron_core.context_parallel import local_positions, split_sequence
 from megatron_core.transformer import RotaryEmbedding, SelfAttention
 
 TOL = dict(rtol=1e-5, atol=2e-6)
+WEIGHT_GRAD_TOL = dict(rtol=1e-5, atol=1e-5)  # sums over s x b = 32 tokens of O(1) terms: fp32 noise ~3e-6
 SEQ, BATCH = 16, 2
 ATTENTION = {  # name: (hidden, heads, groups, rope, padded)
     "mha": (16, 4, 4, False, False),
@@ -73,7 +74,7 @@ def _self_attention_parity(cp: int, comm_type: str, name: str) -> None:
             for (param_name, param), ref_param in zip(sharded.named_parameters(), reference.parameters()):
                 grad = param.grad.clone()
                 dist.all_reduce(grad, group=state.cp_group)  # each cp rank holds its tokens' share
-                torch.testing.assert_close(grad, ref_param.grad, **TOL, msg=lambda m: f"{param_name}: {m}")
+                torch.testing.assert_close(grad, ref_param.grad, **WEIGHT_GRAD_TOL, msg=lambda m: f"{param_name}: {m}")
         finally:
             destroy_model_parallel(state)
 
