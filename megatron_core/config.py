@@ -11,6 +11,10 @@ from typing import Optional
 
 import torch
 
+CP_COMM_TYPES = ("p2p", "a2a", "allgather")
+"""Context-parallel attention schemes (Megatron's ``--cp-comm-type``): ring attention, all-to-all (Ulysses),
+all-gather of K/V."""
+
 
 @dataclasses.dataclass(kw_only=True)
 class ModelParallelConfig:
@@ -20,6 +24,9 @@ class ModelParallelConfig:
     pipeline_model_parallel_size: int = 1
     virtual_pipeline_model_parallel_size: Optional[int] = None
     context_parallel_size: int = 1
+    """Ranks the sequence is split over (load-balanced causal split; see ``megatron_core.context_parallel``)."""
+    cp_comm_type: str = "p2p"
+    """How attention communicates over cp: "p2p" (ring attention), "a2a" (Ulysses) or "allgather"."""
     sequence_parallel: bool = False
     """Split layernorm/dropout regions along the sequence (needs tensor parallelism)."""
     params_dtype: torch.dtype = torch.float32
@@ -31,6 +38,8 @@ class ModelParallelConfig:
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.cp_comm_type not in CP_COMM_TYPES:
+            raise ValueError(f"cp_comm_type must be one of {CP_COMM_TYPES}, got {self.cp_comm_type!r}")
         if self.bf16 and self.fp16:
             raise ValueError("bf16=True and fp16=True are mutually exclusive: choose one precision")
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
@@ -134,6 +143,13 @@ class TransformerConfig(ModelParallelConfig):
         if groups % tp != 0:
             raise ValueError(f"num_query_groups {groups} is not divisible by tensor_model_parallel_size {tp}: "
                              "tensor parallelism splits whole key/value groups")
+        cp = self.context_parallel_size
+        if cp > 1 and self.cp_comm_type == "a2a" and (heads // tp % cp or groups // tp % cp):
+            raise ValueError(f"cp_comm_type 'a2a' splits attention heads over context_parallel_size {cp}, but each "
+                             f"tensor-parallel rank has {heads // tp} query heads and {groups // tp} key/value groups "
+                             f"(num_attention_heads {heads}, num_query_groups {groups} / tensor_model_parallel_size "
+                             f"{tp}); both must be divisible by {cp}: use cp_comm_type 'p2p' or 'allgather', or "
+                             "change the sizes")
         if self.ffn_hidden_size % tp != 0:
             raise ValueError(f"ffn_hidden_size {self.ffn_hidden_size} is not divisible by "
                              f"tensor_model_parallel_size {tp}")

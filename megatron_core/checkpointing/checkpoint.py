@@ -69,7 +69,8 @@ def sha256_file(path: str) -> str:
 
 
 def _layout(state: ParallelState, extra: dict) -> dict:
-    return {"tp": state.tp_size, "pp": state.pp_size, "dp": state.dp_size, "vpp": state.vpp_size, **extra}
+    cp = {"cp": state.cp_size} if state.cp_size > 1 else {}  # (absent at cp 1, as before cp existed)
+    return {"tp": state.tp_size, "pp": state.pp_size, "dp": state.dp_size, "vpp": state.vpp_size, **cp, **extra}
 
 
 def save_checkpoint(directory: str, *, iteration: int, model_chunks: Sequence[nn.Module], config: TransformerConfig,

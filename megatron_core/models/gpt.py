@@ -161,10 +161,9 @@ class GPTModel(nn.Module):
 def _check_layout(config: TransformerConfig, state: ParallelState) -> None:
     pairs = {"tensor_model_parallel_size": (config.tensor_model_parallel_size, state.tp_size),
              "pipeline_model_parallel_size": (config.pipeline_model_parallel_size, state.pp_size),
+             "context_parallel_size": (config.context_parallel_size, state.cp_size),
              "virtual_pipeline_model_parallel_size": (config.virtual_pipeline_model_parallel_size, state.vpp_size)}
     for name, (in_config, in_state) in pairs.items():
         if in_config != in_state:
             raise ValueError(f"config.{name}={in_config} does not match the parallel state's {in_state}; "
                              "build the config with the sizes given to initialize_model_parallel")
-    if state.cp_size != 1:
-        raise ValueError(f"GPTModel does not support context parallelism yet (context_parallel_size {state.cp_size})")

@@ -131,18 +131,23 @@ def _check_common(num_microbatches: int, state: ParallelState, chunks: list[nn.M
     if num_microbatches < 1:
         raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
     config = getattr(_unwrap(chunks[0]), "config", None)
-    if config is not None and config.sequence_parallel and seq_length % state.tp_size != 0:
-        raise ValueError(f"seq_length {seq_length} is not divisible by tensor_model_parallel_size {state.tp_size} "
-                         "(sequence parallelism splits the sequence)")
+    if state.cp_size > 1 and seq_length % (2 * state.cp_size) != 0:
+        raise ValueError(f"seq_length {seq_length} is not divisible by 2 x context_parallel_size {state.cp_size} "
+                         "(the load-balanced causal split cuts the sequence into 2 cp chunks)")
+    local = seq_length // state.cp_size
+    if config is not None and config.sequence_parallel and local % state.tp_size != 0:
+        raise ValueError(f"seq_length {seq_length} / context_parallel_size {state.cp_size} is not divisible by "
+                         f"tensor_model_parallel_size {state.tp_size} (sequence parallelism splits the sequence)")
 
 
 def _tensor_shape(chunk: nn.Module, seq_length: int, micro_batch_size: int) -> tuple[tuple[int, ...], torch.dtype]:
-    """Shape and dtype of the activations between stages: ``[s(/tp), b, h]`` in the params dtype."""
+    """Shape and dtype of the activations between stages: ``[s(/cp)(/tp), b, h]`` in the params dtype."""
     config = getattr(_unwrap(chunk), "config", None)
     if config is None:
         raise ValueError("pipeline schedules read hidden_size from model.config; the model chunk has no config")
     tp = config.tensor_model_parallel_size if config.sequence_parallel else 1
-    return (seq_length // tp, micro_batch_size, config.hidden_size), config.params_dtype
+    local = seq_length // config.context_parallel_size
+    return (local // tp, micro_batch_size, config.hidden_size), config.params_dtype
 
 
 class _Executor:

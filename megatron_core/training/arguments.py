@@ -306,6 +306,7 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
         recompute_modules=tuple(args.recompute_modules) if args.recompute_modules else ("core_attn",),
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        context_parallel_size=args.context_parallel_size, cp_comm_type=args.cp_comm_type,
         virtual_pipeline_model_parallel_size=virtual_pipeline_size(args), sequence_parallel=args.sequence_parallel,
         params_dtype=dtype, bf16=args.bf16, fp16=args.fp16)
 

@@ -63,7 +63,6 @@ _MLA = "multi-latent attention (DeepSeek) is not built; drop these flags to use 
 _MTP = "multi-token prediction is not built; drop these flags"
 _GPT_OSS = ("gpt-oss's layer variants (windowed attention, learnable softmax, clamped GeGLU) are not built; "
             "drop these flags")
-_CP = "context parallelism is not built yet (it comes with its own issue); use --context-parallel-size 1"
 _CUDA_GRAPH = "CUDA graphs are not built; drop these flags"
 REFUSED_PREFIXES: dict[str, str] = {"--moe-": _MOE, "--fp8": _FP8, "--fp4": _FP8, "--mtp-": _MTP,
                                     "--cuda-graph": _CUDA_GRAPH}
@@ -74,7 +73,9 @@ REFUSED_FLAGS: dict[str, str] = {
     "--rope-type yarn": "YaRN rotary scaling (used with multi-latent attention) is not built; use --rope-type rope",
     "--quick-geglu": _GPT_OSS, "--glu-linear-offset": _GPT_OSS, "--softmax-type": _GPT_OSS, "--window-size": _GPT_OSS,
     "--window-attn-skip-freq": _GPT_OSS, "--activation-func-clamp-value": _GPT_OSS, "--enable-gpt-oss": _GPT_OSS,
-    "--context-parallel-size": _CP, "--enable-cuda-graph": _CUDA_GRAPH, "--external-cuda-graph": _CUDA_GRAPH,
+    "--enable-cuda-graph": _CUDA_GRAPH, "--external-cuda-graph": _CUDA_GRAPH,
+    "--cp-comm-type a2a+p2p": "hierarchical context parallelism (a2a inside, p2p across groups) is not built; use "
+    "--cp-comm-type p2p, a2a or allgather",
     "--recompute-modules": "selective recompute of MoE or MLA modules needs those modules; use core_attn, mlp, "
     "layernorm",
 }
@@ -110,7 +111,11 @@ def add_megatron_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tiktoken-num-special-tokens", type=int, default=1000)
     g.add_argument("--rope-type", choices=["rope", "yarn"], default=None)
     g.add_argument("--rotary-scaling-factor", type=float, default=1.0, help="YaRN only (not built)")
-    g.add_argument("--context-parallel-size", type=int, default=1)
+    g.add_argument("--context-parallel-size", type=int, default=1,
+                   help="split each sequence over this many ranks (load-balanced causal split)")
+    g.add_argument("--cp-comm-type", nargs="+", default=["p2p"], metavar="{p2p,a2a,allgather}",
+                   help="context-parallel attention: p2p (ring attention, default), a2a (Ulysses all-to-all) or "
+                        "allgather (K/V all-gathered); one value for every layer")
     g.add_argument("--expert-model-parallel-size", type=int, default=1)
     g.add_argument("--expert-tensor-parallel-size", type=int, default=None)
     g.add_argument("--softmax-type", default="vanilla")
@@ -148,8 +153,8 @@ def _flag_with_value(tokens: Sequence[str], i: int) -> str:
 
 def _refused_on_known(args: argparse.Namespace) -> list[tuple[str, str]]:
     given = []
-    if args.context_parallel_size != 1:
-        given.append((f"--context-parallel-size {args.context_parallel_size}", "--context-parallel-size"))
+    if "a2a+p2p" in args.cp_comm_type:
+        given.append((f"--cp-comm-type {' '.join(args.cp_comm_type)}", "--cp-comm-type a2a+p2p"))
     if args.expert_model_parallel_size != 1:
         given.append((f"--expert-model-parallel-size {args.expert_model_parallel_size}", "--expert-model-parallel-size"))
     if args.expert_tensor_parallel_size not in (None, 1):
@@ -211,11 +216,32 @@ def warn_rank_0(message: str) -> None:
         logger.warning(message)
 
 
+def _validate_context_parallel(args: argparse.Namespace) -> None:
+    """--context-parallel-size and --cp-comm-type; replaces the list of --cp-comm-type with its one value."""
+    from megatron_core.config import CP_COMM_TYPES
+
+    cp, kinds = args.context_parallel_size, args.cp_comm_type
+    if cp < 1:
+        raise ValueError(f"--context-parallel-size must be >= 1, got {cp}")
+    unknown = [kind for kind in kinds if kind not in CP_COMM_TYPES]
+    if unknown:
+        raise ValueError(f"--cp-comm-type {' '.join(unknown)}: choose from {', '.join(CP_COMM_TYPES)}")
+    if len(set(kinds)) > 1:
+        raise ValueError(f"--cp-comm-type {' '.join(kinds)}: a different communication type per layer is not built; "
+                         "give one value for every layer")
+    args.cp_comm_type = kinds[0]
+    if cp > 1 and args.seq_length % (2 * cp):
+        raise ValueError(f"--seq-length {args.seq_length} is not divisible by 2 x --context-parallel-size {cp} = "
+                         f"{2 * cp}: the load-balanced causal split cuts each sequence into {2 * cp} equal chunks; "
+                         "change --seq-length or --context-parallel-size")
+
+
 def validate_megatron_flags(args: argparse.Namespace) -> None:
     """Checks of the runtime flags (ValueError naming the values) and warnings for ignored ones."""
     if args.profile and not 0 <= args.profile_step_start < args.profile_step_end:
         raise ValueError(f"--profile-step-start {args.profile_step_start} must be >= 0 and below "
                          f"--profile-step-end {args.profile_step_end}")
+    _validate_context_parallel(args)
     if args.manual_gc_interval < 0:
         raise ValueError(f"--manual-gc-interval must be >= 0, got {args.manual_gc_interval}")
     if args.rotary_scaling_factor != 1.0:

@@ -7,6 +7,7 @@ from typing import Iterator, Optional
 
 import torch
 
+from megatron_core.context_parallel import split_batch
 from megatron_core.data import (GPTDataConfig, MegatronPretrainingSampler, MockGPTDataset, build_gpt_datasets,
                                 build_tokenizer)
 from megatron_core.parallel_state import ParallelState
@@ -36,7 +37,9 @@ def build_datasets(args: argparse.Namespace, tokenizer, global_batch: int):
 
 def micro_batches(dataset, *, consumed_samples: int, micro_batch_size: int, state: ParallelState,
                   device: torch.device) -> Iterator[dict]:
-    """Endless micro-batches ``{tokens, labels, loss_mask, position_ids}`` ``[b, s]`` of this dp rank."""
+    """Endless micro-batches ``{tokens, labels, loss_mask, position_ids}`` of this dp rank: ``[b, s]``, or with
+    context parallelism this cp rank's ``[b, s/cp]`` of them (the load-balanced split; every cp rank of a
+    replica reads the same samples, position ids keep their global values)."""
     while True:
         sampler = MegatronPretrainingSampler(len(dataset), consumed_samples % len(dataset), micro_batch_size,
                                              state.dp_rank, state.dp_size)
@@ -44,6 +47,7 @@ def micro_batches(dataset, *, consumed_samples: int, micro_batch_size: int, stat
             samples = [dataset[i] for i in indices]
             batch = {key: torch.stack([torch.as_tensor(s[key]) for s in samples])
                      for key in ("tokens", "labels", "loss_mask", "position_ids")}
+            batch = split_batch(batch, cp_size=state.cp_size, cp_rank=state.cp_rank)
             yield {key: (value.float() if key == "loss_mask" else value.long()).to(device)
                    for key, value in batch.items()}
         consumed_samples = 0

@@ -50,7 +50,7 @@ def build_run(args: argparse.Namespace) -> Run:
     initialize_distributed(args)
     config = transformer_config(args)
     state = initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                                      config.virtual_pipeline_model_parallel_size,
+                                      config.virtual_pipeline_model_parallel_size, args.context_parallel_size,
                                       timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes))
     micro_per_step = args.micro_batch_size * state.dp_size
     schedule = args.batch_schedule
@@ -89,17 +89,34 @@ def _build_chunk(args, config, state, vocab_size: int, vp: int) -> GPTModel:
                     make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
 
 
-def forward_step(data_iterator, model, *, tokens_scale: Optional[float] = None):
+def forward_step(data_iterator, model, *, tokens_scale: Optional[float] = None, cp_group=None):
     """Megatron's GPT forward step: per-token loss, then the loss-mask average of the micro-batch; with
-    ``tokens_scale`` (``--calculate-per-token-loss``) the loss-mask sum times ``tokens_scale``."""
+    ``tokens_scale`` (``--calculate-per-token-loss``) the loss-mask sum times ``tokens_scale``.
+
+    With context parallelism (``cp_group`` of size cp > 1) the batch holds this cp rank's tokens: the average
+    divides by the loss-mask sum over every cp rank (all-reduced) and is multiplied by cp, because the
+    gradient reduction averages over dp x cp while the cp ranks' losses are parts of one sum; the logged
+    "lm loss" is the mean over the cp ranks, the micro-batch's loss over the whole sequence."""
     batch = next(data_iterator)
     output = model(batch["tokens"], batch["position_ids"], labels=batch["labels"])
+    cp_size = dist.get_world_size(cp_group) if cp_group is not None else 1
 
     def loss_func(per_token_loss: torch.Tensor):
         mask = batch["loss_mask"]
         total = (per_token_loss.float() * mask).sum()
-        loss = total / mask.sum().clamp(min=1) if tokens_scale is None else total * tokens_scale
-        return loss, {"lm loss": loss.detach()}
+        if tokens_scale is not None:
+            loss = total * tokens_scale
+        else:
+            count = mask.sum()
+            if cp_size > 1:
+                count = count.detach().clone()
+                dist.all_reduce(count, group=cp_group)
+            loss = total * cp_size / count.clamp(min=1)
+        logged = loss.detach().clone()
+        if cp_size > 1:
+            dist.all_reduce(logged, group=cp_group)
+            logged /= cp_size
+        return loss, {"lm loss": logged}
 
     return output, loss_func
 
@@ -124,7 +141,8 @@ def run_schedule(run: Run, batches: list[dict], *, forward_only: bool) -> list:
     schedule = get_forward_backward_func(state.pp_size, state.vpp_size)
     iterators = [iter(batches) for _ in run.chunks] if state.vpp_size else iter(batches)
     scale = getattr(run.optimizer, "scale_loss", None) if run.config.fp16 else None
-    step_func = functools.partial(forward_step, tokens_scale=_per_token_scale(run, batches))
+    step_func = functools.partial(forward_step, tokens_scale=_per_token_scale(run, batches),
+                                  cp_group=state.cp_group if state.cp_size > 1 else None)
     return schedule(forward_step_func=step_func, data_iterator=iterators,
                     model=run.chunks if state.vpp_size else run.chunks[0], num_microbatches=len(batches),
                     seq_length=run.args.seq_length, micro_batch_size=run.args.micro_batch_size,

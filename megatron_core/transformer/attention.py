@@ -16,6 +16,7 @@ from torch import nn
 
 import kernels
 from megatron_core.config import TransformerConfig
+from megatron_core.context_parallel import context_parallel_attention
 from megatron_core.parallel_state import ParallelState
 from megatron_core.tensor_parallel import (
     ColumnParallelLinear,
@@ -44,6 +45,11 @@ class DotProductAttention(nn.Module):
     forward: query ``[sq, b, heads/tp, d]``, key and value ``[sk, b, groups/tp, d]``, attention_mask None
     (causal) or boolean broadcastable to ``[b, heads/tp, sq, sk]`` (True = masked) -> ``[sq, b, heads/tp * d]``.
     No communication.
+
+    With context parallelism (``parallel_state.cp_size > 1``) the inputs hold this cp rank's tokens (the
+    load-balanced split, ``[s/cp, b, ...]``) and ``megatron_core.context_parallel`` attends over the whole
+    sequence with ``config.cp_comm_type``; attention_mask is then None or the whole sequence's boolean
+    ``[b|1, 1, s, s]`` over global positions. The communication is that of the chosen scheme.
     """
 
     def __init__(self, config: TransformerConfig, *, layer_number: int, parallel_state: ParallelState) -> None:
@@ -51,6 +57,7 @@ class DotProductAttention(nn.Module):
         self.layer_number = layer_number
         self.scale = 1.0 / math.sqrt(config.kv_channels)
         self.attention_dropout = config.attention_dropout
+        self.parallel_state, self.cp_comm_type = parallel_state, config.cp_comm_type
 
     def _use_sdpa(self, device: torch.device, attention_mask: Optional[torch.Tensor], sq: int, sk: int) -> bool:
         """PyTorch's fused attention where the Triton softmax cannot run (its plain-torch reference would be
@@ -62,6 +69,16 @@ class DotProductAttention(nn.Module):
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if self.parallel_state.cp_size > 1:
+            return context_parallel_attention(
+                query, key, value, attention_mask, parallel_state=self.parallel_state, cp_comm_type=self.cp_comm_type,
+                scale=self.scale, dropout_p=self.attention_dropout if self.training else 0.0,
+                local_attention=self.local_attention)
+        return self.local_attention(query, key, value, attention_mask)
+
+    def local_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Attention over the keys this rank holds (the whole sequence without context parallelism)."""
         sq, b, heads, d = query.shape
         sk, groups = key.shape[0], key.shape[2]
         if heads != groups:  # GQA: each group's k/v serves its heads_per_group consecutive query heads
@@ -140,9 +157,9 @@ class SelfAttention(nn.Module):
             query = apply_rotary_pos_emb(query, rotary_pos_emb)
             key = apply_rotary_pos_emb(key, rotary_pos_emb)
         if inference_cache is not None:
-            if attention_mask is not None or self.config.sequence_parallel:
+            if attention_mask is not None or self.config.sequence_parallel or self.config.context_parallel_size > 1:
                 raise ValueError("an inference cache works with the causal mask (attention_mask=None) and "
-                                 "without sequence parallelism")
+                                 "without sequence or context parallelism")
             attention_mask = inference_cache.attention_mask(query.shape[0], query.device)
             key, value = inference_cache.update(self.layer_number, key, value)  # [offset + s, b, groups/tp, d]
         if self.config.recomputes("core_attn"):

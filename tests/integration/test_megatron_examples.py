@@ -216,7 +216,6 @@ def test_megatron_fsdp_llama_example_trains(distributed, tmp_path):
     ("gpt-oss", GPT_OSS, ["--num-experts 4", "--fp8-format hybrid", "--fp8-param-gather", "--quick-geglu",
                           "--softmax-type learnable", "--window-size 127,0", "mixture of experts", "Transformer Engine"]),
     ("llama fp8", ["--bf16", *FP8], ["--fp8-format hybrid", "--fp8-amax-history-len 1024", "fp8"]),
-    ("context parallel", ["--context-parallel-size", "2"], ["--context-parallel-size 2", "context parallelism"]),
     ("deepseek MLA and MTP", ["--multi-latent-attention", "--q-lora-rank", "1536", "--mtp-num-layers", "1",
                               "--recompute-granularity", "selective", "--recompute-modules", "mlp", "moe", "mla_up_proj"],
      ["--multi-latent-attention", "--q-lora-rank 1536", "--mtp-num-layers 1", "multi-latent attention",

@@ -1,0 +1,31 @@
+"""Context parallelism: the sequence split over the cp ranks of ``ParallelState`` for long context.
+
+- ``split``: the load-balanced causal split (2 cp chunks, rank r holds r and 2cp-1-r) of batches and tensors.
+- ``ring``: p2p ring attention (K/V blocks around the cp ring, online-softmax merge), cp_comm_type "p2p".
+- ``ulysses``: all-to-all between sequence- and head-sharding (DeepSpeed-Ulysses), cp_comm_type "a2a".
+- ``allgather``: K/V all-gathered over cp, the simple baseline, cp_comm_type "allgather".
+- ``attention``: ``context_parallel_attention``, which ``DotProductAttention`` calls when cp > 1.
+
+Gradients of replicated parameters are reduced over dp x cp (``ParallelState.dp_cp_group``), and the loss
+of a micro-batch is normalized by its token count over every cp rank (``training.loop.forward_step``).
+"""
+from megatron_core.context_parallel.attention import CP_COMM_TYPES, check_cp_comm_type, context_parallel_attention
+from megatron_core.context_parallel.ring import ring_attention
+from megatron_core.context_parallel.split import (
+    check_sequence_split,
+    chunk_ids,
+    local_positions,
+    rank_chunk_order,
+    split_batch,
+    split_sequence,
+    to_natural_order,
+    to_rank_chunk_order,
+)
+from megatron_core.context_parallel.ulysses import check_heads_divisible, ulysses_attention
+from megatron_core.context_parallel.allgather import allgather_attention
+
+__all__ = [
+    "CP_COMM_TYPES", "allgather_attention", "check_cp_comm_type", "check_heads_divisible", "check_sequence_split",
+    "chunk_ids", "context_parallel_attention", "local_positions", "rank_chunk_order", "ring_attention",
+    "split_batch", "split_sequence", "to_natural_order", "to_rank_chunk_order", "ulysses_attention",
+]

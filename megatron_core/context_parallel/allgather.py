@@ -1,0 +1,76 @@
+"""All-gather context parallelism (the simple baseline): every cp rank gathers the keys and values of the
+whole sequence and attends with its own two query chunks, each over the keys it can see (chunk g of c
+tokens over keys ``[0, (g + 1) c)``). K/V memory is that of the full sequence; the scores are computed in
+bounded tiles and recomputed in backward (``blocks``), so no ``[s/cp, s]`` probabilities are stored.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from megatron_core.context_parallel.blocks import block_backward, block_forward
+from megatron_core.context_parallel.split import chunk_ids, to_natural_order
+from megatron_core.tensor_parallel import gather_from_sequence_parallel_region, get_rng_tracker
+
+
+class _ChunkAttention(torch.autograd.Function):
+    """q ``[b, hq, c, d]`` at positions ``[offset, offset + c)`` over k, v ``[b, hk, offset + c, d]``, causal."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, offset: int, scale: float, dropout_p: float, seed: Optional[int]):
+        ctx.options = dict(scale=scale, causal=True, causal_offset=offset, dropout_p=dropout_p, dropout_seed=seed)
+        out, lse = block_forward(q, k, v, mask=mask, **ctx.options)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, mask, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, mask, out, lse = ctx.saved_tensors
+        dout = dout.to(lse.dtype)
+        delta = (dout * out.to(lse.dtype)).sum(dim=-1)
+        dq, dk, dv = block_backward(q, k, v, dout, delta=delta, lse=lse, mask=mask, **ctx.options)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+
+
+def allgather_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        attention_mask: Optional[torch.Tensor], *, cp_group, cp_size: int, cp_rank: int,
+                        scale: float, dropout_p: float = 0.0) -> torch.Tensor:
+    """Causal attention of this rank's queries over the all-gathered keys and values.
+
+    Args:
+        query: ``[s/cp, b, hq, d]``, this rank's two chunks (load-balanced split) in local order.
+        key, value: ``[s/cp, b, hk, d]`` (GQA: hk divides hq).
+        attention_mask: None (causal) or boolean ``[b|1, 1, s, s]`` over global positions, True = masked out
+            (combined with the causal mask).
+        cp_group: the context-parallel group; cp_size, cp_rank: its size and this rank's index.
+        scale: multiplies the scores. dropout_p: attention dropout (0 in eval), masks drawn per tile from
+            a seed taken from the RNG tracker's model-parallel state (mixed with the cp rank).
+
+    Returns:
+        ``[s/cp, b, hq * d]`` in local order.
+
+    Communication: forward all-gathers K and V over cp (one collective, ``[s, 2, b, hk, d]``); backward
+    reduce-scatters their gradients (each rank's partial sums) back to the owning ranks.
+    """
+    s_local, b, hq, d = query.shape
+    chunk = s_local // 2
+    seed = None
+    if dropout_p > 0.0:
+        with get_rng_tracker(query.device).fork():
+            seed = int(torch.randint(0, 2**40, (1,)).item()) + (cp_rank << 41)
+    kv = gather_from_sequence_parallel_region(torch.stack([key, value], dim=1), cp_group)  # [s, 2, b, hk, d]
+    kv = to_natural_order(kv, dim=0, cp_size=cp_size).permute(1, 2, 3, 0, 4)  # [2, b, hk, s, d]
+    q = query.permute(1, 2, 0, 3)  # [b, hq, s/cp, d]
+    outputs = []
+    for place, index in enumerate(chunk_ids(cp_size, cp_rank)):
+        start, end = index * chunk, (index + 1) * chunk  # this query chunk's global positions; keys [0, end)
+        mask = None if attention_mask is None else attention_mask[:, :, start:end, :end]
+        outputs.append(_ChunkAttention.apply(q[:, :, place * chunk:(place + 1) * chunk], kv[0][:, :, :end],
+                                             kv[1][:, :, :end], mask, start, scale, dropout_p,
+                                             None if seed is None else seed + place))
+    return torch.cat(outputs, dim=2).permute(2, 0, 1, 3).reshape(s_local, b, hq * d)
+
+
+__all__ = ["allgather_attention"]

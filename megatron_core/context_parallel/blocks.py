@@ -1,0 +1,163 @@
+"""Attention over one block of keys with its log-sum-exp, the online-softmax merge of partial results, and
+the block's backward from the final statistics (flash-attention style: probabilities are recomputed in
+backward, never stored). Used by ring attention; no communication here.
+
+Shapes, per rank: query ``[b, hq, sq, d]``, key and value ``[b, hk, sk, d]`` with ``hq = hk * heads_per_group``
+(GQA: each key/value head serves ``heads_per_group`` consecutive query heads). The math and statistics are
+fp32 (fp64 for fp64 inputs: ``accumulation_dtype``). Query rows are processed in tiles of at most
+``tile_elements`` scores, so the transient score / probability / dropout-mask tensors stay bounded whatever
+the sequence length.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+TILE_ELEMENTS = 1 << 20
+"""Scores per tile (``b * hq * rows * sk``): about two such fp32 buffers (8 MiB) live at once in backward."""
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 for 16- and 32-bit inputs, fp64 for fp64."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def expand_kv(x: torch.Tensor, heads_per_group: int) -> torch.Tensor:
+    """``[b, hk, s, d] -> [b, hk * heads_per_group, s, d]`` (each kv head repeated for its query heads)."""
+    return x if heads_per_group == 1 else x.repeat_interleave(heads_per_group, dim=1)
+
+
+def fold_kv(grad: torch.Tensor, heads_per_group: int) -> torch.Tensor:
+    """The gradient of ``expand_kv``: ``[b, hq, s, d] -> [b, hq / heads_per_group, s, d]`` summed per group."""
+    if heads_per_group == 1:
+        return grad
+    b, hq, s, d = grad.shape
+    return grad.view(b, hq // heads_per_group, heads_per_group, s, d).sum(dim=2)
+
+
+def tile_keep_mask(shape: tuple[int, ...], *, p: float, seed: int, first_row: int,
+                   device: torch.device) -> torch.Tensor:
+    """Dropout keep mask (True with probability ``1 - p``) of the tile starting at query row ``first_row``,
+    drawn from its own generator, so backward draws exactly the forward's mask again."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed * 1_000_003 + first_row)
+    return torch.rand(shape, generator=generator, device=device) >= p
+
+
+def _row_tiles(q: torch.Tensor, sk: int, tile_elements: int) -> list[tuple[int, int]]:
+    b, hq, sq, _ = q.shape
+    rows = max(1, tile_elements // max(1, b * hq * sk))
+    return [(start, min(sq, start + rows)) for start in range(0, sq, rows)]
+
+
+def _tile_probs(q: torch.Tensor, k: torch.Tensor, *, scale: float, causal: bool, first_row: int,
+                mask: Optional[torch.Tensor], lse: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(probs, lse)`` of query rows ``[first_row, first_row + tile)``: scores ``scale * q k^T`` with masked
+    positions at -inf (causal: key ``j`` masked for tile row ``i`` when ``j > first_row + i``), normalized by
+    ``lse`` when given (backward: the final statistics), else by their own log-sum-exp. In place on one
+    ``[b, hq, tile, sk]`` buffer (plus the boolean mask), so a tile costs about one score tensor."""
+    probs = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)  # [b, hq, tile, sk]
+    if causal:
+        upper = torch.ones(probs.shape[-2:], dtype=torch.bool, device=probs.device).triu_(first_row + 1)
+        mask = upper if mask is None else mask | upper
+    if mask is not None:
+        probs.masked_fill_(mask, float("-inf"))
+    if lse is None:
+        row_max = probs.amax(dim=-1)
+        row_max = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)
+        total = probs.sub_(row_max.unsqueeze(-1)).exp_().sum(dim=-1)
+        lse = total.log().add_(row_max)  # -inf for fully masked rows
+        return probs.div_(torch.where(total == 0, torch.ones_like(total), total).unsqueeze(-1)), lse
+    finite = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)  # fully masked rows: probs 0, not nan
+    return probs.sub_(finite.unsqueeze(-1)).exp_(), lse
+
+
+def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, causal: bool,
+                  causal_offset: int = 0, mask: Optional[torch.Tensor] = None, dropout_p: float = 0.0, dropout_seed: Optional[int] = None,
+                  tile_elements: int = TILE_ELEMENTS) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention of ``q`` over this block's keys only.
+
+    Args:
+        q, k, v: ``[b, hq, sq, d]``, ``[b, hk, sk, d]``, ``[b, hk, sk, d]``.
+        scale: multiplies the scores (``1 / sqrt(d)``).
+        causal: mask keys after each query; query row ``i`` sits at key position ``i + causal_offset``
+            (0: the diagonal block, same positions).
+        mask: boolean, broadcastable to ``[b, hq, sq, sk]``, True = masked out; or None.
+        dropout_p, dropout_seed: attention dropout (kept entries scaled by 1/(1-p)) with masks drawn per tile
+            from ``dropout_seed``; no dropout when the seed is None or p is 0.
+        tile_elements: bound on the scores computed at once.
+
+    Returns:
+        ``(out, lse)``: ``[b, hq, sq, d]`` normalized over this block, and ``[b, hq, sq]`` its log-sum-exp
+        (-inf, with out 0, for rows this block fully masks), both in the accumulation dtype.
+    """
+    acc, heads_per_group = accumulation_dtype(q.dtype), q.shape[1] // k.shape[1]
+    k, v = expand_kv(k, heads_per_group).to(acc), expand_kv(v, heads_per_group).to(acc)
+    outs, lses = [], []
+    for start, end in _row_tiles(q, k.shape[2], tile_elements):
+        probs, lse = _tile_probs(q[:, :, start:end].to(acc), k, scale=scale, causal=causal,
+                                 first_row=start + causal_offset,
+                                 mask=None if mask is None else mask[..., start:end, :], lse=None)
+        if dropout_p > 0.0 and dropout_seed is not None:
+            keep = tile_keep_mask(probs.shape, p=dropout_p, seed=dropout_seed, first_row=start, device=q.device)
+            probs.mul_(keep).div_(1.0 - dropout_p)
+        outs.append(torch.matmul(probs, v))
+        lses.append(lse)
+    return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+
+
+def merge_(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
+    """Online-softmax merge, in place: ``(out, lse) <- (out, lse) (+) (block_out, block_lse)``.
+
+    ``lse' = log(e^lse + e^block_lse)`` and ``out' = out e^(lse - lse') + block_out e^(block_lse - lse')``,
+    in the accumulation dtype; rows masked in both stay 0 with lse -inf. ``out`` ``[..., sq, d]``, ``lse``
+    ``[..., sq]``.
+    """
+    merged = torch.logaddexp(lse, block_lse)
+    safe = torch.where(torch.isinf(merged), torch.zeros_like(merged), merged)
+    out.mul_(torch.exp(lse - safe).unsqueeze(-1)).add_(block_out * torch.exp(block_lse - safe).unsqueeze(-1))
+    lse.copy_(merged)
+
+
+def block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, *, delta: torch.Tensor,
+                   lse: torch.Tensor, scale: float, causal: bool, causal_offset: int = 0,
+                   mask: Optional[torch.Tensor] = None,
+                   dropout_p: float = 0.0, dropout_seed: Optional[int] = None,
+                   tile_elements: int = TILE_ELEMENTS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of this block's share of the attention output, from the final (merged) statistics.
+
+    Args:
+        q, k, v, scale, causal, causal_offset, mask, dropout_p, dropout_seed, tile_elements: as in
+            ``block_forward`` (the same tiles, so the same dropout masks).
+        dout: ``[b, hq, sq, d]`` gradient of the final attention output (for this block's query rows).
+        delta: ``[b, hq, sq]``, ``rowsum(dout * out)`` of the final output.
+        lse: ``[b, hq, sq]`` log-sum-exp over every key (after the merge).
+
+    Returns:
+        ``(dq [b, hq, sq, d], dk [b, hk, sk, d], dv [b, hk, sk, d])`` in the accumulation dtype.
+    """
+    acc, heads_per_group = accumulation_dtype(q.dtype), q.shape[1] // k.shape[1]
+    k, v = expand_kv(k, heads_per_group).to(acc), expand_kv(v, heads_per_group).to(acc)
+    dq_tiles, dk, dv = [], torch.zeros_like(k), torch.zeros_like(v)
+    for start, end in _row_tiles(q, k.shape[2], tile_elements):
+        q_tile, dout_tile = q[:, :, start:end].to(acc), dout[:, :, start:end].to(acc)
+        probs, _ = _tile_probs(q_tile, k, scale=scale, causal=causal,
+                               first_row=start + causal_offset,
+                               mask=None if mask is None else mask[..., start:end, :], lse=lse[:, :, start:end])
+        dprobs = torch.matmul(dout_tile, v.transpose(-1, -2))
+        if dropout_p > 0.0 and dropout_seed is not None:
+            keep = tile_keep_mask(probs.shape, p=dropout_p, seed=dropout_seed, first_row=start, device=q.device)
+            dv += torch.matmul((probs * keep).transpose(-1, -2), dout_tile).div_(1.0 - dropout_p)
+            dprobs.mul_(keep).div_(1.0 - dropout_p)
+        else:
+            dv += torch.matmul(probs.transpose(-1, -2), dout_tile)
+        dscores = dprobs.sub_(delta[:, :, start:end].unsqueeze(-1)).mul_(probs).mul_(scale)  # in dprobs' buffer
+        del probs
+        dq_tiles.append(torch.matmul(dscores, k))
+        dk += torch.matmul(dscores.transpose(-1, -2), q_tile)
+    return torch.cat(dq_tiles, dim=2), fold_kv(dk, heads_per_group), fold_kv(dv, heads_per_group)
+
+
+__all__ = ["TILE_ELEMENTS", "accumulation_dtype", "block_backward", "block_forward", "expand_kv", "fold_kv",
+           "merge_", "tile_keep_mask"]

@@ -1,0 +1,201 @@
+"""Ring attention (p2p context parallelism): key/value blocks travel around the cp ring while each rank
+computes attention of its queries over the block it holds, merging partial results with the online-softmax
+log-sum-exp rule (fp32 statistics). Backward sends the K/V blocks around again, together with their
+accumulating dK/dV, which end on the rank that owns them.
+
+With the load-balanced split (rank r holds chunks r and 2N-1-r of 2N, local order [r, 2N-1-r]) the block
+of step i, whose keys come from rank ``src = (r - i) mod N``, is exactly one of (c = chunk length):
+
+    i == 0        own keys, causal over the 2c local tokens       (2c x 2c, lower triangle)
+    src < r       all 2c queries over the first c keys (chunk src) (2c x c, no mask)
+    src > r       the last c queries (chunk 2N-1-r) over all 2c keys (c x 2c, no mask)
+
+so every rank does the same work per step, and fully masked blocks are never computed.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_core.context_parallel.blocks import accumulation_dtype, block_backward, block_forward, merge_
+from megatron_core.context_parallel.split import local_positions
+from megatron_core.tensor_parallel import get_rng_tracker
+
+
+@dataclasses.dataclass(frozen=True)
+class RingSpec:
+    """What every step of one ring-attention call needs besides the tensors."""
+
+    cp_group: Optional[dist.ProcessGroup]
+    cp_ranks: tuple[int, ...]
+    cp_rank: int
+    scale: float
+    dropout_p: float
+    seed: int  # dropout masks of step i are drawn from seed + step (0 when there is no dropout)
+
+    @property
+    def cp_size(self) -> int:
+        return len(self.cp_ranks)
+
+    @property
+    def next_rank(self) -> int:
+        return self.cp_ranks[(self.cp_rank + 1) % self.cp_size]
+
+    @property
+    def prev_rank(self) -> int:
+        return self.cp_ranks[(self.cp_rank - 1) % self.cp_size]
+
+
+def _post(ops: list[tuple[str, torch.Tensor, int]], group) -> list:
+    """Posts ``(kind, tensor, peer)`` isend/irecv ops in this order; returns the requests."""
+    if not ops:
+        return []
+    p2p = [dist.P2POp(dist.isend if kind == "send" else dist.irecv, tensor, peer, group) for kind, tensor, peer in ops]
+    return dist.batch_isend_irecv(p2p)
+
+
+def _wait(requests: list) -> None:
+    for request in requests:
+        request.wait()
+
+
+def _block_plan(spec: RingSpec, step: int, local: int) -> tuple[slice, slice, bool]:
+    """``(query rows, key rows, causal)`` of step ``step`` in local order (see the module docstring)."""
+    src = (spec.cp_rank - step) % spec.cp_size
+    half = local // 2
+    if step == 0:
+        return slice(0, local), slice(0, local), True
+    if src < spec.cp_rank:
+        return slice(0, local), slice(0, half), False
+    return slice(half, local), slice(0, local), False
+
+
+def _block_mask(mask: Optional[torch.Tensor], spec: RingSpec, step: int, rows: slice, cols: slice,
+                seq_length: int) -> Optional[torch.Tensor]:
+    """The user's global ``[b|1, 1, s, s]`` mask cut to this block's query and key positions."""
+    if mask is None:
+        return None
+    src = (spec.cp_rank - step) % spec.cp_size
+    q_pos = local_positions(seq_length, cp_size=spec.cp_size, cp_rank=spec.cp_rank, device=mask.device)[rows]
+    k_pos = local_positions(seq_length, cp_size=spec.cp_size, cp_rank=src, device=mask.device)[cols]
+    return mask.index_select(2, q_pos).index_select(3, k_pos)
+
+
+def _dropout_seed(spec: RingSpec, step: int) -> Optional[int]:
+    return spec.seed + step if spec.dropout_p > 0.0 else None
+
+
+class _RingAttention(torch.autograd.Function):
+    """q ``[b, hq, s/cp, d]``, k and v ``[b, hk, s/cp, d]`` -> out ``[b, hq, s/cp, d]`` (see ring_attention)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, spec: RingSpec):
+        b, hq, local, d = q.shape
+        seq_length = local * spec.cp_size
+        acc = accumulation_dtype(q.dtype)
+        out = torch.zeros(b, hq, local, d, dtype=acc, device=q.device)
+        lse = torch.full((b, hq, local), float("-inf"), dtype=acc, device=q.device)
+        kv = torch.stack([k, v]).contiguous()  # [2, b, hk, s/cp, d]: only the kv heads travel
+        for step in range(spec.cp_size):
+            incoming = torch.empty_like(kv) if step < spec.cp_size - 1 else None
+            requests = _post([("send", kv, spec.next_rank), ("recv", incoming, spec.prev_rank)]
+                             if incoming is not None else [], spec.cp_group)
+            rows, cols, causal = _block_plan(spec, step, local)
+            block_out, block_lse = block_forward(
+                q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], scale=spec.scale, causal=causal,
+                mask=_block_mask(mask, spec, step, rows, cols, seq_length), dropout_p=spec.dropout_p,
+                dropout_seed=_dropout_seed(spec, step))
+            merge_(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
+            _wait(requests)
+            kv = incoming if incoming is not None else kv
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, mask, out, lse)
+        ctx.spec = spec
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, mask, out, lse = ctx.saved_tensors
+        spec: RingSpec = ctx.spec
+        acc = accumulation_dtype(q.dtype)
+        dout = dout.to(acc)
+        delta = (dout * out.to(acc)).sum(dim=-1)  # [b, hq, s/cp]
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        kv = torch.stack([k, v]).contiguous()
+        sending: list = []
+        for step in range(spec.cp_size):
+            # per pair of neighbours the order is kv_0, dkv_0, kv_1, dkv_1, ...: post dkv_(i-1) before kv_i
+            arriving = torch.empty(kv.shape, dtype=acc, device=q.device) if step > 0 else None
+            incoming = torch.empty_like(kv) if step < spec.cp_size - 1 else None
+            ops = [("recv", arriving, spec.prev_rank)] if arriving is not None else []
+            ops += [("send", kv, spec.next_rank), ("recv", incoming, spec.prev_rank)] if incoming is not None else []
+            requests = _post(ops, spec.cp_group)
+            dkv = _backward_block(q, kv, dout, delta, lse, mask, dq, spec, step)
+            _wait(requests)
+            if arriving is not None:
+                dkv += arriving  # the accumulated grads of this kv block from the ranks it visited before
+            if spec.cp_size == 1:  # one rank: its own grads, no ring
+                return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+            _wait(sending)
+            sending = _post([("send", dkv, spec.next_rank)], spec.cp_group)  # the last hop reaches the owner
+            kv = incoming if incoming is not None else kv
+        own = torch.empty(kv.shape, dtype=acc, device=q.device)
+        _wait(_post([("recv", own, spec.prev_rank)], spec.cp_group))
+        _wait(sending)
+        return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None, None
+
+
+def _backward_block(q, kv, dout, delta, lse, mask, dq, spec: RingSpec, step: int) -> torch.Tensor:
+    """Adds step ``step``'s query grads into ``dq``; returns the fp32 ``[2, b, hk, s/cp, d]`` dK/dV of the
+    kv block held at this step."""
+    local = q.shape[2]
+    rows, cols, causal = _block_plan(spec, step, local)
+    block_dq, block_dk, block_dv = block_backward(
+        q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], dout[:, :, rows], delta=delta[:, :, rows],
+        lse=lse[:, :, rows], scale=spec.scale, causal=causal,
+        mask=_block_mask(mask, spec, step, rows, cols, local * spec.cp_size), dropout_p=spec.dropout_p,
+        dropout_seed=_dropout_seed(spec, step))
+    dq[:, :, rows] += block_dq
+    dkv = torch.zeros(kv.shape, dtype=dq.dtype, device=q.device)
+    dkv[0][:, :, cols] = block_dk
+    dkv[1][:, :, cols] = block_dv
+    return dkv
+
+
+def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   attention_mask: Optional[torch.Tensor], *, cp_group, cp_ranks: tuple[int, ...], cp_rank: int,
+                   scale: float, dropout_p: float = 0.0) -> torch.Tensor:
+    """Causal ring attention of this rank's two chunks (load-balanced split).
+
+    Args:
+        query: ``[s/cp, b, hq, d]`` in local order; key, value: ``[s/cp, b, hk, d]`` (GQA: hk divides hq).
+        attention_mask: None (causal) or boolean ``[b|1, 1, s, s]`` over global positions, True = masked out.
+        cp_group, cp_ranks, cp_rank: the context-parallel group, its global ranks and this rank's index.
+        scale: multiplies the scores. dropout_p: attention dropout (0 in eval); the masks are drawn from
+            per-step generators seeded from the RNG tracker's model-parallel state (different per tp and
+            cp rank) and drawn again identically in backward.
+
+    Returns:
+        ``[s/cp, b, hq * d]`` in local order.
+
+    Communication: forward, cp - 1 steps of isend/irecv of the ``[2, b, hk, s/cp, d]`` K/V block to the next
+    / from the previous cp rank, each overlapped with the block computation; backward, the same K/V ring
+    plus cp hops of the fp32 dK/dV accumulators (the last hop delivers them to their owner).
+    """
+    seed = 0
+    if dropout_p > 0.0:
+        with get_rng_tracker(query.device).fork():
+            base = int(torch.randint(0, 2**40, (1,)).item())
+        seed = base + (cp_rank << 41)  # distinct masks on each cp rank and step
+    spec = RingSpec(cp_group=cp_group, cp_ranks=tuple(cp_ranks), cp_rank=cp_rank, scale=scale,
+                    dropout_p=dropout_p, seed=seed)
+    q, k, v = (x.permute(1, 2, 0, 3).contiguous() for x in (query, key, value))  # [b, heads, s/cp, d]
+    out = _RingAttention.apply(q, k, v, attention_mask, spec)
+    s_local, b, hq, d = query.shape
+    return out.permute(2, 0, 1, 3).reshape(s_local, b, hq * d)
+
+
+__all__ = ["RingSpec", "ring_attention"]
