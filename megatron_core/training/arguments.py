@@ -200,6 +200,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return args
 
 
+def _one_cp_comm_type(value) -> str:
+    """--cp-comm-type parses as a list (Megatron allows one per layer); validated args hold one value already,
+    tools that build a config from unvalidated args (the converter) pass the list."""
+    return value if isinstance(value, str) else value[0]
+
+
 def zero_stage(args: argparse.Namespace) -> int:
     """The ZeRO stage from --zero-stage, --data-parallel-sharding-strategy, --use-megatron-fsdp (stage 3
     unless a strategy says otherwise) or --use-distributed-optimizer (stage 1)."""
@@ -306,7 +312,7 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
         recompute_modules=tuple(args.recompute_modules) if args.recompute_modules else ("core_attn",),
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        context_parallel_size=args.context_parallel_size, cp_comm_type=args.cp_comm_type,
+        context_parallel_size=args.context_parallel_size, cp_comm_type=_one_cp_comm_type(args.cp_comm_type),
         virtual_pipeline_model_parallel_size=virtual_pipeline_size(args), sequence_parallel=args.sequence_parallel,
         params_dtype=dtype, bf16=args.bf16, fp16=args.fp16)
 
