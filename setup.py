@@ -36,6 +36,7 @@ setup(
         # Light: torch, numpy and packaging only; its wheel runs on CPU.
         "megatron-core==0.16.1",
     ],
-        # Benchmarks (scripts/bench_*.py) draw their charts with matplotlib.
-        "bench": ["matplotlib"]},
+        # Benchmarks (scripts/bench_*.py) draw their charts with matplotlib; bench_memory.py also runs
+        # DeepSpeed's ZeRO-2/3 engines when deepspeed is installed (pure Python on CPU, gloo).
+        "bench": ["matplotlib", "deepspeed"]},
 )

@@ -14,7 +14,8 @@ reports, in bytes per parameter:
 
 next to the ZeRO paper's formula for fp32 Adam (4 + 4 + 8 bytes: parameter, gradient, two moments; fp32
 masters alias the parameters): 16, 8 + 8/dp, 4 + 12/dp, 16/dp. ZeRO-3 builds the model on the meta device
-(sharded construction). Freed tensors must leave the resident set for RSS to mean anything, so the script
+(sharded construction). When ``deepspeed`` is installed (``pip install deepspeed``: pure Python on CPU, it
+falls back to gloo) its ZeRO-2 and ZeRO-3 engines run too, with their default settings. Freed tensors must leave the resident set for RSS to mean anything, so the script
 re-executes itself with ``MALLOC_MMAP_THRESHOLD_=65536`` (allocations above 64 KiB are mmapped and unmapped).
 
     python scripts/bench_memory.py                   # dp 2 and 4; writes outputs/bench_memory.png
@@ -25,6 +26,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
+import logging
 import os
 import sys
 import time
@@ -46,6 +49,8 @@ from megatron_core.utils.live_memory import LiveMemoryTracker, current_rss_bytes
 FORMULA = {0: lambda dp: 16.0, 1: lambda dp: 8 + 8 / dp, 2: lambda dp: 4 + 12 / dp, 3: lambda dp: 16 / dp}
 RUNS = [("ZeRO-0", 0, True), ("ZeRO-1", 1, True), ("ZeRO-2", 2, True), ("ZeRO-3", 3, True),
         ("ZeRO-3 keep", 3, False), ("FSDP2", None, True)]
+if importlib.util.find_spec("deepspeed") is not None:  # pip install deepspeed (pure Python on CPU, gloo)
+    RUNS += [("DeepSpeed ZeRO-2", "ds2", True), ("DeepSpeed ZeRO-3", "ds3", True)]
 
 
 @dataclasses.dataclass
@@ -67,8 +72,37 @@ def _build(shape: Shape, state, *, meta: bool) -> GPTModel:
     return GPTModel(config, parallel_state=build_state, vocab_size=shape.vocab, max_sequence_length=shape.seq)
 
 
+def _batches(shape: Shape) -> tuple[list[torch.Tensor], torch.Tensor]:
+    g = torch.Generator().manual_seed(dist.get_rank())
+    batches = [torch.randint(0, shape.vocab, (shape.micro_batch, shape.seq + 1), generator=g)
+               for _ in range(shape.micro_batches)]
+    return batches, torch.arange(shape.seq).expand(shape.micro_batch, shape.seq)
+
+
+def _wrap_deepspeed(stage: int, shape: Shape, state):
+    """DeepSpeed's engine at ZeRO ``stage`` (its defaults; gloo on CPU), gradient accumulation inside."""
+    import deepspeed
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    os.environ.setdefault("LOCAL_RANK", str(dist.get_rank()))
+    model = _build(shape, state, meta=False)
+    config = {"train_micro_batch_size_per_gpu": shape.micro_batch, "gradient_accumulation_steps": shape.micro_batches,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01, "torch_adam": True}},
+              "zero_optimization": {"stage": stage}, "steps_per_print": 10 ** 9}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config,
+                                      dist_init_required=False)
+    batches, positions = _batches(shape)
+
+    def step() -> None:
+        for tokens in batches:
+            engine.backward(engine(tokens[:, :-1], positions, labels=tokens[:, 1:]).mean())
+            engine.step()  # steps the optimizer at the accumulation boundary only
+    return engine, step, lambda: ()
+
+
 def _wrap(kind: str, stage, reshard: bool, shape: Shape, state):
     """The model and a ``step()`` doing one optimizer step over ``micro_batches`` micro-batches."""
+    if isinstance(stage, str):
+        return _wrap_deepspeed(int(stage[-1]), shape, state)
     if stage is None:
         from torch.distributed.fsdp import fully_shard
         model = _build(shape, state, meta=False)
@@ -84,10 +118,7 @@ def _wrap(kind: str, stage, reshard: bool, shape: Shape, state):
         optimizer = get_optimizer(OptimizerConfig(lr=1e-4, weight_decay=0.01, clip_grad=0.0), model,
                                   parallel_state=state)
         categories = lambda: memory_categories(model, optimizer)  # noqa: E731
-    g = torch.Generator().manual_seed(dist.get_rank())
-    batches = [torch.randint(0, shape.vocab, (shape.micro_batch, shape.seq + 1), generator=g)
-               for _ in range(shape.micro_batches)]
-    positions = torch.arange(shape.seq).expand(shape.micro_batch, shape.seq)
+    batches, positions = _batches(shape)
 
     def step() -> None:
         optimizer.zero_grad()
@@ -271,9 +302,11 @@ def main() -> None:
         for name, stage, _ in RUNS:
             row, fsdp, zero0 = rows[name], rows["FSDP2"], rows["ZeRO-0"]
             activations = row["breakdown"].get("activations", 0.0)
-            split = "-" if stage is None else f"{row['live'] - activations:.1f} / {activations:.1f}"
-            formula = "-" if stage is None else f"{FORMULA[stage](dp):.1f}"
-            print(f"| {name} | {row['rss']:.1f} | {row['live']:.1f} | {split} | {formula} | "
+            ours = isinstance(stage, int)
+            split = f"{row['live'] - activations:.1f} / {activations:.1f}" if ours else "-"
+            formula = f"{FORMULA[stage](dp):.1f}" if ours else "-"
+            live = f"{row['live']:.1f}" if stage is None or ours else "-"  # DeepSpeed's own buffers confuse it
+            print(f"| {name} | {row['rss']:.1f} | {live} | {split} | {formula} | "
                   f"{row['rss'] / zero0['rss']:.2f} | {row['rss'] / fsdp['rss']:.2f} | {row['time']:.2f} | "
                   f"{row['time'] / fsdp['time']:.2f} |")
         print()
