@@ -202,10 +202,11 @@ def _groups_along(grid: torch.Tensor, axes: Sequence[str]) -> list[tuple[int, ..
     return [tuple(row.tolist()) for row in grid.permute(*others, *keep).reshape(-1, group_size)]
 
 
-def layout_groups(world_size: int, tp: int, pp: int, cp: int = 1, ep: int = 1) -> dict[str, list[tuple[int, ...]]]:
-    """Every group of the layout as lists of global ranks, keyed tp, cp, dp, dp_cp, pp, mp, embedding, ep,
-    expert_dp, expert_mp."""
-    _validate_sizes(world_size, tp, pp, cp, None, ep)
+def layout_groups(world_size: int, tp: int, pp: int, cp: int = 1,
+                  ep: Optional[int] = None) -> dict[str, list[tuple[int, ...]]]:
+    """Every group of the layout as lists of global ranks, keyed tp, cp, dp, dp_cp, pp, mp, embedding, and,
+    when ``ep`` is given, ep, expert_dp, expert_mp."""
+    _validate_sizes(world_size, tp, pp, cp, None, ep or 1)
     grid = rank_grid(world_size, tp, pp, cp)
     groups = {
         "tp": _groups_along(grid, ["tp"]),
@@ -216,6 +217,8 @@ def layout_groups(world_size: int, tp: int, pp: int, cp: int = 1, ep: int = 1) -
         "mp": _groups_along(grid, ["pp", "tp"]),
     }
     groups["embedding"] = [tuple(sorted({ranks[0], ranks[-1]})) for ranks in groups["pp"]]
+    if ep is None:
+        return groups
     expert_grid = torch.arange(world_size).view(pp, world_size // (pp * ep), ep)  # [pp, expert_dp, ep]
     groups["ep"] = [tuple(row.tolist()) for row in expert_grid.reshape(-1, ep)]
     groups["expert_dp"] = [tuple(row.tolist()) for row in expert_grid.permute(0, 2, 1).reshape(-1, expert_grid.shape[1])]

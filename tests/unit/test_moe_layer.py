@@ -163,3 +163,14 @@ def test_spec_builds_moe_layers_by_frequency():
 def test_bad_moe_config_names_the_values(options, message):
     with pytest.raises(ValueError, match=message):
         _config(**options)
+
+
+def test_expert_groups_match_the_documented_listing():
+    from megatron_core.parallel_state import layout_groups
+    groups = layout_groups(8, tp=2, pp=2, ep=2)
+    assert groups["ep"] == [(0, 1), (2, 3), (4, 5), (6, 7)]
+    assert groups["expert_dp"] == [(0, 2), (1, 3), (4, 6), (5, 7)]
+    assert groups["expert_mp"] == [(0, 1, 4, 5), (2, 3, 6, 7)]
+    assert layout_groups(8, tp=1, pp=1, ep=4)["expert_dp"] == [(0, 4), (1, 5), (2, 6), (3, 7)]
+    with pytest.raises(ValueError, match="expert_model_parallel_size 4 does not divide the 6 ranks"):
+        layout_groups(6, tp=1, pp=1, ep=4)
