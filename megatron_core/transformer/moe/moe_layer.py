@@ -55,7 +55,7 @@ class MoELayer(nn.Module):
         check_moe_layout(config, parallel_state)
         moe = config.moe
         self.layer_number, self.moe = layer_number, moe
-        self.router = TopKRouter(config, parallel_state=parallel_state)
+        self.router = TopKRouter(config, parallel_state=parallel_state, layer_number=layer_number)
         seeds = [int(s) for s in torch.randint(0, 2 ** 31 - 1, (moe.num_moe_experts,))]
         local = moe.num_moe_experts // parallel_state.ep_size
         first = parallel_state.ep_rank * local

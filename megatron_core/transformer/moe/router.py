@@ -67,9 +67,10 @@ class TopKRouter(nn.Module):
     per training forward, this rank's partial losses divided by their coefficients (for logging).
     """
 
-    def __init__(self, config: TransformerConfig, *, parallel_state: ParallelState) -> None:
+    def __init__(self, config: TransformerConfig, *, parallel_state: ParallelState, layer_number: int = 1) -> None:
         super().__init__()
         moe: MoEConfig = config.moe
+        self.layer_number, self.num_layers = layer_number, config.num_layers
         self.moe, self.topk, self.num_experts = moe, moe.moe_router_topk, moe.num_moe_experts
         self.weight = nn.Parameter(torch.empty(self.num_experts, config.hidden_size, dtype=config.params_dtype,
                                                device=parallel_state.device))
