@@ -160,4 +160,5 @@ def format_log_line(record: dict, *, train_iters: int, consumed_samples: int, gl
                       if record.get(key) is not None))
 
 
-_OPTIONAL_FIELDS = (("params_norm", "params norm", ".3f"), ("num_zeros", "num zeros", ".1f"))
+_OPTIONAL_FIELDS = (("params_norm", "params norm", ".3f"), ("num_zeros", "num zeros", ".1f"),
+                    ("load_balancing_loss", "load_balancing_loss", ".6E"), ("z_loss", "z_loss", ".6E"))

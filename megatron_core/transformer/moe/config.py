@@ -40,7 +40,8 @@ class MoEConfig:
     moe_router_bias_update_rate: float = 1e-3
     moe_router_dtype: Optional[str] = None
     """``fp32`` / ``fp64``: compute the router logits, scores and aux losses in that dtype."""
-    moe_token_dispatcher_type: str = "alltoall"
+    moe_token_dispatcher_type: str = "allgather"
+    """"allgather" (Megatron-LM's default) or "alltoall"."""
     moe_grouped_gemm: bool = False
     """Run the local experts as one batched matmul over padded token groups instead of a loop."""
     moe_expert_capacity_factor: Optional[float] = None

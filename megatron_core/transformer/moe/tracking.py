@@ -36,7 +36,7 @@ def _all_reduce(value: torch.Tensor, group) -> None:
 def moe_loss_report(chunks: Sequence[nn.Module], state: ParallelState, *, num_layers: int,
                     sequence_parallel: bool, per_layer: bool = False) -> dict:
     """The step's MoE losses (without their coefficients), averaged over micro-batches, dp replicas and MoE
-    layers: ``{"load_balancing_loss": x, "z_loss": y}`` (plus ``"<name> layer <n>"`` with ``per_layer``);
+    layers: ``{"load_balancing_loss": x, "z_loss": y}`` (plus ``"<name>_layer_<n>"`` with ``per_layer``);
     empty without MoE layers. Resets the routers' sums. Every rank must call it. Collective: all-reduces
     over tp (with sequence parallelism each tp rank holds a partial sum), pp and dp.
     """
@@ -59,7 +59,7 @@ def moe_loss_report(chunks: Sequence[nn.Module], state: ParallelState, *, num_la
     report = {name: float(table[i, layers].mean()) for i, name in enumerate(LOSS_NAMES)}
     if per_layer:
         for i, name in enumerate(LOSS_NAMES):
-            report.update({f"{name} layer {n + 1}": float(table[i, n]) for n in layers})
+            report.update({f"{name}_layer_{n + 1}": float(table[i, n]) for n in layers})
     return report
 
 
