@@ -174,3 +174,17 @@ def test_expert_groups_match_the_documented_listing():
     assert layout_groups(8, tp=1, pp=1, ep=4)["expert_dp"] == [(0, 4), (1, 5), (2, 6), (3, 7)]
     with pytest.raises(ValueError, match="expert_model_parallel_size 4 does not divide the 6 ranks"):
         layout_groups(6, tp=1, pp=1, ep=4)
+
+
+def test_flops_count_active_parameters():
+    """An MoE layer with top-k experts of size f counts like a dense MLP of size k x f (plus the shared one)."""
+    import dataclasses
+    from megatron_core.training.metrics import gpt_flops_per_iteration
+    moe = _config(moe_ffn_hidden_size=6, moe_shared_expert_intermediate_size=4)
+    dense = dataclasses.replace(moe, moe=None, ffn_hidden_size=2 * 6 + 4)
+    count = dict(batch_size=2, seq_length=S, padded_vocab_size=128)
+    assert gpt_flops_per_iteration(moe, **count) == pytest.approx(gpt_flops_per_iteration(dense, **count))
+    half = dataclasses.replace(moe, moe=dataclasses.replace(moe.moe, moe_layer_freq=2))  # layer 1 MoE, 2 dense
+    mixed = (gpt_flops_per_iteration(dense, **count) + gpt_flops_per_iteration(
+        dataclasses.replace(dense, ffn_hidden_size=12), **count)) / 2
+    assert gpt_flops_per_iteration(half, **count) == pytest.approx(mixed)
