@@ -82,6 +82,7 @@ def test_checkpoint_saved_at_ep2_continues_at_ep1(distributed, reference, tmp_pa
     (["--num-experts", "4", "--moe-router-topk", "5"], "moe_router_topk 5 must lie in [1, num_moe_experts 4]"),
     (["--num-experts", "4", "--expert-tensor-parallel-size", "2"], "--expert-tensor-parallel-size 2"),
     (["--num-experts", "4", "--moe-router-num-groups", "2"], "--moe-router-num-groups 2"),
+    (["--num-experts", "4", "--zero-stage", "3"], "--num-experts 4 with ZeRO-3"),
 ])
 def test_bad_moe_input_exits_2_naming_the_values(argv, named):
     result = subprocess.run([sys.executable, "-c", "from megatron_core.training.arguments import parse_args; "
