@@ -7,13 +7,16 @@ Derived defaults (``num_query_groups``, ``ffn_hidden_size``, ``kv_channels``) ar
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
 CP_COMM_TYPES = ("p2p", "a2a", "allgather")
 """Context-parallel attention schemes (Megatron's ``--cp-comm-type``): ring attention, all-to-all (Ulysses),
 all-gather of K/V."""
+
+if TYPE_CHECKING:
+    from megatron_core.transformer.moe.config import MoEConfig
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -106,6 +109,9 @@ class TransformerConfig(ModelParallelConfig):
     first_pipeline_num_layers: Optional[int] = None
     """Layers on the first pipeline stage when the split is uneven (the rest are spread evenly)."""
     last_pipeline_num_layers: Optional[int] = None
+    moe: Optional["MoEConfig"] = None
+    """Mixture-of-experts settings (``megatron_core.transformer.moe.MoEConfig``); None = dense MLPs. Build the
+    model with ``moe_layer_spec()`` for them to act."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

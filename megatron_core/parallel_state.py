@@ -19,6 +19,17 @@ group of each kind)::
 
 Stage 0 holds ranks 0-3, stage 1 ranks 4-7; the tp pairs of adjacent ranks share a node in a real cluster.
 
+Expert parallelism (ep, for mixture-of-experts layers) is a second view of each pipeline stage's ``tp x cp x
+dp`` ranks: ``torch.arange(world).view(pp, expert_dp, ep)``, ep fastest, so ``ep`` must divide
+``tp * cp * dp``. An ep group holds different experts (tokens move between its ranks by all-to-all); an
+expert-dp group holds the same experts, and their gradients are reduced over it (experts are not split over
+tp: expert tensor parallelism is 1, so expert-dp also spans the tp ranks that ep does not). World size 8 with
+tp=2, pp=2, dp=2 and ep=2::
+
+    ep groups:         [0, 1] [2, 3] [4, 5] [6, 7]
+    expert-dp groups:  [0, 2] [1, 3] [4, 6] [5, 7]
+    expert-mp groups:  [0, 1, 4, 5] [2, 3, 6, 7]    (ep x pp: one copy of every expert of every stage)
+
 Nothing in megatron_core reads a global to find its group: the ``ParallelState`` returned here is passed to
 the layers, schedules and optimizers that need it, so two layouts can live in one process.
 """
@@ -36,6 +47,7 @@ ProcessGroup = dist.ProcessGroup
 
 # The grid axes, slowest first; ``torch.arange(world).view(pp, dp, cp, tp)``.
 _AXES = ("pp", "dp", "cp", "tp")
+_EXPERT_KINDS = ("ep", "expert_dp", "expert_mp")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +92,19 @@ class ParallelState:
     """First and last stage of this rank's pipeline (tied embedding grads are summed over it); None on
     middle stages, whose ``embedding_ranks`` still name their pipeline's ends."""
     embedding_ranks: tuple[int, ...]
+    ep_size: int = 1
+    """Expert-parallel size: each rank of an ep group holds ``num_experts / ep`` different experts."""
+    ep_rank: int = 0
+    ep_group: Optional[ProcessGroup] = None
+    ep_ranks: tuple[int, ...] = (0,)
+    expert_dp_size: int = 1
+    """``tp * cp * dp / ep`` ranks holding the same experts (expert gradients are reduced over them)."""
+    expert_dp_rank: int = 0
+    expert_dp_group: Optional[ProcessGroup] = None
+    expert_dp_ranks: tuple[int, ...] = (0,)
+    expert_mp_group: Optional[ProcessGroup] = None
+    """ep x pp ranks holding one copy of every expert (expert grad norms are summed over it)."""
+    expert_mp_ranks: tuple[int, ...] = (0,)
 
     @property
     def dp_cp_size(self) -> int:
@@ -130,12 +155,13 @@ class ParallelState:
         return self.tp_ranks[0]
 
 
-def _validate_sizes(world_size: int, tp: int, pp: int, cp: int, vpp: Optional[int]) -> None:
+def _validate_sizes(world_size: int, tp: int, pp: int, cp: int, vpp: Optional[int], ep: int = 1) -> None:
     values = (
         f"world_size={world_size}, tensor_model_parallel_size={tp}, pipeline_model_parallel_size={pp}, "
-        f"context_parallel_size={cp}, virtual_pipeline_model_parallel_size={vpp}"
+        f"context_parallel_size={cp}, virtual_pipeline_model_parallel_size={vpp}, expert_model_parallel_size={ep}"
     )
-    sizes = {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp, "context_parallel_size": cp}
+    sizes = {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp, "context_parallel_size": cp,
+             "expert_model_parallel_size": ep}
     for name, size in sizes.items():
         if not isinstance(size, int) or size < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {size!r} ({values})")
@@ -151,6 +177,13 @@ def _validate_sizes(world_size: int, tp: int, pp: int, cp: int, vpp: Optional[in
         raise ValueError(
             f"world_size {world_size} is not divisible by tensor_model_parallel_size {tp} x "
             f"pipeline_model_parallel_size {pp} x context_parallel_size {cp} = {tp * pp * cp} ({values})"
+        )
+    per_stage = world_size // pp
+    if per_stage % ep != 0:
+        raise ValueError(
+            f"expert_model_parallel_size {ep} does not divide the {per_stage} ranks of a pipeline stage (world_size "
+            f"{world_size} / pipeline_model_parallel_size {pp} = tp x cp x dp) ({values}); choose an ep that "
+            "divides tp x cp x dp"
         )
 
 
@@ -169,8 +202,11 @@ def _groups_along(grid: torch.Tensor, axes: Sequence[str]) -> list[tuple[int, ..
     return [tuple(row.tolist()) for row in grid.permute(*others, *keep).reshape(-1, group_size)]
 
 
-def layout_groups(world_size: int, tp: int, pp: int, cp: int = 1) -> dict[str, list[tuple[int, ...]]]:
-    """Every group of the layout as lists of global ranks, keyed tp, cp, dp, dp_cp, pp, mp, embedding."""
+def layout_groups(world_size: int, tp: int, pp: int, cp: int = 1,
+                  ep: Optional[int] = None) -> dict[str, list[tuple[int, ...]]]:
+    """Every group of the layout as lists of global ranks, keyed tp, cp, dp, dp_cp, pp, mp, embedding, and,
+    when ``ep`` is given, ep, expert_dp, expert_mp."""
+    _validate_sizes(world_size, tp, pp, cp, None, ep or 1)
     grid = rank_grid(world_size, tp, pp, cp)
     groups = {
         "tp": _groups_along(grid, ["tp"]),
@@ -181,6 +217,12 @@ def layout_groups(world_size: int, tp: int, pp: int, cp: int = 1) -> dict[str, l
         "mp": _groups_along(grid, ["pp", "tp"]),
     }
     groups["embedding"] = [tuple(sorted({ranks[0], ranks[-1]})) for ranks in groups["pp"]]
+    if ep is None:
+        return groups
+    expert_grid = torch.arange(world_size).view(pp, world_size // (pp * ep), ep)  # [pp, expert_dp, ep]
+    groups["ep"] = [tuple(row.tolist()) for row in expert_grid.reshape(-1, ep)]
+    groups["expert_dp"] = [tuple(row.tolist()) for row in expert_grid.permute(0, 2, 1).reshape(-1, expert_grid.shape[1])]
+    groups["expert_mp"] = [tuple(sorted(row.tolist())) for row in expert_grid.permute(1, 0, 2).reshape(expert_grid.shape[1], -1)]
     return groups
 
 
@@ -196,6 +238,7 @@ def initialize_model_parallel(
     virtual_pipeline_model_parallel_size: Optional[int] = None,
     context_parallel_size: int = 1,
     *,
+    expert_model_parallel_size: int = 1,
     timeout: Optional[datetime.timedelta] = None,
 ) -> ParallelState:
     """Builds the process groups of a tp x cp x dp x pp layout (see the module docstring for the order).
@@ -207,27 +250,33 @@ def initialize_model_parallel(
     ``timeout`` bounds every collective and point-to-point transfer on the new groups (pass the job's
     ``--distributed-timeout-minutes``); None keeps torch's default for the backend.
 
+    ``expert_model_parallel_size`` (ep) adds the expert groups (module docstring); it must divide tp * cp * dp.
+
     Raises:
-        ValueError: a size < 1, a world size not divisible by tp * pp * cp, or vpp > 1 without pp > 1.
+        ValueError: a size < 1, a world size not divisible by tp * pp * cp, an ep that does not divide
+            tp * cp * dp, or vpp > 1 without pp > 1.
     """
     tp, pp, cp = tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size
-    vpp = virtual_pipeline_model_parallel_size
+    vpp, ep = virtual_pipeline_model_parallel_size, expert_model_parallel_size
     if not dist.is_initialized():
-        _validate_sizes(1, tp, pp, cp, vpp)
+        _validate_sizes(1, tp, pp, cp, vpp, ep)
         return _single_process_state(vpp)
     world_size, rank, backend = dist.get_world_size(), dist.get_rank(), dist.get_backend()
-    _validate_sizes(world_size, tp, pp, cp, vpp)
+    _validate_sizes(world_size, tp, pp, cp, vpp, ep)
     fields: dict = {}
     # Middle pipeline stages hold no embedding: their group is None, their ranks those of their pipeline's ends.
     fields["embedding_group"] = None
-    for kind, all_ranks in layout_groups(world_size, tp, pp, cp).items():
+    for kind, all_ranks in layout_groups(world_size, tp, pp, cp, ep).items():
         for ranks in all_ranks:  # Same creation order on every rank: new_group is collective.
-            group = dist.new_group(list(ranks), timeout=timeout)
+            if kind in _EXPERT_KINDS and len(ranks) == 1:  # no group for a lone rank (None = no parallelism)
+                group = None
+            else:
+                group = dist.new_group(list(ranks), timeout=timeout)
             if rank in ranks:
                 fields[f"{kind}_group"], fields[f"{kind}_ranks"] = group, ranks
     pipeline = fields["pp_ranks"]
     fields["embedding_ranks"] = tuple(sorted({pipeline[0], pipeline[-1]}))
-    for kind in ("tp", "cp", "dp", "pp"):
+    for kind in ("tp", "cp", "dp", "pp", "ep", "expert_dp"):
         fields[f"{kind}_rank"] = fields[f"{kind}_ranks"].index(rank)
         fields[f"{kind}_size"] = len(fields[f"{kind}_ranks"])
     return ParallelState(

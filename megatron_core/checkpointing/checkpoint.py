@@ -69,8 +69,10 @@ def sha256_file(path: str) -> str:
 
 
 def _layout(state: ParallelState, extra: dict) -> dict:
-    cp = {"cp": state.cp_size} if state.cp_size > 1 else {}  # (absent at cp 1, as before cp existed)
-    return {"tp": state.tp_size, "pp": state.pp_size, "dp": state.dp_size, "vpp": state.vpp_size, **cp, **extra}
+    extra_axes = {name: size for name, size in (("cp", state.cp_size), ("ep", state.ep_size)) if size > 1}
+    # (each absent at size 1, as before the axis existed)
+    return {"tp": state.tp_size, "pp": state.pp_size, "dp": state.dp_size, "vpp": state.vpp_size, **extra_axes,
+            **extra}
 
 
 def save_checkpoint(directory: str, *, iteration: int, model_chunks: Sequence[nn.Module], config: TransformerConfig,
@@ -124,16 +126,29 @@ def full_parameters(chunks: Sequence[nn.Module]) -> Iterator[None]:
 
 
 def _save_shard(folder: str, tensors: dict[str, tuple[torch.Tensor, nn.Parameter]], state: ParallelState) -> dict:
-    """dp rank 0 of each tp x pp writes its tensors (weights and optimizer states) into one file; returns
-    ``{name: record}`` with each tensor's tp partition (an optimizer state shares its parameter's)."""
-    if state.dp_rank != 0 or state.cp_rank != 0:
-        return {}
-    file = f"model_tp{state.tp_rank:02d}_pp{state.pp_rank:03d}.safetensors"
+    """dp rank 0 of each tp x pp writes its dense tensors (weights and optimizer states) into one file, and
+    expert-dp rank 0 of each ep x pp its experts' (stored under global expert ids, replicated over tp) into
+    another; returns ``{name: record}`` with each tensor's tp partition (an optimizer state shares its
+    parameter's)."""
+    dense = {n: t for n, t in tensors.items() if not getattr(t[1], "is_expert", False)}
+    experts = {n: t for n, t in tensors.items() if getattr(t[1], "is_expert", False)}
+    records = {}
+    if state.dp_rank == 0 and state.cp_rank == 0:
+        records.update(_write_file(folder, f"model_tp{state.tp_rank:02d}_pp{state.pp_rank:03d}.safetensors",
+                                   dense, tp_rank=state.tp_rank))
+    if state.expert_dp_rank == 0 and experts:
+        records.update(_write_file(folder, f"experts_ep{state.ep_rank:03d}_pp{state.pp_rank:03d}.safetensors",
+                                   experts, tp_rank=0))
+    return records
+
+
+def _write_file(folder: str, file: str, tensors: dict[str, tuple[torch.Tensor, nn.Parameter]], *,
+                tp_rank: int) -> dict:
     save_file({name: tensor for name, (tensor, _) in tensors.items()}, os.path.join(folder, file))
     records = {}
     for name, (tensor, param) in tensors.items():
         dim, stride = partition_record(param)
-        records[name] = {"file": file, "tp_rank": state.tp_rank, "local_shape": list(tensor.shape),
+        records[name] = {"file": file, "tp_rank": tp_rank, "local_shape": list(tensor.shape),
                          "partition_dim": dim, "stride": stride, "dtype": str(tensor.dtype)}
     return records
 

@@ -5,7 +5,8 @@ The optimizer (``megatron_core.optimizer.MegatronOptimizer``) keeps, per *piece*
 ZeRO 1-3 this dp rank's slice of its flattened elements ``[lo, hi)``), an fp32 master (unless it is the model
 storage itself) and the inner optimizer's state (Adam ``exp_avg`` / ``exp_avg_sq``, SGD
 ``momentum_buffer``). Saving gathers the slices of every dp rank to dp rank 0, which writes
-``optim/<state>/<global parameter name>``; loading cuts each rank's slices out of the re-split tensors.
+``optim/<state>/<global parameter name>`` (MoE experts: over expert-dp to its rank 0); loading cuts each rank's
+slices out of the re-split tensors.
 """
 from __future__ import annotations
 
@@ -31,16 +32,27 @@ def collect_optimizer_state(optimizer: Any, named: dict[str, Any],
     """``({"optim/<state>/<name>": (tensor shaped like the param's tp shard, param)}, scalars)`` on dp rank 0
     (empty tensors elsewhere); ``named`` maps this rank's global parameter names to its parameters. Collective over the data(-and-context)-parallel group when ZeRO shards it."""
     names = {id(param): name for name, param in named.items()}
+    tensors = {}
+    for expert, group, ranks, rank in ((False, state.dp_cp_group, state.dp_cp_ranks, state.dp_cp_rank),
+                                       (True, state.expert_dp_group, state.expert_dp_ranks, state.expert_dp_rank)):
+        pieces = [p for p in optimizer.pieces if p.is_expert == expert]
+        tensors.update(_gather_to_first(optimizer, pieces, names, named, group=group, ranks=ranks, rank=rank))
+    return tensors, _scalars(optimizer)
+
+
+def _gather_to_first(optimizer: Any, pieces: list, names: dict[int, str], named: dict[str, Any], *, group,
+                     ranks: tuple[int, ...], rank: int) -> dict[str, tuple[torch.Tensor, Any]]:
+    """The states of ``pieces`` gathered over ``group`` (the group that shards them: dp x cp for dense
+    parameters, expert-dp for experts) to its first rank, as full tensors there; empty elsewhere."""
     mine = [(names[id(piece.param)], piece.param_range, piece.param_shape, _piece_states(optimizer, piece))
-            for piece in optimizer.pieces]
-    sharded = any(piece.is_shard for piece in optimizer.pieces)
+            for piece in pieces]
+    sharded = any(piece.is_shard for piece in pieces)
     gathered = [mine]
-    if sharded and dist.is_initialized() and state.dp_cp_group is not None and state.dp_cp_size > 1:
-        gathered = [None] * state.dp_cp_size if state.dp_cp_rank == 0 else None
-        dist.gather_object(mine, gathered, dst=state.dp_cp_ranks[0], group=state.dp_cp_group)
-    scalars = _scalars(optimizer)
-    if state.dp_cp_rank != 0:
-        return {}, scalars
+    if sharded and dist.is_initialized() and group is not None and len(ranks) > 1:
+        gathered = [None] * len(ranks) if rank == 0 else None
+        dist.gather_object(mine, gathered, dst=ranks[0], group=group)
+    if rank != 0:
+        return {}
     flat: dict[str, torch.Tensor] = {}
     shapes: dict[str, tuple[int, ...]] = {}
     for pieces in gathered:
@@ -53,7 +65,7 @@ def collect_optimizer_state(optimizer: Any, named: dict[str, Any],
     for key, buffer in flat.items():
         name = key.split("/", 2)[2]
         tensors[key] = (buffer.view(shapes[name]), named[name])
-    return tensors, scalars
+    return tensors
 
 
 def _numel(shape: tuple[int, ...]) -> int:

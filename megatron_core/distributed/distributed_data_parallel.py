@@ -17,6 +17,12 @@ compute in between) before the next transient bucket is allocated, and none outl
 around every submodule (see ``zero3``); at stages 1-2 the optimizer's updated shards are all-gathered after
 the step (with ``overlap_param_gather``, waited on by each module just before its next forward).
 
+Mixture of experts: parameters tagged ``is_expert`` are held by the ranks of the expert-data-parallel group
+only, so they go to buckets of their own (launched after the dense ones of the same position, in the same
+order on every rank) reduced and sharded over ``expert_dp_group``; their grads are pre-scaled by the same
+1/dp as the dense ones (each expert receives the tokens of its whole ep group, so the sum over expert-dp
+covers every dp replica's tokens once).
+
 Sharded construction: a module built on the meta device (``GPTModel`` with a ``ParallelState`` whose device
 is meta) is materialized here at stage 3, each rank writing only its shard from the parameters' init
 recipes (``tensor_parallel.initialization``), so the full model never exists on any rank.
@@ -40,6 +46,7 @@ from megatron_core.tensor_parallel.utils import group_size
 logger = logging.getLogger(__name__)
 
 _FULL_GRAD_TAGS = ("sequence_parallel", "shared_embedding")
+_SAME_AS_DP: Any = object()  # expert_dp_group's default: the dp group
 
 
 class DistributedDataParallel(nn.Module):
@@ -50,6 +57,8 @@ class DistributedDataParallel(nn.Module):
         config: bucket size, stage, overlap, grad dtype.
         dp_group: the group to reduce over (``state.dp_cp_group`` with context parallelism, else
             ``state.dp_group``); None means one rank.
+        expert_dp_group: the group expert parameters (``is_expert``) are reduced over
+            (``state.expert_dp_group``; None = one rank); default ``dp_group`` (right at ep 1 without tp).
         device: where buffers live when the module is on the meta device (default: cuda for nccl, else cpu).
 
     Per-rank shapes: the wrapped module's forward is unchanged (stage 3 parameters are full while in use).
@@ -57,11 +66,12 @@ class DistributedDataParallel(nn.Module):
     """
 
     def __init__(self, module: nn.Module, *, config: DistributedDataParallelConfig, dp_group,
-                 device: Optional[torch.device] = None) -> None:
+                 expert_dp_group=_SAME_AS_DP, device: Optional[torch.device] = None) -> None:
         super().__init__()
         if not isinstance(config, DistributedDataParallelConfig):
             raise ValueError(f"config must be a DistributedDataParallelConfig, got {type(config).__name__}")
         self.module, self.config, self.dp_group = module, config, dp_group
+        self.expert_dp_group = dp_group if expert_dp_group is _SAME_AS_DP else expert_dp_group
         self.dp_size = group_size(dp_group)
         if config.average_in_collective and dp_group is not None and dist.get_backend(dp_group) == "gloo":
             raise ValueError("average_in_collective=True needs ReduceOp.AVG, which the gloo backend lacks; "
@@ -93,7 +103,7 @@ class DistributedDataParallel(nn.Module):
         full_grads = any(getattr(param, t, False) for t in _FULL_GRAD_TAGS)
         stage = self.config.zero_stage
         return BucketKind(param.dtype, grad_dtype, shard_grads=stage >= 2 and not full_grads,
-                          reduce_scatter=stage >= 1 and not full_grads)
+                          reduce_scatter=stage >= 1 and not full_grads, expert=bool(getattr(param, "is_expert", False)))
 
     def _build_buckets(self) -> list[Bucket]:
         """Stages 0-2: greedy buckets of ``bucket_size`` elements over the parameters in reverse order.
@@ -129,7 +139,8 @@ class DistributedDataParallel(nn.Module):
                 if sum(p.numel() for p in group) >= limit:
                     groups.append((kind, open_groups.pop(kind)))
             groups.extend(open_groups.items())
-        return [Bucket(index=i, kind=kind, params=params, dp_group=self.dp_group,
+        return [Bucket(index=i, kind=kind, params=params,
+                       dp_group=self.expert_dp_group if kind.expert else self.dp_group,
                        shard_params=self.config.zero_stage == 3, device=self.device) for i, (kind, params) in enumerate(groups)]
 
     def _storage_device(self, device: Optional[torch.device]) -> torch.device:
@@ -221,8 +232,15 @@ class DistributedDataParallel(nn.Module):
                                    or self._in_flight[0]._grad_work.is_completed()):
             self._retire(self._in_flight[0])
 
+    def _scale(self, bucket: Bucket) -> float:
+        """1/dp for every bucket; under ``ReduceOp.AVG`` (which divides by the bucket's group size) expert
+        buckets need ``expert_dp / dp`` on top."""
+        if bucket.kind.expert and self.config.average_in_collective:
+            return bucket.dp_size / self.dp_size
+        return self._grad_scale
+
     def _launch(self, bucket: Bucket) -> None:
-        bucket.launch_grad_sync(scale=self._grad_scale, op=self._reduce_op)
+        bucket.launch_grad_sync(scale=self._scale(bucket), op=self._reduce_op)
         self.launch_log.append(bucket.index)
         if bucket.kind.shard_grads:  # one reduce-scatter in flight: waiting for older ones bounds the memory
             for older in list(self._in_flight):

@@ -19,6 +19,9 @@ next gather resizes the same storage and fills it again, so those saved views se
 
 Parameters tagged ``sequence_parallel`` or ``shared_embedding`` keep full gradients at every stage, because
 ``finalize_model_grads`` all-reduces their whole grad over tp or the embedding group.
+
+Expert parameters (``is_expert``) live in buckets of their own kind whose group is the expert-data-parallel
+group: each such bucket is reduced, and sharded, over the ranks that hold the same experts.
 """
 from __future__ import annotations
 
@@ -42,6 +45,8 @@ class BucketKind:
     grad_dtype: torch.dtype
     shard_grads: bool
     reduce_scatter: bool = False
+    expert: bool = False
+    """Expert parameters (MoE): reduced and sharded over the expert-data-parallel group instead of dp."""
 
 
 def _empty(dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -7,6 +7,10 @@ Per rank, a piece of a gradient is counted when
   pipeline stage only.
 Pieces that are 1/dp shards (distributed optimizer) are summed over dp; full pieces (stage 0) are the same
 on every dp rank and are not. The sum is then all-reduced over the model-parallel group (tp x pp).
+
+Expert parameters (``is_expert``, mixture of experts) are replicated over the expert-data-parallel group
+only, which already spans tp (experts are not tp-split), so every rank's copy counts: their shards are summed
+over expert-dp and the result over the expert-model-parallel group (ep x pp), then added to the dense sum.
 """
 from __future__ import annotations
 
@@ -27,6 +31,8 @@ def counts_once(param: nn.Parameter, state: Optional[ParallelState]) -> bool:
         return True
     if getattr(param, "shared_embedding", False) and not state.is_pipeline_first_stage:
         return False
+    if getattr(param, "is_expert", False):
+        return True
     return bool(getattr(param, "tensor_model_parallel", False)) or state.tp_rank == 0
 
 
@@ -43,19 +49,33 @@ def reduce_over_ranks(sharded: torch.Tensor, replicated: torch.Tensor, *, dp_gro
     return total
 
 
-def global_norm_and_zeros(grads: Sequence[tuple[torch.Tensor, bool]], *, dp_group, mp_group,
-                          device: torch.device, count_zeros: bool) -> tuple[float, Optional[int]]:
-    """L2 norm (and zero count) of ``grads``: ``(grad, is_dp_shard)`` pairs this rank counts.
-
-    Collectives: all-reduce (sum) over dp of the sharded part, then over ``mp_group``.
-    """
+def _partial_sums(grads: Sequence[tuple[torch.Tensor, bool]], device: torch.device,
+                  count_zeros: bool) -> torch.Tensor:
     sums = torch.zeros(2, 2, dtype=torch.float64, device=device)  # [sharded, replicated] x [sq, zeros]
     for grad, is_shard in grads:
         row = 0 if is_shard else 1
         sums[row, 0] += grad.double().pow(2).sum().to(device)
         if count_zeros:
             sums[row, 1] += (grad == 0).sum().to(device)
+    return sums
+
+
+def global_norm_and_zeros(grads: Sequence[tuple[torch.Tensor, bool]], *, dp_group, mp_group,
+                          device: torch.device, count_zeros: bool,
+                          expert_grads: Optional[Sequence[tuple[torch.Tensor, bool]]] = None,
+                          expert_dp_group=None, expert_mp_group=None) -> tuple[float, Optional[int]]:
+    """L2 norm (and zero count) of ``grads``: ``(grad, is_dp_shard)`` pairs this rank counts, plus the
+    expert pairs ``expert_grads`` when not None (every rank must then pass a list, empty or not).
+
+    Collectives: all-reduce (sum) over dp of the sharded part, then over ``mp_group``; with ``expert_grads``
+    the same over ``expert_dp_group`` and ``expert_mp_group``.
+    """
+    sums = _partial_sums(grads, device, count_zeros)
     total = reduce_over_ranks(sums[0].clone(), sums[1].clone(), dp_group=dp_group, mp_group=mp_group)
+    if expert_grads is not None:
+        sums = _partial_sums(expert_grads, device, count_zeros)
+        total = total + reduce_over_ranks(sums[0].clone(), sums[1].clone(), dp_group=expert_dp_group,
+                                          mp_group=expert_mp_group)
     return math.sqrt(total[0].item()), (int(total[1].item()) if count_zeros else None)
 
 
@@ -67,8 +87,10 @@ def clip_by_norm_(grads: Sequence[torch.Tensor], *, max_norm: float, total_norm:
         torch._foreach_mul_(list(grads), coefficient)
 
 
-def found_inf_or_nan(grads: Sequence[torch.Tensor], *, dp_group, mp_group, device: torch.device) -> bool:
-    """True if any rank's grad has an inf or nan. Collectives: all-reduce (max) over dp and ``mp_group``."""
+def found_inf_or_nan(grads: Sequence[torch.Tensor], *, dp_group, mp_group, device: torch.device,
+                     expert_mp_group=None) -> bool:
+    """True if any rank's grad has an inf or nan. Collectives: all-reduce (max) over dp, ``mp_group`` and
+    ``expert_mp_group`` (experts differ between the ranks of an ep group)."""
     local = torch.zeros(1, dtype=torch.float32, device=device)
     for grad in grads:
         if not torch.isfinite(grad).all():
@@ -76,4 +98,5 @@ def found_inf_or_nan(grads: Sequence[torch.Tensor], *, dp_group, mp_group, devic
             break
     _all_reduce(local, dp_group, dist.ReduceOp.MAX)
     _all_reduce(local, mp_group, dist.ReduceOp.MAX)
+    _all_reduce(local, expert_mp_group, dist.ReduceOp.MAX)
     return bool(local.item() > 0)

@@ -36,6 +36,7 @@ class _Piece:
     decay: bool
     param_range: tuple[int, int]                     # the flat elements [lo, hi) of the parameter it covers
     param_shape: tuple[int, ...]                     # the parameter's (tp-local) shape, even when freed (ZeRO-3)
+    is_expert: bool = False                          # an MoE expert's: sharded over expert-dp, normed apart
 
 
 def _chunk_pieces(chunk: nn.Module) -> list[tuple]:
@@ -76,7 +77,9 @@ class MegatronOptimizer:
         self.ddp_chunks = [c for c in self.chunks if isinstance(c, DistributedDataParallel)]
         sharded = [c for c in self.ddp_chunks if c.config.zero_stage >= 1]
         self.dp_group = sharded[0].dp_group if sharded else None
+        self.expert_dp_group = sharded[0].expert_dp_group if sharded else None
         self.mp_group = parallel_state.mp_group if parallel_state is not None else None
+        self.expert_mp_group = parallel_state.expert_mp_group if parallel_state is not None else None
         self.device = parallel_state.device if parallel_state is not None else torch.device("cpu")
         host = torch.device("cpu") if config.optimizer_cpu_offload else None
         self.pieces: list[_Piece] = []
@@ -85,7 +88,9 @@ class MegatronOptimizer:
                 aliased = model.dtype == torch.float32 and host is None
                 master = model if aliased else model.detach().to(host or model.device, torch.float32).clone()
                 self.pieces.append(_Piece(param, model, grad_fn, master, aliased, is_shard, decay=len(shape) >= 2,
-                                          param_range=param_range, param_shape=shape))
+                                          param_range=param_range, param_shape=shape,
+                                          is_expert=bool(getattr(param, "is_expert", False))))
+        self.has_experts = self._any_rank_has_experts()
         self.optimizer = self._build_inner() if self.pieces else None
         self.grad_scaler: Optional[ConstantGradScaler] = None
         if config.loss_scale is not None:
@@ -94,6 +99,26 @@ class MegatronOptimizer:
             self.grad_scaler = DynamicGradScaler(
                 initial_scale=config.initial_loss_scale, min_scale=config.min_loss_scale,
                 growth_interval=config.loss_scale_window, hysteresis=config.hysteresis)
+
+    def _any_rank_has_experts(self) -> bool:
+        """Whether any rank holds expert parameters (then every rank runs the expert norm reductions).
+        Collective: an all-reduce (max) over all ranks when torch.distributed is initialized."""
+        flag = torch.tensor([float(any(p.is_expert for p in self.pieces))], device=self.device)
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        return bool(flag.item() > 0)
+
+    def global_norm(self, tensor_of: Callable[["_Piece"], Optional[torch.Tensor]], *,
+                    count_zeros: bool = False) -> tuple[float, Optional[int]]:
+        """L2 norm (and zeros) over all ranks of ``tensor_of(piece)`` (grads or masters), each element once.
+        Collectives: see ``clip_grads.global_norm_and_zeros``."""
+        counted = [(tensor_of(p), p.is_shard, p.is_expert) for p in self.pieces
+                   if tensor_of(p) is not None and counts_once(p.param, self.state)]
+        experts = [(t, s) for t, s, e in counted if e] if self.has_experts else None
+        return global_norm_and_zeros([(t, s) for t, s, e in counted if not e], dp_group=self.dp_group,
+                                     mp_group=self.mp_group, device=self.device, count_zeros=count_zeros,
+                                     expert_grads=experts, expert_dp_group=self.expert_dp_group,
+                                     expert_mp_group=self.expert_mp_group)
 
     def _build_inner(self) -> torch.optim.Optimizer:
         config = self.config
@@ -149,17 +174,15 @@ class MegatronOptimizer:
         grads = self._prepare_master_grads()
         if self.grad_scaler is not None:
             torch._foreach_mul_(grads, 1.0 / self.grad_scaler.scale)
-            found_inf = found_inf_or_nan(grads, dp_group=self.dp_group, mp_group=self.mp_group, device=self.device)
+            found_inf = found_inf_or_nan(grads, dp_group=self.dp_group, mp_group=self.mp_group, device=self.device,
+                                         expert_mp_group=self.expert_mp_group if self.has_experts else None)
             self.grad_scaler.update(found_inf)
             if found_inf:
                 self._clear_master_grads()
                 logger.info("inf/nan in the grads: step skipped, loss scale now %g", self.grad_scaler.scale)
                 return False, None, None
-        counted = [(p.master.grad, p.is_shard) for p in self.pieces
-                   if p.master.grad is not None and counts_once(p.param, self.state)]
-        grad_norm, num_zeros = global_norm_and_zeros(counted, dp_group=self.dp_group, mp_group=self.mp_group,
-                                                     device=self.device,
-                                                     count_zeros=self.config.log_num_zeros_in_grad)
+        grad_norm, num_zeros = self.global_norm(lambda p: p.master.grad,
+                                                count_zeros=self.config.log_num_zeros_in_grad)
         if self.config.clip_grad > 0:
             clip_by_norm_(grads, max_norm=self.config.clip_grad, total_norm=grad_norm)
         if self.optimizer is not None:

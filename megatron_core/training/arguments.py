@@ -18,6 +18,7 @@ import torch
 
 from megatron_core.config import TransformerConfig
 from megatron_core.training import arguments_megatron as megatron_flags
+from megatron_core.training.arguments_moe import add_moe_flags, moe_config, validate_moe_flags
 from megatron_core.training.schedule import validate_schedule_flags
 
 logger = logging.getLogger(__name__)
@@ -179,6 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     for add in (_model_flags, _parallel_flags, _training_flags, _io_flags):
         add(parser)
     megatron_flags.add_megatron_flags(parser)
+    add_moe_flags(parser)
     return parser
 
 
@@ -277,6 +279,7 @@ def validate_args(args: argparse.Namespace) -> None:
     if args.tokenizer_type is None and args.vocab_file and args.merge_file:
         args.tokenizer_type = "GPT2BPETokenizer"  # Megatron's default tokenizer
     megatron_flags.validate_megatron_flags(args)
+    validate_moe_flags(args)
 
 
 def virtual_pipeline_size(args: argparse.Namespace) -> Optional[int]:
@@ -314,7 +317,7 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         context_parallel_size=args.context_parallel_size, cp_comm_type=_one_cp_comm_type(args.cp_comm_type),
         virtual_pipeline_model_parallel_size=virtual_pipeline_size(args), sequence_parallel=args.sequence_parallel,
-        params_dtype=dtype, bf16=args.bf16, fp16=args.fp16)
+        params_dtype=dtype, bf16=args.bf16, fp16=args.fp16, moe=moe_config(args))
 
 
 def exit_with_config_error(error: object, status: int = 2) -> NoReturn:

@@ -56,7 +56,10 @@ _VALUE_NO_OPS = {"--transformer-impl": ["local", "transformer_engine", "inferenc
                  "--num-workers": int, "--timing-log-level": int, "--timing-log-option": ["max", "minmax", "all"],
                  "--tensorboard-log-interval": int, "--tensorboard-queue-size": int, "--rampup-batch-size": 3}
 
-_MOE = "mixture of experts is not built yet (it comes with its own issue); drop the MoE flags to train the dense model"
+_MOE = ("this mixture-of-experts option is not built (the --moe-* flags of pretrain_gpt.py --help are); drop "
+        "it")
+_ETP = ("expert tensor parallelism is not built: experts are whole on each rank; use --expert-tensor-parallel-size "
+        "1 (or leave it out)")
 _FP8 = ("fp8/fp4 training needs Transformer Engine on an fp8-capable GPU, which this framework does not use; drop "
         "these flags (--bf16 is the closest supported precision)")
 _MLA = "multi-latent attention (DeepSeek) is not built; drop these flags to use grouped-query attention"
@@ -67,7 +70,7 @@ _CUDA_GRAPH = "CUDA graphs are not built; drop these flags"
 REFUSED_PREFIXES: dict[str, str] = {"--moe-": _MOE, "--fp8": _FP8, "--fp4": _FP8, "--mtp-": _MTP,
                                     "--cuda-graph": _CUDA_GRAPH}
 REFUSED_FLAGS: dict[str, str] = {
-    "--num-experts": _MOE, "--expert-model-parallel-size": _MOE, "--expert-tensor-parallel-size": _MOE,
+    "--expert-tensor-parallel-size": _ETP,
     "--multi-latent-attention": _MLA, "--q-lora-rank": _MLA, "--kv-lora-rank": _MLA, "--qk-head-dim": _MLA,
     "--qk-pos-emb-head-dim": _MLA, "--v-head-dim": _MLA, "--mscale": _MLA, "--mscale-all-dim": _MLA,
     "--rope-type yarn": "YaRN rotary scaling (used with multi-latent attention) is not built; use --rope-type rope",
@@ -116,8 +119,6 @@ def add_megatron_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--cp-comm-type", nargs="+", default=["p2p"], metavar="{p2p,a2a,allgather}",
                    help="context-parallel attention: p2p (ring attention, default), a2a (Ulysses all-to-all) or "
                         "allgather (K/V all-gathered); one value for every layer")
-    g.add_argument("--expert-model-parallel-size", type=int, default=1)
-    g.add_argument("--expert-tensor-parallel-size", type=int, default=None)
     g.add_argument("--softmax-type", default="vanilla")
     g = parser.add_argument_group("accepted for Megatron-LM compatibility, no effect here (see README)")
     for flag, why in ACCEPTED_NO_OPS.items():
@@ -155,8 +156,6 @@ def _refused_on_known(args: argparse.Namespace) -> list[tuple[str, str]]:
     given = []
     if "a2a+p2p" in args.cp_comm_type:
         given.append((f"--cp-comm-type {' '.join(args.cp_comm_type)}", "--cp-comm-type a2a+p2p"))
-    if args.expert_model_parallel_size != 1:
-        given.append((f"--expert-model-parallel-size {args.expert_model_parallel_size}", "--expert-model-parallel-size"))
     if args.expert_tensor_parallel_size not in (None, 1):
         given.append((f"--expert-tensor-parallel-size {args.expert_tensor_parallel_size}",
                       "--expert-tensor-parallel-size"))

@@ -29,6 +29,8 @@ from megatron_core.training.optimizer_setup import build_optimizer, wrap_data_pa
 from megatron_core.training.runtime import RuntimeHooks, WandbSink
 from megatron_core.training.schedule import build_lr_scheduler, check_batch_schedule, resolve_train_iters
 from megatron_core.training.state import Run, reduce_losses, step_record
+from megatron_core.transformer.moe import moe_layer_spec
+from megatron_core.transformer.moe.tracking import moe_loss_report, set_aux_loss_scale, update_expert_bias
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +53,7 @@ def build_run(args: argparse.Namespace) -> Run:
     config = transformer_config(args)
     state = initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                                       config.virtual_pipeline_model_parallel_size, args.context_parallel_size,
+                                      expert_model_parallel_size=args.expert_model_parallel_size,
                                       timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes))
     micro_per_step = args.micro_batch_size * state.dp_size
     schedule = args.batch_schedule
@@ -86,7 +89,8 @@ def _build_chunk(args, config, state, vocab_size: int, vp: int) -> GPTModel:
     torch.manual_seed(args.seed)
     return GPTModel(config, parallel_state=state, vocab_size=vocab_size, max_sequence_length=args.seq_length,
                     pre_process=first, post_process=last, vp_stage=vp if vpp else None,
-                    make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
+                    make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+                    **({"layer_spec": moe_layer_spec()} if config.moe is not None else {}))
 
 
 def forward_step(data_iterator, model, *, tokens_scale: Optional[float] = None, cp_group=None):
@@ -143,6 +147,9 @@ def run_schedule(run: Run, batches: list[dict], *, forward_only: bool) -> list:
     scale = getattr(run.optimizer, "scale_loss", None) if run.config.fp16 else None
     step_func = functools.partial(forward_step, tokens_scale=_per_token_scale(run, batches),
                                   cp_group=state.cp_group if state.cp_size > 1 else None)
+    if run.config.moe is not None:  # the aux losses' gradient is scaled as the schedule scales the lm loss
+        loss_scale = float(run.optimizer.get_loss_scale()) if scale is not None else 1.0
+        set_aux_loss_scale(run.chunks, loss_scale / max(len(batches), 1))
     return schedule(forward_step_func=step_func, data_iterator=iterators,
                     model=run.chunks if state.vpp_size else run.chunks[0], num_microbatches=len(batches),
                     seq_length=run.args.seq_length, micro_batch_size=run.args.micro_batch_size,
@@ -176,11 +183,23 @@ def train_step(run: Run, batches: list[dict]) -> dict:
     with _phase(run, "the forward-backward schedule (p2p with the neighbouring pipeline stages, tp collectives)"):
         losses = run_schedule(run, batches, forward_only=False)
         lm_loss = reduce_losses(losses, run.state)  # over pp and dp: a stalled peer is named here too
+        moe_losses = _moe_step(run)
     with _phase(run, "the optimizer step (grad reduction over data-parallel ranks, norm over model-parallel ranks)"):
         update_ok, grad_norm, num_zeros = run.optimizer.step()
     if update_ok:
         run.scheduler.step(increment)
-    return {"lm_loss": lm_loss, "lr": lr, "grad_norm": grad_norm, "skipped": not update_ok, "num_zeros": num_zeros}
+    return {"lm_loss": lm_loss, "lr": lr, "grad_norm": grad_norm, "skipped": not update_ok, "num_zeros": num_zeros,
+            "moe": moe_losses}
+
+
+def _moe_step(run: Run) -> dict:
+    """The step's MoE losses for the log (collective) and the aux-loss-free expert-bias update."""
+    config = run.config
+    if config.moe is None:
+        return {}
+    update_expert_bias(run.chunks, run.state)
+    return moe_loss_report(run.chunks, run.state, num_layers=config.num_layers,
+                           sequence_parallel=config.sequence_parallel, per_layer=config.moe.moe_per_layer_logging)
 
 
 def evaluate(run: Run, iteration: int, writer: MetricsWriter) -> Optional[float]:

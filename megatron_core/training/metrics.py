@@ -23,9 +23,25 @@ def gpt_flops_per_iteration(config: TransformerConfig, *, batch_size: int, seq_l
     h, layers = config.hidden_size, config.num_layers
     query_ratio = config.kv_channels * config.num_attention_heads / h
     attention = (1 + config.num_query_groups / config.num_attention_heads + seq_length / h) * query_ratio
-    mlp = config.ffn_hidden_size / h * (1.5 if config.activation == "swiglu" else 1.0)
+    mlp = mlp_flops_ratio(config)
     logits = padded_vocab_size / (2 * layers * h)
     return 12.0 * batch_size * seq_length * layers * h * h * (attention + mlp + logits)
+
+
+def mlp_flops_ratio(config: TransformerConfig) -> float:
+    """The formula's MLP term ``f/h (x 3/2 with SwiGLU)``, averaged over the layers. An MoE layer counts its
+    *active* parameters, as Megatron-LM: ``topk x moe_ffn / h`` plus the shared expert's ``f_shared / h``
+    (the router's ``E/h`` share is left out, as there)."""
+    gated = 1.5 if config.activation == "swiglu" else 1.0
+    dense = config.ffn_hidden_size / config.hidden_size * gated
+    moe = config.moe
+    if moe is None:
+        return dense
+    expert_ffn = moe.moe_ffn_hidden_size or config.ffn_hidden_size
+    active = moe.moe_router_topk * expert_ffn + (moe.moe_shared_expert_intermediate_size or 0)
+    sparse = active / config.hidden_size * gated
+    moe_layers = sum(moe.is_moe_layer(n, config.num_layers) for n in range(1, config.num_layers + 1))
+    return (moe_layers * sparse + (config.num_layers - moe_layers) * dense) / config.num_layers
 
 
 def _layer_forward_flops(config: TransformerConfig, *, batch_size: int, seq_length: int) -> tuple[float, float]:
@@ -33,7 +49,7 @@ def _layer_forward_flops(config: TransformerConfig, *, batch_size: int, seq_leng
     h = config.hidden_size
     query_ratio = config.kv_channels * config.num_attention_heads / h
     attention = (1 + config.num_query_groups / config.num_attention_heads + seq_length / h) * query_ratio
-    mlp = config.ffn_hidden_size / h * (1.5 if config.activation == "swiglu" else 1.0)
+    mlp = mlp_flops_ratio(config)
     per_token = 4.0 * batch_size * seq_length * h * h
     return per_token * (attention + mlp), per_token * seq_length / h * query_ratio
 
@@ -160,4 +176,5 @@ def format_log_line(record: dict, *, train_iters: int, consumed_samples: int, gl
                       if record.get(key) is not None))
 
 
-_OPTIONAL_FIELDS = (("params_norm", "params norm", ".3f"), ("num_zeros", "num zeros", ".1f"))
+_OPTIONAL_FIELDS = (("params_norm", "params norm", ".3f"), ("num_zeros", "num zeros", ".1f"),
+                    ("load_balancing_loss", "load_balancing_loss", ".6E"), ("z_loss", "z_loss", ".6E"))

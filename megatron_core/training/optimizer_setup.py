@@ -23,9 +23,11 @@ def ddp_config(args: argparse.Namespace) -> DistributedDataParallelConfig:
 
 
 def wrap_data_parallel(args: argparse.Namespace, chunks: list[nn.Module], state: ParallelState) -> list[nn.Module]:
-    """Each model chunk in DistributedDataParallel over the data(-and-context)-parallel group."""
+    """Each model chunk in DistributedDataParallel over the data(-and-context)-parallel group (expert
+    parameters over the expert-data-parallel group)."""
     config = ddp_config(args)
-    return [DistributedDataParallel(chunk, config=config, dp_group=state.dp_cp_group) for chunk in chunks]
+    return [DistributedDataParallel(chunk, config=config, dp_group=state.dp_cp_group,
+                                    expert_dp_group=state.expert_dp_group) for chunk in chunks]
 
 
 def build_optimizer(args: argparse.Namespace, chunks: list[nn.Module], state: ParallelState):

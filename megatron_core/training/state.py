@@ -12,7 +12,6 @@ from torch import nn
 
 from megatron_core.checkpointing.layout import unwrap
 from megatron_core.config import TransformerConfig
-from megatron_core.optimizer.clip_grads import counts_once, global_norm_and_zeros
 from megatron_core.parallel_state import ParallelState
 from megatron_core.training.metrics import gpt_flops_per_iteration, memory_bytes, peak_tflops_per_device
 
@@ -90,6 +89,7 @@ def step_record(run: Run, iteration: int, result: dict, seconds: float) -> dict:
               "tokens_per_sec": tokens / seconds, "tflops_per_rank": tflops_per_rank,
               "mfu": None if peak is None else tflops_per_rank / peak, "mem_bytes": memory_bytes(run.state.device)}
     record.update({k: v for k, v in optional.items() if v is not None})
+    record.update(result.get("moe") or {})  # load_balancing_loss, z_loss (per layer with --moe-per-layer-logging)
     return record
 
 
@@ -97,10 +97,7 @@ def params_norm(optimizer: Any, state: ParallelState) -> float:
     """Global L2 norm of the parameters (``--log-params-norm``), from the optimizer's fp32 masters: each
     parameter counted once over tp replicas and tied copies, ZeRO shards summed over dp. Collective over the
     data-parallel and model-parallel groups, as the grad norm."""
-    counted = [(piece.master, piece.is_shard) for piece in optimizer.pieces if counts_once(piece.param, state)]
-    norm, _ = global_norm_and_zeros(counted, dp_group=optimizer.dp_group, mp_group=optimizer.mp_group,
-                                    device=optimizer.device, count_zeros=False)
-    return norm
+    return optimizer.global_norm(lambda piece: piece.master)[0]
 
 
 __all__ = ["Run", "reduce_losses", "step_record", "params_norm"]

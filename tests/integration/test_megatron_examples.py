@@ -211,10 +211,8 @@ def test_megatron_fsdp_llama_example_trains(distributed, tmp_path):
 
 
 @pytest.mark.parametrize("name, argv, named", [
-    ("mixtral", MIXTRAL, ["--num-experts 8", "--moe-router-topk 2", "--expert-model-parallel-size 8",
-                          "mixture of experts is not built"]),
-    ("gpt-oss", GPT_OSS, ["--num-experts 4", "--fp8-format hybrid", "--fp8-param-gather", "--quick-geglu",
-                          "--softmax-type learnable", "--window-size 127,0", "mixture of experts", "Transformer Engine"]),
+    ("gpt-oss", GPT_OSS, ["--fp8-format hybrid", "--fp8-param-gather", "--quick-geglu",
+                          "--softmax-type learnable", "--window-size 127,0", "Transformer Engine"]),
     ("llama fp8", ["--bf16", *FP8], ["--fp8-format hybrid", "--fp8-amax-history-len 1024", "fp8"]),
     ("deepseek MLA and MTP", ["--multi-latent-attention", "--q-lora-rank", "1536", "--mtp-num-layers", "1",
                               "--recompute-granularity", "selective", "--recompute-modules", "mlp", "moe", "mla_up_proj"],
@@ -228,6 +226,13 @@ def test_unbuilt_features_refuse_clearly(distributed, name, argv, named):
     assert len(err.strip().splitlines()) == 1, err  # one paragraph
     for fragment in named:
         assert fragment in err, (fragment, err)
+
+
+def test_mixtral_example_flags_parse_into_an_moe_model():
+    from megatron_core.training.arguments import parse_args, transformer_config
+    config = transformer_config(parse_args(MIXTRAL))
+    assert config.moe.num_moe_experts == 8 and config.moe.moe_router_topk == 2
+    assert config.moe.moe_token_dispatcher_type == "alltoall" and config.moe.moe_grouped_gemm
 
 
 def _losses(argv):

@@ -1,0 +1,110 @@
+"""Megatron-LM's mixture-of-experts flags (``--num-experts``, ``--moe-*``, ``--expert-*-parallel-size``) and
+the ``MoEConfig`` they describe. MoE flags not listed here are refused by name (``arguments_megatron``)."""
+from __future__ import annotations
+
+import argparse
+import ast
+from typing import Optional, Union
+
+from megatron_core.transformer.moe.config import (
+    DISPATCHERS,
+    DROP_POLICIES,
+    LOAD_BALANCING_TYPES,
+    SCORE_FUNCTIONS,
+    MoEConfig,
+)
+
+
+def add_moe_flags(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("mixture of experts")
+    g.add_argument("--num-experts", type=int, default=None, help="routed experts per MoE layer (default: dense)")
+    g.add_argument("--expert-model-parallel-size", type=int, default=1)
+    g.add_argument("--expert-tensor-parallel-size", type=int, default=None,
+                   help="only 1: experts are whole on each rank (Megatron-LM's default is the tp size)")
+    g.add_argument("--moe-router-topk", type=int, default=2)
+    g.add_argument("--moe-router-load-balancing-type", choices=LOAD_BALANCING_TYPES, default="aux_loss")
+    g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0)
+    g.add_argument("--moe-z-loss-coeff", type=float, default=None)
+    g.add_argument("--moe-router-score-function", choices=SCORE_FUNCTIONS, default="softmax")
+    g.add_argument("--moe-router-pre-softmax", action="store_true")
+    g.add_argument("--moe-router-enable-expert-bias", action="store_true",
+                   help="aux-loss-free balancing (sigmoid scores): a per-expert selection bias updated each step")
+    g.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3)
+    g.add_argument("--moe-router-dtype", choices=["fp32", "fp64"], default=None)
+    g.add_argument("--moe-token-dispatcher-type", choices=DISPATCHERS, default="allgather")
+    g.add_argument("--moe-grouped-gemm", action="store_true", help="local experts as one batched GEMM")
+    g.add_argument("--moe-expert-capacity-factor", type=float, default=None, help="default: dropless")
+    g.add_argument("--moe-pad-expert-input-to-capacity", action="store_true")
+    g.add_argument("--moe-token-drop-policy", choices=DROP_POLICIES, default="probs")
+    g.add_argument("--moe-ffn-hidden-size", type=int, default=None, help="default: --ffn-hidden-size")
+    g.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None)
+    g.add_argument("--moe-layer-freq", type=_layer_freq, default=1,
+                   help="every N-th layer is MoE, or a per-layer 0/1 list such as '([0]*1+[1]*3)*2'")
+    g.add_argument("--moe-per-layer-logging", action="store_true", help="log each MoE layer's losses")
+    g.add_argument("--moe-permute-fusion", action="store_true", help="accepted, no effect (no fused permute)")
+
+
+def _literal(node: ast.AST) -> Union[int, list]:
+    """Evaluates int / list literals combined with + and * (Megatron's ``--moe-layer-freq`` expressions)."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, int):
+        return node.value
+    if isinstance(node, ast.List):
+        return [_literal(e) for e in node.elts]
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+        left, right = _literal(node.left), _literal(node.right)
+        return left + right if isinstance(node.op, ast.Add) else left * right
+    raise ValueError(f"unsupported element {ast.dump(node)}")
+
+
+def _layer_freq(text: str) -> Union[int, list[int]]:
+    try:
+        value = _literal(ast.parse(text.strip(), mode="eval").body)
+    except (SyntaxError, ValueError, TypeError) as error:
+        raise argparse.ArgumentTypeError(f"--moe-layer-freq {text!r} is neither an integer nor a 0/1 list "
+                                         f"expression like '([0]*1+[1]*3)*2': {error}") from error
+    return value
+
+
+def moe_config(args: argparse.Namespace) -> Optional[MoEConfig]:
+    """The MoE settings of the flags, or None without ``--num-experts`` (raises ValueError naming values)."""
+    if args.num_experts is None:
+        return None
+    return MoEConfig(
+        num_moe_experts=args.num_experts, moe_router_topk=args.moe_router_topk,
+        moe_router_load_balancing_type=args.moe_router_load_balancing_type, moe_aux_loss_coeff=args.moe_aux_loss_coeff,
+        moe_z_loss_coeff=args.moe_z_loss_coeff, moe_router_score_function=args.moe_router_score_function,
+        moe_router_pre_softmax=args.moe_router_pre_softmax,
+        moe_router_enable_expert_bias=args.moe_router_enable_expert_bias,
+        moe_router_bias_update_rate=args.moe_router_bias_update_rate, moe_router_dtype=args.moe_router_dtype,
+        moe_token_dispatcher_type=args.moe_token_dispatcher_type, moe_grouped_gemm=args.moe_grouped_gemm,
+        moe_expert_capacity_factor=args.moe_expert_capacity_factor,
+        moe_pad_expert_input_to_capacity=args.moe_pad_expert_input_to_capacity,
+        moe_token_drop_policy=args.moe_token_drop_policy, moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+        moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
+        moe_layer_freq=args.moe_layer_freq, moe_per_layer_logging=args.moe_per_layer_logging)
+
+
+def validate_moe_flags(args: argparse.Namespace) -> None:
+    """Checks that need no process group (ValueError naming the values and the fix); the world-size checks
+    run in ``initialize_model_parallel`` and the MoE layer."""
+    ep = args.expert_model_parallel_size
+    if ep < 1:
+        raise ValueError(f"--expert-model-parallel-size must be >= 1, got {ep}")
+    if args.num_experts is None:
+        given = [f for f, v in (("--expert-model-parallel-size", ep != 1), ("--moe-grouped-gemm", args.moe_grouped_gemm),
+                                ("--moe-expert-capacity-factor", args.moe_expert_capacity_factor is not None)) if v]
+        if given:
+            raise ValueError(f"{', '.join(given)} need a mixture-of-experts model: add --num-experts")
+        return
+    if args.num_experts % ep != 0:
+        raise ValueError(f"--num-experts {args.num_experts} is not divisible by --expert-model-parallel-size {ep}: "
+                         "every expert-parallel rank holds the same number of experts")
+    if args.tensor_model_parallel_size > 1 and not args.sequence_parallel:
+        raise ValueError(f"--num-experts with --tensor-model-parallel-size {args.tensor_model_parallel_size} needs "
+                         "--sequence-parallel (as Megatron-LM): each tp rank routes its own chunk of the sequence")
+    if args.zero_stage == 3:
+        raise ValueError(f"--num-experts {args.num_experts} with ZeRO-3 (--zero-stage 3 / --use-megatron-fsdp) is "
+                         "not built: the experts' weights are read outside their modules' forward, which ZeRO-3 "
+                         "gathers around; use --use-distributed-optimizer or --zero-stage 1-2")
+    config = moe_config(args)  # topk, choices, capacity (ValueError naming them, in flag terms)
+    config.is_moe_layer(1, args.num_layers)

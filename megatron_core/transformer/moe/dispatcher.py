@@ -1,0 +1,204 @@
+"""Token dispatchers: move each (token, expert) assignment to the rank holding the expert and back.
+
+Experts are laid out consecutively over the expert-parallel (ep) group: ep rank r holds global experts
+``[r * E/ep, (r+1) * E/ep)``. Per rank: tokens ``[T, h]``, dense ``probs`` / ``routing_map`` ``[T, E]``;
+``dispatch`` returns the tokens for the local experts ``[N, h]`` sorted by local expert with one count per
+local expert, and ``combine`` turns the experts' output ``[N, h]`` back into ``[T, h]``: the sum over each
+token's experts of ``prob * expert_output`` (probabilities are applied on the token's own rank).
+
+Permutation is expert-major and stable in token order (Megatron-LM's ``permute``), so every layout sums a
+token's expert outputs in the same order.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_core.tensor_parallel.utils import group_rank, group_size
+
+
+@dataclasses.dataclass
+class CommStats:
+    """Bytes this rank sent to other ranks by the dispatcher's collectives (forward and backward)."""
+
+    bytes_sent: int = 0
+
+
+def permute(tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
+    """Expert-major copy of the routed tokens.
+
+    ``tokens [T, h]``, ``routing_map [T, E]``, ``probs [T, E]`` -> ``(permuted [M, h], token_index [M],
+    permuted_probs [M], counts [E])`` with M the number of assignments. No collective.
+    """
+    num_tokens, num_experts = routing_map.shape
+    map_t = routing_map.t()                                                          # [E, T]
+    token_index = torch.arange(num_tokens, device=tokens.device).expand(num_experts, -1).masked_select(map_t)
+    return tokens.index_select(0, token_index), token_index, probs.t().masked_select(map_t), map_t.sum(dim=1)
+
+
+def unpermute(expert_output: torch.Tensor, token_index: torch.Tensor, probs: torch.Tensor,
+              num_tokens: int) -> torch.Tensor:
+    """``[M, h]`` in ``permute`` order -> ``[T, h]``: each token's outputs weighted by ``probs`` and summed."""
+    weighted = expert_output * probs.to(expert_output.dtype)[:, None]
+    out = expert_output.new_zeros(num_tokens, expert_output.shape[1])
+    return out.index_add(0, token_index, weighted)
+
+
+class _AllToAll(torch.autograd.Function):
+    """``all_to_all_single`` with uneven splits; backward runs the all-to-all with the splits swapped."""
+
+    @staticmethod
+    def forward(ctx, x, output_splits, input_splits, group, stats):
+        ctx.splits, ctx.group, ctx.stats = (output_splits, input_splits), group, stats
+        return _all_to_all(x, output_splits, input_splits, group, stats)
+
+    @staticmethod
+    def backward(ctx, grad):
+        output_splits, input_splits = ctx.splits
+        return _all_to_all(grad, input_splits, output_splits, ctx.group, ctx.stats), None, None, None, None
+
+
+def _all_to_all(x, output_splits, input_splits, group, stats: Optional[CommStats]):
+    out = x.new_empty(sum(output_splits), *x.shape[1:])
+    dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)
+    if stats is not None:
+        me = group_rank(group)
+        sent = sum(n for r, n in enumerate(input_splits) if r != me)
+        stats.bytes_sent += sent * x[0:1].numel() * x.element_size()
+    return out
+
+
+def _reorder(x: torch.Tensor, sizes: list[int], rows: int, cols: int) -> torch.Tensor:
+    """Chunks of ``x`` laid out ``[rows, cols]`` (``sizes`` row-major) -> laid out ``[cols, rows]``."""
+    chunks = x.split(sizes)
+    return torch.cat([chunks[r * cols + c] for c in range(cols) for r in range(rows)])
+
+
+@dataclasses.dataclass
+class _Handle:
+    token_index: torch.Tensor
+    probs: torch.Tensor
+    num_tokens: int
+    input_splits: list[int] = dataclasses.field(default_factory=list)
+    output_splits: list[int] = dataclasses.field(default_factory=list)
+    recv_sizes: list[int] = dataclasses.field(default_factory=list)
+
+
+class AllToAllDispatcher:
+    """Permute, all-to-all with uneven splits, sort by local expert; combine reverses it.
+
+    Collectives (over ``ep_group``): dispatch all-to-alls the per-expert counts (no gradient) and the tokens
+    (backward: the reverse all-to-all of their gradient); combine all-to-alls the expert outputs back
+    (backward: the reverse). Per rank: ``sum(counts sent) = M`` assignments out, N received.
+    """
+
+    def __init__(self, *, num_experts: int, ep_group: Optional[dist.ProcessGroup],
+                 stats: Optional[CommStats] = None) -> None:
+        self.ep_group, self.ep = ep_group, group_size(ep_group)
+        self.num_experts, self.num_local = num_experts, num_experts // self.ep
+        self.stats = stats
+
+    def dispatch(self, tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor):
+        """-> ``(expert_input [N, h], tokens_per_local_expert list, handle)``."""
+        permuted, token_index, permuted_probs, counts = permute(tokens, routing_map, probs)
+        handle = _Handle(token_index, permuted_probs, tokens.shape[0])
+        if self.ep == 1:
+            return permuted, counts.tolist(), handle
+        send = counts.view(self.ep, self.num_local)                                   # [ep, E_local]
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send.contiguous(), group=self.ep_group)          # [ep (source), E_local]
+        handle.input_splits, handle.output_splits = send.sum(1).tolist(), recv.sum(1).tolist()
+        handle.recv_sizes = recv.flatten().tolist()
+        received = _AllToAll.apply(permuted, handle.output_splits, handle.input_splits, self.ep_group, self.stats)
+        expert_input = _reorder(received, handle.recv_sizes, self.ep, self.num_local)  # by (expert, source)
+        return expert_input, recv.sum(0).tolist(), handle
+
+    def combine(self, expert_output: torch.Tensor, handle: _Handle) -> torch.Tensor:
+        if self.ep > 1:
+            by_expert = [handle.recv_sizes[r * self.num_local + e] for e in range(self.num_local)
+                         for r in range(self.ep)]
+            by_source = _reorder(expert_output, by_expert, self.num_local, self.ep)
+            expert_output = _AllToAll.apply(by_source, handle.input_splits, handle.output_splits, self.ep_group,
+                                            self.stats)
+        return unpermute(expert_output, handle.token_index, handle.probs, handle.num_tokens)
+
+
+class _GatherFromEP(torch.autograd.Function):
+    """All-gather along dim 0 over ep; backward reduce-scatters (sums) the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, group, stats):
+        ctx.group, ctx.stats = group, stats
+        return _gather(x, group, stats)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter(grad, ctx.group, ctx.stats), None, None
+
+
+class _ReduceScatterToEP(torch.autograd.Function):
+    """Reduce-scatter (sum) along dim 0 over ep; backward all-gathers the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, group, stats):
+        ctx.group, ctx.stats = group, stats
+        return _reduce_scatter(x, group, stats)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather(grad, ctx.group, ctx.stats), None, None
+
+
+def _gather(x, group, stats):
+    size = group_size(group)
+    out = x.new_empty(size * x.shape[0], *x.shape[1:])
+    dist.all_gather_single(out, x.contiguous(), group=group)
+    if stats is not None:
+        stats.bytes_sent += x.numel() * x.element_size() * (size - 1)
+    return out
+
+
+def _reduce_scatter(x, group, stats):
+    size = group_size(group)
+    out = x.new_empty(x.shape[0] // size, *x.shape[1:])
+    dist.reduce_scatter_single(out, x.contiguous(), group=group)
+    if stats is not None:
+        stats.bytes_sent += out.numel() * out.element_size() * (size - 1)
+    return out
+
+
+class AllGatherDispatcher:
+    """All-gather every ep rank's tokens, run the local experts on those routed to them, reduce-scatter.
+
+    Collectives (over ``ep_group``): dispatch all-gathers tokens ``[T, h]``, probs ``[T, E]`` (backward:
+    reduce-scatter of their gradients) and the routing map (no gradient); combine reduce-scatters the
+    ``[ep * T, h]`` weighted outputs (backward: all-gather). Every ep rank must hold the same T.
+    """
+
+    def __init__(self, *, num_experts: int, ep_group: Optional[dist.ProcessGroup],
+                 stats: Optional[CommStats] = None) -> None:
+        self.ep_group, self.ep = ep_group, group_size(ep_group)
+        self.num_experts, self.num_local = num_experts, num_experts // self.ep
+        self.first = group_rank(ep_group) * self.num_local
+        self.stats = stats
+
+    def dispatch(self, tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor):
+        if self.ep > 1:
+            tokens = _GatherFromEP.apply(tokens, self.ep_group, self.stats)               # [ep T, h]
+            probs = _GatherFromEP.apply(probs, self.ep_group, self.stats)                 # [ep T, E]
+            gathered_map = routing_map.new_empty(self.ep * routing_map.shape[0], routing_map.shape[1],
+                                                 dtype=torch.uint8)
+            dist.all_gather_single(gathered_map, routing_map.to(torch.uint8).contiguous(), group=self.ep_group)
+            routing_map = gathered_map.bool()
+        local = slice(self.first, self.first + self.num_local)
+        permuted, token_index, permuted_probs, counts = permute(tokens, routing_map[:, local], probs[:, local])
+        return permuted, counts.tolist(), _Handle(token_index, permuted_probs, tokens.shape[0])
+
+    def combine(self, expert_output: torch.Tensor, handle: _Handle) -> torch.Tensor:
+        out = unpermute(expert_output, handle.token_index, handle.probs, handle.num_tokens)  # [ep T, h]
+        if self.ep > 1:
+            out = _ReduceScatterToEP.apply(out, self.ep_group, self.stats)                   # [T, h]
+        return out

@@ -1,0 +1,129 @@
+"""The routed experts of one MoE layer that live on this rank: ``num_moe_experts / ep`` MLPs.
+
+Each expert is ``fc2(act(fc1(x)))`` with fc1 ``[h -> f]`` (``[h -> 2f]`` for SwiGLU, ``[gate; up]``) and fc2
+``[f -> h]``, f = ``moe_ffn_hidden_size``; experts are not split over tp (expert tensor parallelism 1).
+Parameters are named by *global* expert id (``local_experts.<id>.linear_fc1.weight``), so checkpoints hold
+every expert under one name at any expert-parallel size, and carry ``is_expert = True`` / ``allreduce =
+False``: their gradients are reduced over the expert-data-parallel group, not dp.
+
+Initialization is layout-independent: expert e is drawn from ``expert_seeds[e]``, and the layer draws the
+seeds of all experts on every rank.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.utils.rnn import pad_sequence
+
+from megatron_core.config import TransformerConfig
+from megatron_core.tensor_parallel import init_method_normal, scaled_init_method_normal
+from megatron_core.tensor_parallel import set_tensor_model_parallel_attributes
+from megatron_core.tensor_parallel.initialization import InitMethod, InitRecipe, init_method_constant, init_param_
+
+
+def tag_expert(param: nn.Parameter) -> nn.Parameter:
+    """Marks an expert parameter: replicated only over the expert-data-parallel group."""
+    set_tensor_model_parallel_attributes(param, is_parallel=False, dim=-1, stride=1)
+    param.is_expert, param.allreduce = True, False
+    return param
+
+
+class ExpertLinear(nn.Module):
+    """``y = x W^T + b`` for one expert; W ``[out, in]`` (no tp split)."""
+
+    def __init__(self, in_size: int, out_size: int, *, bias: bool, init_method: InitMethod,
+                 dtype: torch.dtype, device) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_size, in_size, dtype=dtype, device=device))
+        init_param_(self.weight, (out_size, in_size), init_method=init_method)
+        tag_expert(self.weight)
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(out_size, dtype=dtype, device=device))
+            self.bias.init_recipe = InitRecipe(0, init_method_constant(0.0), (out_size,))
+            tag_expert(self.bias)
+
+
+class Expert(nn.Module):
+    def __init__(self, config: TransformerConfig, ffn: int, *, device) -> None:
+        super().__init__()
+        swiglu = config.activation == "swiglu"
+        common = dict(bias=config.add_bias_linear, dtype=config.params_dtype, device=device)
+        self.linear_fc1 = ExpertLinear(config.hidden_size, 2 * ffn if swiglu else ffn,
+                                       init_method=init_method_normal(config.init_method_std), **common)
+        self.linear_fc2 = ExpertLinear(ffn, config.hidden_size,
+                                       init_method=scaled_init_method_normal(config.init_method_std,
+                                                                             config.num_layers), **common)
+
+
+class LocalExperts(nn.Module):
+    """This rank's experts ``expert_ids`` (consecutive global ids).
+
+    Args:
+        config: the model's config (``config.moe.moe_ffn_hidden_size``, default ``ffn_hidden_size``).
+        expert_ids: the global ids held here.
+        expert_seeds: one init seed per global expert (all of them).
+        device: of the parameters.
+
+    forward: tokens ``[N, h]`` sorted by local expert, ``tokens_per_expert`` (one count per local expert,
+    summing to N) -> ``[N, h]``. No collective. With ``moe_grouped_gemm`` the experts run as two batched
+    matmuls over their token groups padded to the largest group (``torch.bmm``); otherwise a loop.
+    """
+
+    def __init__(self, config: TransformerConfig, *, expert_ids: Sequence[int], expert_seeds: Sequence[int],
+                 device) -> None:
+        super().__init__()
+        moe = config.moe
+        ffn = moe.moe_ffn_hidden_size or config.ffn_hidden_size
+        self.expert_ids, self.grouped = list(expert_ids), moe.moe_grouped_gemm
+        self.swiglu = config.activation == "swiglu"
+        self.gelu_approximate = "tanh" if config.openai_gelu else "none"
+        experts = {}
+        for expert_id in self.expert_ids:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(expert_seeds[expert_id])
+                experts[str(expert_id)] = Expert(config, ffn, device=device)
+        self.local_experts = nn.ModuleDict(experts)
+
+    def activation(self, x: torch.Tensor) -> torch.Tensor:
+        if self.swiglu:
+            gate, up = x.chunk(2, dim=-1)
+            return F.silu(gate) * up
+        return F.gelu(x, approximate=self.gelu_approximate)
+
+    def forward(self, tokens: torch.Tensor, tokens_per_expert: Sequence[int]) -> torch.Tensor:
+        counts = [int(c) for c in tokens_per_expert]
+        if len(counts) != len(self.expert_ids) or sum(counts) != tokens.shape[0]:
+            raise ValueError(f"tokens_per_expert {counts} must have one count per local expert "
+                             f"({len(self.expert_ids)}) summing to the {tokens.shape[0]} tokens")
+        if self.grouped:
+            return self._grouped(tokens, counts)
+        outputs = []
+        for expert, chunk in zip(self.local_experts.values(), tokens.split(counts)):
+            fc1, fc2 = expert.linear_fc1, expert.linear_fc2
+            outputs.append(F.linear(self.activation(F.linear(chunk, fc1.weight, fc1.bias)), fc2.weight, fc2.bias))
+        return torch.cat(outputs) if outputs else tokens[:0]
+
+    def _stacked(self, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``[E_local, out, in]`` weights and ``[E_local, 1, out]`` biases of fc1 or fc2."""
+        layers = [getattr(e, name) for e in self.local_experts.values()]
+        weight = torch.stack([layer.weight for layer in layers])
+        bias = torch.stack([layer.bias for layer in layers])[:, None] if layers[0].bias is not None else None
+        return weight, bias
+
+    def _grouped(self, tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        if tokens.shape[0] == 0:
+            return tokens[:0]
+        padded = pad_sequence(list(tokens.split(counts)), batch_first=True)   # [E_local, max_n, h]
+        w1, b1 = self._stacked("linear_fc1")
+        w2, b2 = self._stacked("linear_fc2")
+        hidden = torch.bmm(padded, w1.transpose(1, 2))                          # [E_local, max_n, f(*2)]
+        hidden = self.activation(hidden if b1 is None else hidden + b1)
+        out = torch.bmm(hidden, w2.transpose(1, 2))                             # [E_local, max_n, h]
+        out = out if b2 is None else out + b2
+        valid = torch.arange(padded.shape[1], device=tokens.device)[None, :] < torch.tensor(
+            counts, device=tokens.device)[:, None]                              # [E_local, max_n]
+        return out[valid]                                                       # [N, h], expert-major

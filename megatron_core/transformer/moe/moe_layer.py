@@ -1,0 +1,94 @@
+"""``MoELayer``: the mixture-of-experts MLP (Mixtral / DeepSeek style), and the layer spec that swaps it in.
+
+    router -> dispatch (ep all-to-all or all-gather) -> local experts -> combine -> (+ shared experts)
+
+Use it through the spec: ``GPTModel(config, ..., layer_spec=moe_layer_spec())`` with ``config.moe`` set;
+``moe_layer_freq`` decides which layers are MoE (the others keep the dense ``MLP``).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+from torch import nn
+
+from megatron_core.config import TransformerConfig
+from megatron_core.parallel_state import ParallelState
+from megatron_core.transformer.mlp import MLP
+from megatron_core.transformer.moe.dispatcher import AllGatherDispatcher, AllToAllDispatcher, CommStats
+from megatron_core.transformer.moe.experts import LocalExperts
+from megatron_core.transformer.moe.router import TopKRouter
+from megatron_core.transformer.spec import TransformerLayerSpec
+
+
+def check_moe_layout(config: TransformerConfig, state: ParallelState) -> None:
+    """ValueError naming the values when the MoE settings do not fit the layout."""
+    experts, ep, tp = config.moe.num_moe_experts, state.ep_size, state.tp_size
+    if experts % ep != 0:
+        raise ValueError(f"num_moe_experts {experts} is not divisible by expert_model_parallel_size {ep}: every ep "
+                         "rank holds the same number of experts; change --num-experts or "
+                         "--expert-model-parallel-size")
+    if tp > 1 and not config.sequence_parallel:
+        raise ValueError(f"MoE layers with tensor_model_parallel_size {tp} need sequence_parallel=True (as "
+                         "Megatron-LM): each tp rank routes its own chunk of the sequence; add --sequence-parallel")
+
+
+class MoELayer(nn.Module):
+    """Routed experts (``num_moe_experts / ep`` on this rank) plus optional shared experts.
+
+    Args:
+        config: the model's config; ``config.moe`` the MoE settings.
+        layer_number: global, 1-based.
+        parallel_state: the layout (``ep_group`` for dispatch, ``tp_group`` for the shared experts).
+
+    forward: hidden ``[s, b, h]`` (``[s/tp, b, h]`` with sequence parallelism) -> ``(output, None)`` of the
+    same shape. Collectives: the dispatcher's over ep (see ``dispatcher``), the shared experts' over tp (as
+    the dense MLP), and the router's count all-reduce over tp with sequence parallelism.
+
+    Initialization is layout-independent: the router first, then one seed per global expert (all of them,
+    on every rank), then the shared experts, all from the layer's seeded generator.
+    """
+
+    def __init__(self, config: TransformerConfig, *, layer_number: int, parallel_state: ParallelState) -> None:
+        super().__init__()
+        check_moe_layout(config, parallel_state)
+        moe = config.moe
+        self.layer_number, self.moe = layer_number, moe
+        self.router = TopKRouter(config, parallel_state=parallel_state, layer_number=layer_number)
+        seeds = [int(s) for s in torch.randint(0, 2 ** 31 - 1, (moe.num_moe_experts,))]
+        local = moe.num_moe_experts // parallel_state.ep_size
+        first = parallel_state.ep_rank * local
+        self.experts = LocalExperts(config, expert_ids=range(first, first + local), expert_seeds=seeds,
+                                    device=parallel_state.device)
+        self.shared_experts: Optional[MLP] = None
+        if moe.moe_shared_expert_intermediate_size:
+            shared = dataclasses.replace(config, ffn_hidden_size=moe.moe_shared_expert_intermediate_size, moe=None)
+            self.shared_experts = MLP(shared, layer_number=layer_number, parallel_state=parallel_state)
+        self.comm_stats = CommStats()
+        dispatcher = AllToAllDispatcher if moe.moe_token_dispatcher_type == "alltoall" else AllGatherDispatcher
+        self.dispatcher = dispatcher(num_experts=moe.num_moe_experts, ep_group=parallel_state.ep_group,
+                                     stats=self.comm_stats)
+
+    def forward(self, hidden: torch.Tensor):
+        probs, routing_map = self.router(hidden)                                  # [T, E] each
+        tokens = hidden.reshape(-1, hidden.shape[-1])                             # [T, h]
+        expert_input, counts, handle = self.dispatcher.dispatch(tokens, probs, routing_map)
+        expert_output = self.experts(expert_input, counts)                         # [N, h]
+        output = self.dispatcher.combine(expert_output, handle).view_as(hidden)    # [s, b, h]
+        if self.shared_experts is not None:
+            shared, bias = self.shared_experts(hidden)
+            output = output + (shared if bias is None else shared + bias)
+        return output, None
+
+
+def moe_or_dense_mlp(config: TransformerConfig, *, layer_number: int, parallel_state: ParallelState) -> nn.Module:
+    """The spec's ``mlp``: an ``MoELayer`` where ``config.moe.moe_layer_freq`` says so, else the dense MLP."""
+    if config.moe is not None and config.moe.is_moe_layer(layer_number, config.num_layers):
+        return MoELayer(config, layer_number=layer_number, parallel_state=parallel_state)
+    return MLP(config, layer_number=layer_number, parallel_state=parallel_state)
+
+
+def moe_layer_spec(base: Optional[TransformerLayerSpec] = None) -> TransformerLayerSpec:
+    """``base`` (default the GPT spec) with its MLP replaced by ``moe_or_dense_mlp``."""
+    return dataclasses.replace(base or TransformerLayerSpec(), mlp=moe_or_dense_mlp)

@@ -1,0 +1,155 @@
+"""``TopKRouter``: a linear gate over the experts, top-k selection, load-balancing and z losses, capacity.
+
+Per rank, with T = s_local * b tokens of this rank (s_local = s / tp under sequence parallelism):
+logits ``[T, E]`` = ``x W^T`` with W ``[E, h]`` replicated over every rank; the result is dense ``probs``
+``[T, E]`` (zero where a token is not routed) and the bool ``routing_map`` ``[T, E]``.
+
+Scores (Megatron-LM's ``topk_routing_with_score_function``):
+- softmax: top-k of the logits, then softmax over the k chosen (``pre_softmax``: softmax over all experts,
+  then top-k of the probabilities);
+- sigmoid: ``sigmoid(logits)``, top-k (of ``scores + expert_bias`` with the aux-loss-free bias), the k chosen
+  scores normalized to sum 1 when k > 1.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_core.config import TransformerConfig
+from megatron_core.parallel_state import ParallelState
+from megatron_core.tensor_parallel import init_method_normal, set_tensor_model_parallel_attributes
+from megatron_core.tensor_parallel.initialization import init_param_
+from megatron_core.transformer.moe.config import MoEConfig
+from megatron_core.transformer.moe.losses import attach_loss, sequence_aux_loss, switch_aux_loss, z_loss
+
+
+def apply_capacity(probs: torch.Tensor, routing_map: torch.Tensor, *, capacity: int, policy: str,
+                   pad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keeps at most ``capacity`` tokens per expert (``[T, E]`` in, ``[T, E]`` out).
+
+    ``policy`` "probs" keeps each expert's tokens with the highest probabilities, "position" the earliest.
+    ``pad``: every expert gets exactly ``capacity`` tokens, tokens not routed to it filling the rest with
+    probability 0 (they cost compute, change nothing). With ``capacity >= T`` nothing is dropped (and padding
+    sends every token to every expert), as in Megatron-LM.
+    """
+    num_tokens = probs.shape[0]
+    if capacity >= num_tokens:
+        keep = torch.ones_like(routing_map)
+    else:
+        if policy == "probs":
+            rank_by = probs.detach()
+        else:  # routed tokens first, each group in position order
+            position = torch.arange(num_tokens, device=probs.device, dtype=torch.float32)[:, None] / num_tokens
+            rank_by = routing_map.float() * 2.0 - position
+        index = torch.topk(rank_by, k=capacity, dim=0, sorted=False).indices  # [C, E]
+        keep = torch.zeros_like(routing_map).scatter(0, index, True)
+    final_map = keep if pad else routing_map & keep
+    return probs * final_map, final_map
+
+
+class TopKRouter(nn.Module):
+    """Routes each token to ``moe_router_topk`` of ``num_moe_experts`` experts.
+
+    Args:
+        config: the model's config (hidden size, init std, dtype, sequence parallelism); ``config.moe`` holds
+            the routing settings.
+        parallel_state: the layout; under sequence parallelism the aux losses count tokens over ``tp_group``.
+
+    forward: hidden ``[s_local, b, h]`` -> ``(probs [T, E], routing_map [T, E])``, T = s_local * b.
+    Collectives: with sequence parallelism, an all-reduce (no gradient) over tp of the expert counts for the
+    aux loss. The weight's grad is partial per tp rank then (tagged ``sequence_parallel``).
+
+    The aux and z losses enter backward through ``attach_loss`` with ``aux_loss_scale`` (set it to the
+    schedule's loss scale, ``1 / num_microbatches`` times the fp16 scale; default 1). ``loss_sums`` holds,
+    per training forward, this rank's partial losses divided by their coefficients (for logging).
+    """
+
+    def __init__(self, config: TransformerConfig, *, parallel_state: ParallelState, layer_number: int = 1) -> None:
+        super().__init__()
+        moe: MoEConfig = config.moe
+        self.layer_number, self.num_layers = layer_number, config.num_layers
+        self.moe, self.topk, self.num_experts = moe, moe.moe_router_topk, moe.num_moe_experts
+        self.weight = nn.Parameter(torch.empty(self.num_experts, config.hidden_size, dtype=config.params_dtype,
+                                               device=parallel_state.device))
+        init_param_(self.weight, (self.num_experts, config.hidden_size),
+                    init_method=init_method_normal(config.init_method_std))
+        set_tensor_model_parallel_attributes(self.weight, is_parallel=False, dim=-1, stride=1)
+        self.weight.sequence_parallel = config.sequence_parallel
+        self.split_group = parallel_state.tp_group if config.sequence_parallel else None
+        self.aux_loss_scale = 1.0
+        self.loss_sums: dict[str, torch.Tensor] = {}
+        self.loss_count = 0
+        if moe.moe_router_enable_expert_bias:
+            device = parallel_state.device if parallel_state.device.type != "meta" else None
+            self.register_buffer("expert_bias", torch.zeros(self.num_experts, dtype=torch.float32, device=device))
+            self.register_buffer("local_tokens_per_expert", torch.zeros(self.num_experts, dtype=torch.float32,
+                                                                        device=device), persistent=False)
+        else:
+            self.expert_bias = None
+
+    def _record(self, name: str, loss: torch.Tensor, coeff: float) -> None:
+        value = loss.detach().float() / coeff
+        self.loss_sums[name] = self.loss_sums.get(name, 0.0) + value
+
+    def _topk(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(topk_probs [T, k], topk_index [T, k], scores_for_aux [T, E])``."""
+        if self.moe.moe_router_score_function == "softmax":
+            all_probs = torch.softmax(logits, dim=-1)
+            if self.moe.moe_router_pre_softmax:
+                chosen, index = torch.topk(all_probs, self.topk, dim=-1)
+            else:
+                chosen, index = torch.topk(logits, self.topk, dim=-1)
+                chosen = torch.softmax(chosen, dim=-1)
+            return chosen, index, all_probs
+        scores = torch.sigmoid(logits)
+        if self.expert_bias is not None:
+            index = torch.topk(scores.detach() + self.expert_bias.to(scores.dtype), self.topk, dim=-1).indices
+            chosen = scores.gather(1, index)
+        else:
+            chosen, index = torch.topk(scores, self.topk, dim=-1)
+        if self.topk > 1:
+            chosen = chosen / (chosen.sum(dim=-1, keepdim=True) + 1e-20)
+        return chosen, index, scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
+
+    def _aux_loss(self, scores: torch.Tensor, routing_map: torch.Tensor, batch_size: int) -> torch.Tensor:
+        coeff = self.moe.moe_aux_loss_coeff
+        if self.moe.moe_router_load_balancing_type == "seq_aux_loss":
+            return sequence_aux_loss(scores, routing_map, batch_size=batch_size, topk=self.topk, coeff=coeff,
+                                     split_group=self.split_group)
+        return switch_aux_loss(scores, routing_map, topk=self.topk, coeff=coeff, split_group=self.split_group)
+
+    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        seq, batch, width = hidden.shape
+        dtype = self.moe.router_dtype or hidden.dtype
+        logits = F.linear(hidden.reshape(seq * batch, width).to(dtype), self.weight.to(dtype))  # [T, E]
+        training = self.training and torch.is_grad_enabled()
+        z_coeff = self.moe.moe_z_loss_coeff or 0.0
+        if z_coeff > 0:
+            loss = z_loss(logits, coeff=z_coeff, split_group=self.split_group)
+            logits = attach_loss(logits, loss, scale=self.aux_loss_scale)
+            if training:
+                self._record("z_loss", loss, z_coeff)
+        chosen, index, scores = self._topk(logits)
+        routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, index, True)   # [T, E]
+        probs = torch.zeros_like(logits).scatter(1, index, chosen)                         # [T, E]
+        if self.moe.has_aux_loss:
+            loss = self._aux_loss(scores, routing_map, batch)
+            probs = attach_loss(probs, loss, scale=self.aux_loss_scale)
+            if training:
+                self._record("load_balancing_loss", loss, self.moe.moe_aux_loss_coeff)
+        if training:
+            self.loss_count += 1
+        capacity = self.moe.capacity(seq * batch)
+        if capacity is not None:
+            probs, routing_map = apply_capacity(probs, routing_map, capacity=capacity,
+                                                policy=self.moe.moe_token_drop_policy,
+                                                pad=self.moe.moe_pad_expert_input_to_capacity)
+        if self.expert_bias is not None and training:
+            self.local_tokens_per_expert += routing_map.sum(dim=0).float()
+        return probs, routing_map
+
+    def reset_loss_sums(self) -> None:
+        self.loss_sums, self.loss_count = {}, 0

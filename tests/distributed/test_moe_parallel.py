@@ -1,0 +1,135 @@
+"""The MoE layer at ep 2 and 4 (alltoall and allgather dispatchers, loop and grouped GEMM, capacity dropping
+and padding) and at tp 2 with sequence parallelism equals the single-process layer holding every expert:
+outputs, aux and z losses, input grads and weight grads (summed over the ranks whose tokens reach a weight)."""
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+
+S, B, H, E = 8, 2, 8, 4
+
+OPTION_SETS = [
+    {"moe_token_dispatcher_type": "alltoall"},
+    {"moe_token_dispatcher_type": "alltoall", "moe_grouped_gemm": True, "moe_expert_capacity_factor": 0.75},
+    {"moe_token_dispatcher_type": "alltoall", "moe_expert_capacity_factor": 0.5,
+     "moe_pad_expert_input_to_capacity": True},
+    {"moe_token_dispatcher_type": "allgather"},
+    {"moe_token_dispatcher_type": "allgather", "moe_grouped_gemm": True, "moe_expert_capacity_factor": 0.5},
+    {"moe_token_dispatcher_type": "alltoall", "moe_router_load_balancing_type": "seq_aux_loss",
+     "moe_shared_expert_intermediate_size": 8},
+]
+
+
+def _config(sequence_parallel=False, tp=1, **moe):
+    from megatron_core.config import TransformerConfig
+    from megatron_core.transformer.moe import MoEConfig
+    moe = {"num_moe_experts": E, "moe_router_topk": 2, "moe_aux_loss_coeff": 0.1, "moe_z_loss_coeff": 0.01, **moe}
+    return TransformerConfig(num_layers=2, hidden_size=H, num_attention_heads=2, ffn_hidden_size=12,
+                             hidden_dropout=0.0, attention_dropout=0.0, max_position_embeddings=S,
+                             tensor_model_parallel_size=tp, sequence_parallel=sequence_parallel, moe=MoEConfig(**moe))
+
+
+def _single(state):
+    """The same rank without any parallelism: every expert on one rank."""
+    return dataclasses.replace(state, tp_size=1, tp_rank=0, tp_group=None, ep_size=1, ep_rank=0, ep_group=None)
+
+
+def _run(layer, x, g):
+    x = x.detach().requires_grad_(True)
+    out, _ = layer(x)
+    (out * g).sum().backward()
+    grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in layer.named_parameters()}
+    return out.detach(), x.grad, grads, {k: v.clone() for k, v in layer.router.loss_sums.items()}
+
+
+def _sum_over(tensor, group):
+    tensor = tensor.clone()
+    if group is not None:
+        dist.all_reduce(tensor, group=group)
+    return tensor
+
+
+def _ep_body(ep, option_sets):
+    from megatron_core import destroy_model_parallel, initialize_model_parallel
+    from megatron_core.transformer.moe import MoELayer
+    state = initialize_model_parallel(expert_model_parallel_size=ep)
+    worst = 0.0
+    try:
+        for options in option_sets:
+            torch.manual_seed(5)
+            layer = MoELayer(_config(**options), layer_number=1, parallel_state=state)
+            torch.manual_seed(5)
+            ref = MoELayer(_config(**options), layer_number=1, parallel_state=_single(state))
+            gen = torch.Generator().manual_seed(100 + state.rank)
+            x, g = torch.randn(S, B, H, generator=gen), torch.randn(S, B, H, generator=gen)
+            out, dx, grads, losses = _run(layer, x, g)
+            ref_out, ref_dx, ref_grads, ref_losses = _run(ref, x, g)
+            torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(dx, ref_dx, rtol=1e-5, atol=1e-6)
+            # experts see the tokens of the whole ep group (the same names in the same order on every rank)
+            summed = {n: _sum_over(v, state.ep_group) if ".local_experts." in n else v for n, v in ref_grads.items()}
+            for name, grad in grads.items():
+                expected = summed[name]
+                torch.testing.assert_close(grad, expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+                worst = max(worst, (grad - expected).abs().max().item())
+            for key, value in ref_losses.items():
+                torch.testing.assert_close(losses[key], value, rtol=1e-5, atol=1e-7)
+            assert len(layer.experts.local_experts) == E // ep
+    finally:
+        destroy_model_parallel(state)
+    return worst
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+def test_expert_parallel_layer_matches_single_process(distributed, ep):
+    worst = distributed(ep, _ep_body, ep, OPTION_SETS)
+    assert max(worst) < 1e-5
+
+
+def _tp_body(ep, options):
+    """tp 2 with sequence parallelism: each rank routes its half of the sequence."""
+    from megatron_core import destroy_model_parallel, initialize_model_parallel
+    from megatron_core.transformer.moe import MoELayer
+    state = initialize_model_parallel(2, expert_model_parallel_size=ep)
+    try:
+        torch.manual_seed(5)
+        layer = MoELayer(_config(True, 2, **options), layer_number=1, parallel_state=state)
+        torch.manual_seed(5)
+        ref = MoELayer(_config(**options), layer_number=1, parallel_state=_single(state))
+        gen = torch.Generator().manual_seed(100)
+        x, g = torch.randn(S, B, H, generator=gen), torch.randn(S, B, H, generator=gen)
+        mine = slice(state.tp_rank * S // 2, (state.tp_rank + 1) * S // 2)
+        out, dx, grads, losses = _run(layer, x[mine], g[mine])
+        ref_out, ref_dx, ref_grads, ref_losses = _run(ref, x, g)
+        torch.testing.assert_close(out, ref_out[mine], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(dx, ref_dx[mine], rtol=1e-5, atol=1e-6)
+        for name, grad in grads.items():  # the same names on both ranks when ep 1; different experts at ep 2
+            group = state.tp_group if name == "router.weight" else state.expert_dp_group
+            summed = _sum_over(grad, group)  # router: partial per tp rank; experts: reduced over expert-dp
+            torch.testing.assert_close(summed, ref_grads[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        for key, value in ref_losses.items():
+            torch.testing.assert_close(_sum_over(losses[key], state.tp_group), value, rtol=1e-5, atol=1e-7)
+    finally:
+        destroy_model_parallel(state)
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+def test_sequence_parallel_layer_matches_single_process(distributed, ep):
+    distributed(2, _tp_body, ep, {"moe_token_dispatcher_type": "alltoall", "moe_router_load_balancing_type":
+                                  "seq_aux_loss" if ep == 2 else "aux_loss"})  # no shared experts: tp-split
+
+
+def _bad_layout_body():
+    from megatron_core import destroy_model_parallel, initialize_model_parallel
+    from megatron_core.transformer.moe import MoELayer
+    state = initialize_model_parallel(expert_model_parallel_size=2)
+    try:
+        MoELayer(_config(num_moe_experts=3, moe_router_topk=1), layer_number=1, parallel_state=state)
+    finally:
+        destroy_model_parallel(state)
+
+
+def test_experts_not_divisible_by_ep_names_the_values(distributed):
+    with pytest.raises(ValueError, match="num_moe_experts 3 is not divisible by expert_model_parallel_size 2"):
+        distributed(2, _bad_layout_body)
