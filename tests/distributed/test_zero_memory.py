@@ -118,8 +118,10 @@ def test_zero3_under_recompute(distributed, recompute):
     reference = distributed(2, _train_tracked, 0, **recompute)
     results = distributed(2, _train_tracked, 3, **recompute)
     _assert_same_weights(results, reference)
-    for _, measured in results:
+    for (_, measured), (_, zero0) in zip(results, reference):
         assert measured["peak"]["gathered_parameters"] <= measured["bound"]
+        for fwd3, fwd0 in zip(measured["after_forward"], zero0["after_forward"]):
+            assert fwd3["activations"] <= fwd0["activations"] + 4096, (fwd3, fwd0)
 
 
 def test_zero2_frees_gradient_buckets_during_backward(distributed, stage0):
@@ -153,21 +155,24 @@ def _pipeline_zero3(stage: int, vpp=None):
                     seq_length=SEQ, micro_batch_size=MICRO_BATCH, parallel_state=state)
                 assert optimizer.step()[0]
         gathered = tracker.peak_by_category.get("gathered_parameters", 0)
+        activations = tracker.peak_by_category.get("activations", 0)
         bound = sum(_gather_bound(d) for d in ddps) if stage == 3 else 0
         params = [d.state_dict() for d in ddps]
         destroy_model_parallel(state)
-        return params, gathered, bound
+        return params, (gathered, activations), bound
 
 
 @pytest.mark.parametrize("vpp", [None, 2], ids=["1f1b", "interleaved"])
 def test_zero3_in_pipelines_with_four_microbatches_in_flight(distributed, vpp):
     reference = distributed(4, _pipeline_zero3, 0, vpp)
     results = distributed(4, _pipeline_zero3, 3, vpp)
-    for (params, gathered, bound), (ref_params, _, _) in zip(results, reference):
+    for (params, (gathered, activations), bound), (ref_params, (_, ref_activations), _) in zip(results, reference):
         for chunk, ref_chunk in zip(params, ref_params):
             for name, value in chunk.items():
                 torch.testing.assert_close(value, ref_chunk[name], rtol=0, atol=1e-5, msg=name)
         assert 0 < gathered <= bound
+        # the micro-batches in flight hold their activations, not copies of the gathered parameters
+        assert activations <= ref_activations + 16384, (activations, ref_activations)
 
 
 # ------------------------------------------------------------------------------------------------------------
