@@ -31,6 +31,7 @@ def build_datasets(args: argparse.Namespace, tokenizer, global_batch: int):
     return build_gpt_datasets(GPTDataConfig(
         seq_length=args.seq_length, data_path=args.data_path or None, split=args.split, seed=args.seed,
         tokenizer=tokenizer, train_samples=counts[0], valid_samples=counts[1], test_samples=counts[2],
+        eod_mask_loss=args.eod_mask_loss, reset_position_ids=args.reset_position_ids,
         index_cache_dir=args.data_cache_path))
 
 
