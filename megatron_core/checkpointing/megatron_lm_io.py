@@ -19,7 +19,6 @@ an unpickler that only resolves the checkpoint-metadata classes of ``torch.distr
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
 import pickle
@@ -80,6 +79,9 @@ class _MetadataUnpickler(pickle.Unpickler):
         if module == "collections" and name == "OrderedDict":
             import collections
             return collections.OrderedDict
+        if module == "pathlib" and name in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"):
+            import pathlib
+            return getattr(pathlib, name)  # the checkpoint id torch records
         if module == "torch.serialization" and name == "_get_layout":
             return torch.serialization._get_layout
         if module == "torch" and name == "Size":
@@ -134,16 +136,12 @@ class DcpTensorReader:
 
 
 def write_dcp(folder: str, tensors: dict[str, torch.Tensor], objects: dict[str, Any]) -> None:
-    """Writes ``tensors`` (full, global shapes) and ``objects`` (stored as ``torch.save`` bytes, as
-    megatron-core stores its sharded objects) as a distributed checkpoint in ``folder``."""
+    """Writes ``tensors`` (full, global shapes) and ``objects`` (each stored as the ``torch.save`` bytes of a
+    one-item list, as megatron-core packs its sharded objects) as a distributed checkpoint in ``folder``."""
     import torch.distributed.checkpoint as dcp
 
     state: dict[str, Any] = dict(tensors)
-    for key, value in objects.items():
-        buffer = io.BytesIO()
-        torch.save(value, buffer)
-        buffer.seek(0)
-        state[key] = buffer
+    state.update({key: [value] for key, value in objects.items()})  # DCP stores non-tensors as torch.save bytes
     dcp.save(state, storage_writer=dcp.FileSystemWriter(folder, thread_count=1), no_dist=True)
 
 

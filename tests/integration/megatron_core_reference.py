@@ -14,6 +14,7 @@ import argparse
 import contextlib
 import os
 import sys
+import tempfile
 import warnings
 
 import torch
@@ -138,11 +139,10 @@ def load(model, folder: str, fmt: str) -> None:
         model.load_state_dict(loaded["model"], strict=True)
 
 
-def rank_main(rank: int, world: int, options: argparse.Namespace) -> None:
+def rank_main(rank: int, world: int, options: argparse.Namespace, store: str) -> None:
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(os.path.join(options.dir, ".store"), world), rank=rank,
-                            world_size=world)
+    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
     _patch_cuda()
     from megatron.core import parallel_state as mps
 
@@ -171,10 +171,12 @@ def main(argv=None) -> int:
     options = parser.parse_args(argv)
     os.makedirs(options.dir, exist_ok=True)
     world = options.tp * options.pp
-    if world == 1:
-        rank_main(0, 1, options)
-    else:
-        torch.multiprocessing.spawn(rank_main, args=(world, options), nprocs=world)
+    with tempfile.TemporaryDirectory() as folder:
+        store = os.path.join(folder, "store")
+        if world == 1:
+            rank_main(0, 1, options, store)
+        else:
+            torch.multiprocessing.spawn(rank_main, args=(world, options, store), nprocs=world)
     return 0
 
 
