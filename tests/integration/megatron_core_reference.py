@@ -160,6 +160,14 @@ def rank_main(rank: int, world: int, options: argparse.Namespace, store: str) ->
     dist.destroy_process_group()
 
 
+def _import_megatron_core() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import megatron.core.dist_checkpointing  # noqa: F401
+        import megatron.core.models.gpt.gpt_layer_specs  # noqa: F401
+        import megatron.core.models.gpt.gpt_model  # noqa: F401
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("mode", choices=["save", "load"])
@@ -176,7 +184,9 @@ def main(argv=None) -> int:
         if world == 1:
             rank_main(0, 1, options, store)
         else:
-            torch.multiprocessing.spawn(rank_main, args=(world, options, store), nprocs=world)
+            _import_megatron_core()  # once, before forking the ranks (an import costs seconds of CPU)
+            torch.multiprocessing.start_processes(rank_main, args=(world, options, store), nprocs=world,
+                                                  start_method="fork")
     return 0
 
 
