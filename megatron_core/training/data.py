@@ -15,7 +15,9 @@ from megatron_core.parallel_state import ParallelState
 def build_run_tokenizer(args: argparse.Namespace):
     """The tokenizer the flags name (default: the byte tokenizer, which needs no file)."""
     return build_tokenizer(args.tokenizer_type or "ByteTokenizer", tokenizer_model=args.tokenizer_model,
-                           vocab_file=args.vocab_file, merge_file=args.merge_file, vocab_size=args.vocab_size)
+                           vocab_file=args.vocab_file, merge_file=args.merge_file, vocab_size=args.vocab_size,
+                           tiktoken_pattern=args.tiktoken_pattern,
+                           tiktoken_num_special_tokens=args.tiktoken_num_special_tokens)
 
 
 def build_datasets(args: argparse.Namespace, tokenizer, global_batch: int):
