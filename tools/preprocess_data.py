@@ -34,7 +34,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     group.add_argument("--tokenizer-model", default=None, help="sentencepiece .model")
     group.add_argument("--vocab-file", default=None, help="GPT-2 vocab.json")
     group.add_argument("--merge-file", default=None, help="GPT-2 merges.txt")
-    group.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer vocabulary size")
+    group.add_argument("--vocab-size", type=int, default=None,
+                       help="NullTokenizer: ids before eod; TikTokenizer: all ids (default 2**17)")
+    group.add_argument("--tiktoken-pattern", default=None, help="TikTokenizer: v1 or v2 (default v2)")
+    group.add_argument("--tiktoken-num-special-tokens", type=int, default=1000)
     group.add_argument("--append-eod", action="store_true", help="end each document with the eod token")
     group = parser.add_argument_group("output data")
     group.add_argument("--output-prefix", required=True, help="writes PREFIX_{key}_document.bin/.idx")
@@ -58,7 +61,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     tokenizer_args = dict(tokenizer_type=args.tokenizer_type, tokenizer_model=args.tokenizer_model,
-                          vocab_file=args.vocab_file, merge_file=args.merge_file, vocab_size=args.vocab_size)
+                          vocab_file=args.vocab_file, merge_file=args.merge_file, vocab_size=args.vocab_size,
+                          tiktoken_pattern=args.tiktoken_pattern,
+                          tiktoken_num_special_tokens=args.tiktoken_num_special_tokens)
     stats = PreprocessStats()
 
     def progress(s: PreprocessStats) -> None:

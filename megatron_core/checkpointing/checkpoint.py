@@ -35,6 +35,7 @@ from megatron_core.checkpointing.layout import (
     repad_vocab,
     take_shard,
 )
+from megatron_core.checkpointing.megatron_lm_io import describe_foreign
 from megatron_core.checkpointing.optimizer_state import collect_optimizer_state, restore_optimizer_state
 from megatron_core.config import TransformerConfig
 from megatron_core.parallel_state import ParallelState
@@ -205,6 +206,9 @@ def read_metadata(directory: str, iteration: Optional[int] = None, *, fallback: 
     With ``fallback``, every file of the checkpoint is verified first and, if one is missing or corrupt, the
     next older complete checkpoint is tried (each failure is logged).
     """
+    foreign = describe_foreign(directory)
+    if foreign:
+        raise ValueError(foreign)
     iteration = latest_iteration(directory) if iteration is None else iteration
     if iteration is None:
         raise ValueError(f"no checkpoint in {directory}: {LATEST} is missing")

@@ -147,6 +147,8 @@ def _io_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--mock-data", action="store_true", help="synthetic documents, no files")
     g.add_argument("--split", default="969,30,1")
     g.add_argument("--data-cache-path", default=None, help="where sample indices are cached")
+    g.add_argument("--eod-mask-loss", action="store_true", help="no loss where the input token is eod")
+    g.add_argument("--reset-position-ids", action="store_true", help="position ids restart after each eod")
     g.add_argument("--tokenizer-type", default=None,
                    help="default: GPT2BPETokenizer with --vocab-file/--merge-file, else ByteTokenizer")
     g.add_argument("--tokenizer-model", default=None)

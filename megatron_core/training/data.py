@@ -16,7 +16,9 @@ from megatron_core.parallel_state import ParallelState
 def build_run_tokenizer(args: argparse.Namespace):
     """The tokenizer the flags name (default: the byte tokenizer, which needs no file)."""
     return build_tokenizer(args.tokenizer_type or "ByteTokenizer", tokenizer_model=args.tokenizer_model,
-                           vocab_file=args.vocab_file, merge_file=args.merge_file, vocab_size=args.vocab_size)
+                           vocab_file=args.vocab_file, merge_file=args.merge_file, vocab_size=args.vocab_size,
+                           tiktoken_pattern=args.tiktoken_pattern,
+                           tiktoken_num_special_tokens=args.tiktoken_num_special_tokens)
 
 
 def build_datasets(args: argparse.Namespace, tokenizer, global_batch: int):
@@ -32,6 +34,7 @@ def build_datasets(args: argparse.Namespace, tokenizer, global_batch: int):
     return build_gpt_datasets(GPTDataConfig(
         seq_length=args.seq_length, data_path=args.data_path or None, split=args.split, seed=args.seed,
         tokenizer=tokenizer, train_samples=counts[0], valid_samples=counts[1], test_samples=counts[2],
+        eod_mask_loss=args.eod_mask_loss, reset_position_ids=args.reset_position_ids,
         index_cache_dir=args.data_cache_path))
 
 
