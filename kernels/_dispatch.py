@@ -110,6 +110,11 @@ def unsupported_dtype(what: str, tensor: torch.Tensor) -> Optional[str]:
     return f"{what} dtype {tensor.dtype} (supported: float32, float16, bfloat16)"
 
 
+def would_run_triton(device: torch.device) -> bool:
+    """Whether an op on ``device`` would run Triton now (the backend mode and rules 2-4), without recording."""
+    return _mode != "torch" and triton_unavailable_reason(device) is None
+
+
 def select(op: str, device: torch.device, unsupported: Optional[str] = None) -> str:
     """Picks and records the backend for one call of ``op`` on ``device``.
 
