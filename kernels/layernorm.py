@@ -175,7 +175,7 @@ def _forward_triton(x, weight, bias, eps, rms):
     mean = torch.empty(rows, dtype=torch.float32, device=x.device)
     rstd = torch.empty_like(mean)
     block, one_block = _dispatch.block_size(hidden, _MAX_BLOCK)
-    _norm_fwd_kernel[(rows,)](x, weight, weight if bias is None else bias, y, mean, rstd, hidden, eps,
+    _dispatch.launch(_norm_fwd_kernel, (rows,), x, weight, weight if bias is None else bias, y, mean, rstd, hidden, eps,
                               IS_RMS=rms, HAS_BIAS=bias is not None, ONE_BLOCK=one_block, BLOCK=block,
                               num_warps=_dispatch.num_warps(block))
     return y, mean, rstd
@@ -198,7 +198,7 @@ def _backward_triton(x, weight, dy, mean, rstd, rms, has_bias):
     block, one_block = _dispatch.block_size(hidden, _MAX_BLOCK)
     dw = torch.zeros(programs, hidden, dtype=torch.float32, device=x.device)
     db = torch.zeros_like(dw) if has_bias else dw
-    _norm_bwd_kernel[(programs,)](x, weight, dy, dx, mean, rstd, dw, db, rows, hidden, per_program,
+    _dispatch.launch(_norm_bwd_kernel, (programs,), x, weight, dy, dx, mean, rstd, dw, db, rows, hidden, per_program,
                                   IS_RMS=rms, HAS_BIAS=has_bias, ONE_BLOCK=one_block, BLOCK=block,
                                   num_warps=_dispatch.num_warps(block))
     return dx, dw.sum(dim=0), db.sum(dim=0)
