@@ -42,9 +42,11 @@ def initialize_distributed(args: argparse.Namespace) -> None:
     backend = args.distributed_backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":  # CUDA-only path
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29517"))
-    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes))
+    timeout = datetime.timedelta(minutes=args.distributed_timeout_minutes)
+    if "RANK" not in os.environ:  # one process, no launcher: an in-memory store, no port to collide on
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        return
+    dist.init_process_group(backend, timeout=timeout)
 
 
 def build_run(args: argparse.Namespace) -> Run:
