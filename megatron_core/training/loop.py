@@ -23,7 +23,7 @@ from megatron_core.models import GPTModel
 from megatron_core.pipeline_parallel import PipelineError, get_forward_backward_func
 from megatron_core.tensor_parallel import model_parallel_seed
 from megatron_core.training.arguments import transformer_config
-from megatron_core.training.data import build_datasets, build_run_tokenizer, micro_batches, take
+from megatron_core.training.data import build_datasets_once_per_node, build_run_tokenizer, micro_batches, take
 from megatron_core.training.metrics import MetricsWriter, format_log_line
 from megatron_core.training.optimizer_setup import build_optimizer, wrap_data_parallel
 from megatron_core.training.runtime import RuntimeHooks, WandbSink
@@ -74,7 +74,10 @@ def build_run(args: argparse.Namespace) -> Run:
     model_parallel_seed(args.seed + 100 * state.pp_rank, tp_rank=state.tp_rank, device=state.device)
     chunks = wrap_data_parallel(args, chunks, state)
     optimizer = build_optimizer(args, chunks, state)
-    train, valid, _ = build_datasets(args, tokenizer, global_batch)
+    (train, valid, _), builders = build_datasets_once_per_node(args, tokenizer, global_batch)
+    if state.rank == 0 and builders:
+        print(f" dataset indices built by {builders} of {state.world_size} ranks, loaded from the cache by the "
+              "others", flush=True)
     run = Run(args=args, config=config, state=state, chunks=chunks, optimizer=optimizer,
               scheduler=build_lr_scheduler(args), tokenizer=tokenizer, train_dataset=train, valid_dataset=valid,
               global_batch=global_batch, num_microbatches=global_batch // micro_per_step)
