@@ -74,7 +74,8 @@ class Agents:
             command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", nnodes, "--node-rank", str(node),
                        "--nproc-per-node", str(nproc_per_node), "--rdzv-backend", "c10d",
                        "--rdzv-endpoint", f"127.0.0.1:{self.port}", "--rdzv-id", "test",
-                       "--rdzv-conf", f"is_host={int(node == 0)},last_call_timeout=3,join_timeout=60",
+                       "--rdzv-conf", f"is_host={int(node == 0)},last_call_timeout=3,join_timeout=60,keep_alive_interval=1,"
+                       "keep_alive_max_attempt=2",
                        "--monitor-interval", "0.2", *torchrun_args, str(ROOT / "pretrain_gpt.py"), *argv]
             log = open(out_dir / f"agent{node}.log", "w")
             self.procs.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
