@@ -58,3 +58,24 @@ def test_killing_a_node_restarts_the_survivor_at_dp1_from_the_newest_checkpoint(
     for got, want in zip([r["lm_loss"] for r in tail], reference):
         assert abs(got - want) <= 1e-5 * abs(want), ([r["lm_loss"] for r in tail], reference)
     assert recovered_in < 100, recovered_in
+
+
+def test_a_worker_whose_agent_is_killed_exits_at_once(tmp_path):
+    """SIGKILL of the torchrun agent alone: its worker (in a session of its own) notices and exits within
+    about a second instead of training on as an orphan."""
+    import os
+    import signal
+    metrics = tmp_path / "metrics.jsonl"
+    with Agents([*TINY, "--train-iters", "100000", "--metrics-file", str(metrics)], nproc_per_node=1, nnodes="1",
+                agents=1, out_dir=tmp_path) as agents:
+        assert agents.wait(90, until=lambda: len(_records(metrics)) >= 2), agents.log(0)[-3000:]
+        workers = [pid for pid in agents.workers(0) if "pretrain_gpt.py" in open(f"/proc/{pid}/cmdline").read()]
+        assert len(workers) == 1, workers
+        os.kill(agents.procs[0].pid, signal.SIGKILL)
+        killed = time.monotonic()
+        while os.path.exists(f"/proc/{workers[0]}") and time.monotonic() - killed < 10:
+            if open(f"/proc/{workers[0]}/stat").read().split()[2] == "Z":
+                break  # exited, not yet reaped
+            time.sleep(0.05)
+        lived = time.monotonic() - killed
+    assert lived < 3, f"the orphaned worker still ran {lived:.1f} s after its agent was killed"
