@@ -59,7 +59,7 @@ class Agents:
         argv: pretrain_gpt.py's flags.
         nproc_per_node: workers per agent.
         nnodes: torchrun's ``--nnodes`` (``"2"`` or ``"1:2"``).
-        agents: how many agents to start (the first hosts the rendezvous store).
+        agents: how many agents to start now (the first hosts the rendezvous store); ``start()`` adds one.
         torchrun_args: more torchrun flags (``--max-restarts 1``).
         out_dir: where each agent's stdout/stderr go (``agent0.log``...).
     """
@@ -67,19 +67,26 @@ class Agents:
     def __init__(self, argv: Sequence[str], *, nproc_per_node: int, nnodes: str, agents: int = 2,
                  torchrun_args: Sequence[str] = (), out_dir: pathlib.Path) -> None:
         self.port, self.out_dir, self.seen = free_port(), out_dir, set()
+        self.argv, self.nproc_per_node, self.nnodes, self.torchrun_args = list(argv), nproc_per_node, nnodes, list(
+            torchrun_args)
+        self.procs: list[subprocess.Popen] = []
+        for _ in range(agents):
+            self.start()
+
+    def start(self) -> None:
+        """Starts one more agent (the next node: the first one hosts the rendezvous store)."""
+        node = len(self.procs)
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-        self.procs = []
-        for node in range(agents):
-            command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", nnodes, "--node-rank", str(node),
-                       "--nproc-per-node", str(nproc_per_node), "--rdzv-backend", "c10d",
-                       "--rdzv-endpoint", f"127.0.0.1:{self.port}", "--rdzv-id", "test",
-                       "--rdzv-conf", f"is_host={int(node == 0)},last_call_timeout=3,join_timeout=60,keep_alive_interval=1,"
-                       "keep_alive_max_attempt=2",
-                       "--monitor-interval", "0.2", *torchrun_args, str(ROOT / "pretrain_gpt.py"), *argv]
-            log = open(out_dir / f"agent{node}.log", "w")
-            self.procs.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
-                                               start_new_session=True))
+        command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", self.nnodes, "--node-rank", str(node),
+                   "--nproc-per-node", str(self.nproc_per_node), "--rdzv-backend", "c10d",
+                   "--rdzv-endpoint", f"127.0.0.1:{self.port}", "--rdzv-id", "test",
+                   "--rdzv-conf", f"is_host={int(node == 0)},last_call_timeout=3,join_timeout=60,keep_alive_interval=1,"
+                   "keep_alive_max_attempt=2",
+                   "--monitor-interval", "0.2", *self.torchrun_args, str(ROOT / "pretrain_gpt.py"), *self.argv]
+        log = open(self.out_dir / f"agent{node}.log", "w")
+        self.procs.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+                                           start_new_session=True))
 
     def __enter__(self) -> "Agents":
         return self
