@@ -28,6 +28,7 @@ from megatron_core.checkpointing.checkpoint import (
     safe_path,
     sha256_file,
 )
+from megatron_core.checkpointing.durable import publish_folder
 from megatron_core.checkpointing.layout import merge_shards, repad_vocab, take_shard
 from megatron_core.checkpointing.streaming import ProgressBar, StreamingSafetensorsWriter, parse_dtype
 from megatron_core.config import TransformerConfig
@@ -224,7 +225,7 @@ def write_mcore_checkpoint(source: SourceCheckpoint, save_dir: str, *, config: T
     fsync_write(os.path.join(partial, "metadata.json"), json.dumps(metadata, indent=1).encode())
     if os.path.exists(final):
         shutil.rmtree(final)
-    os.replace(partial, final)
+    publish_folder(partial, final)
     fsync_write(os.path.join(save_dir, LATEST), str(source.iteration).encode())
     return final
 

@@ -19,6 +19,7 @@ import torch
 from megatron_core.config import TransformerConfig
 from megatron_core.training import arguments_megatron as megatron_flags
 from megatron_core.training.arguments_moe import add_moe_flags, moe_config, validate_moe_flags
+from megatron_core.training.elastic import add_elastic_flags, validate_elastic_flags
 from megatron_core.training.schedule import validate_schedule_flags
 
 logger = logging.getLogger(__name__)
@@ -183,6 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
         add(parser)
     megatron_flags.add_megatron_flags(parser)
     add_moe_flags(parser)
+    add_elastic_flags(parser)
     return parser
 
 
@@ -282,6 +284,7 @@ def validate_args(args: argparse.Namespace) -> None:
         args.tokenizer_type = "GPT2BPETokenizer"  # Megatron's default tokenizer
     megatron_flags.validate_megatron_flags(args)
     validate_moe_flags(args)
+    validate_elastic_flags(args)
 
 
 def virtual_pipeline_size(args: argparse.Namespace) -> Optional[int]:
