@@ -3,6 +3,9 @@
     # reshard a megatron_core checkpoint to tp 4 x pp 2 (optimizer states converted too)
     python tools/checkpoint_convert.py --model-type GPT --loader mcore --saver mcore --load-dir ckpt \\
         --save-dir ckpt_tp4_pp2 --target-tensor-parallel-size 4 --target-pipeline-parallel-size 2 --check
+    # reshard an MoE checkpoint to tp 2 x ep 4 (experts keep their global ids; --num-experts divisible by ep)
+    python tools/checkpoint_convert.py --model-type GPT --loader mcore --saver mcore --load-dir moe_ckpt \\
+        --save-dir moe_tp2_ep4 --target-tensor-parallel-size 2 --target-expert-parallel-size 4
     # import a Hugging Face GPT-2 folder (config.json + model.safetensors or pytorch_model.bin)
     python tools/checkpoint_convert.py --model-type GPT --loader hf --saver mcore --load-dir gpt2 \\
         --save-dir ckpt_gpt2 --target-tensor-parallel-size 2 --target-pipeline-parallel-size 2
@@ -34,6 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_core.checkpointing.convert import (  # noqa: E402
     SourceCheckpoint,
+    expert_id_of,
     read_mcore_checkpoint,
     write_mcore_checkpoint,
 )
@@ -55,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-dir", required=True)
     p.add_argument("--target-tensor-parallel-size", type=int, default=None, help="default: the source's")
     p.add_argument("--target-pipeline-parallel-size", type=int, default=None, help="default: the source's")
+    p.add_argument("--target-expert-parallel-size", type=int, default=None,
+                   help="MoE: the target --expert-model-parallel-size (default: the source's)")
     p.add_argument("--target-data-parallel-size", type=int, default=1,
                    help="recorded in the layout; data-parallel sharding happens at load time")
     p.add_argument("--true-vocab-size", type=int, default=None,
@@ -78,11 +84,15 @@ def read_source(args: argparse.Namespace) -> SourceCheckpoint:
     return read_hf_gpt2(args.load_dir, vars(run_flags({})))
 
 
-def target_flags(source: SourceCheckpoint, tp: int, pp: int) -> dict:
+def target_flags(source: SourceCheckpoint, tp: int, pp: int, ep: int = 1) -> dict:
     """The source's run flags at the target layout (virtual pipelining and sequence parallelism reset
     when they no longer apply)."""
     flags = dict(source.flags)
     flags.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    if flags.get("num_experts") or ep > 1:
+        flags["expert_model_parallel_size"] = ep
+        if tp > 1:  # MoE layers at tp > 1 route each tp rank's chunk of the sequence
+            flags["sequence_parallel"] = True
     per_stage = flags.get("num_layers_per_virtual_pipeline_stage")
     if per_stage and (pp == 1 or flags["num_layers"] % (pp * per_stage) != 0):
         flags["num_layers_per_virtual_pipeline_stage"] = None
@@ -107,10 +117,16 @@ def convert(args: argparse.Namespace) -> str:
     """Runs the conversion the flags describe; returns the written folder."""
     source = read_source(args)
     tp, pp, dp = target_layout(args, source)
+    ep = args.target_expert_parallel_size
+    ep = int(source.layout.get("ep", 1)) if ep is None else ep
+    has_experts = any(expert_id_of(t.name) is not None for t in source.tensors)
+    if has_experts and args.saver != "mcore":
+        raise ValueError(f"{source.description} is a mixture-of-experts checkpoint: only --saver mcore writes "
+                         "experts")
     if args.saver == "hf":
         from megatron_core.checkpointing.hf_gpt2 import write_hf_gpt2
         return write_hf_gpt2(source, args.save_dir, progress=not args.no_progress)
-    flags = target_flags(source, tp, pp)
+    flags = target_flags(source, tp, pp, ep)
     try:
         config = config_from_flags(flags, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     except ValueError as error:
@@ -120,7 +136,7 @@ def convert(args: argparse.Namespace) -> str:
         from megatron_core.checkpointing.megatron_lm import write_megatron_lm_checkpoint
         return write_megatron_lm_checkpoint(source, args.save_dir, tp=tp, pp=pp, ckpt_format=args.ckpt_format)
     return write_mcore_checkpoint(source, args.save_dir, config=config, flags=flags, data_parallel_size=dp,
-                                  no_optim=args.no_optim, progress=not args.no_progress)
+                                  no_optim=args.no_optim, progress=not args.no_progress, expert_parallel_size=ep)
 
 
 def reference_logits(kind: str, directory: str, tokens: torch.Tensor) -> torch.Tensor:

@@ -32,6 +32,7 @@ from torch import nn
 
 from megatron_core.checkpointing.durable import fsync_write, publish_folder, save_file_durably
 from megatron_core.checkpointing.layout import (
+    global_named_buffers,
     global_named_parameters,
     merge_shards,
     partition_record,
@@ -131,6 +132,9 @@ def prepare_checkpoint(directory: str, *, iteration: int, model_chunks: Sequence
         named = global_named_parameters(model_chunks, config, state)
         # a copy: a ZeRO-3 parameter's gathered storage is freed when the block ends
         tensors = {name: (param.detach().to("cpu", copy=True).contiguous(), param) for name, param in named.items()}
+    # model-state buffers (the router's expert bias): replicated, saved with the dense weights
+    tensors.update({name: (buffer.detach().to("cpu", copy=True).contiguous(), buffer)
+                    for name, buffer in global_named_buffers(model_chunks, config, state).items()})
     optimizer_scalars = None
     if optimizer is not None:
         optim_tensors, optimizer_scalars = collect_optimizer_state(optimizer, named, state)
@@ -314,6 +318,13 @@ def load_model_weights(folder: str, metadata: dict, *, model_chunks: Sequence[nn
                                      "model shape?)")
                 with torch.no_grad():
                     param.copy_(shard.to(param.dtype))
+            for name, buffer in global_named_buffers(model_chunks, config, state).items():
+                shard = reader.read(name, buffer)
+                if shard is None:  # a checkpoint from before buffers were saved: the buffer keeps its value
+                    logger.warning("checkpoint %s has no buffer %r: it keeps its initial value", folder, name)
+                    continue
+                with torch.no_grad():
+                    buffer.copy_(shard.to(buffer.dtype))
             _store_gathered(model_chunks)
             if optimizer is not None:
                 if metadata.get("optimizer") is None:
