@@ -47,6 +47,7 @@ def _run(attention, x, positions, mask, dout, rope):
 
 def _self_attention_parity(cp: int, comm_type: str, name: str) -> None:
     _, _, _, rope, padded = ATTENTION[name]
+    torch.manual_seed(0)  # the same weights on every rank, whatever an earlier task left in this worker
     with kernels.use_backend("torch"):
         state = initialize_model_parallel(context_parallel_size=cp)
         try:
