@@ -44,8 +44,7 @@ class DistributedRunError(RuntimeError):
 
 def _worker_main(rank: int, world_size: int, store_path: str, backend: str, timeout_s: float, conn) -> None:
     import torch
-    import torch
-import torch.distributed as dist
+    import torch.distributed as dist
 
     torch.set_num_threads(1)
     try:
@@ -72,6 +71,7 @@ def _run_task(message: bytes) -> bytes:
     """Unpickles ``(sys_path, fn, args, kwargs)``, runs it and pickles ``(status, payload)``."""
     try:
         sys_path, fn, args, kwargs = _unpickle_task(message)
+        import torch
         torch.manual_seed(0)  # every task starts from the same RNG state on every rank, whatever ran before
         payload = ("ok", fn(*args, **kwargs))
     except BaseException as error:  # noqa: BLE001 - every failure goes back to the caller
