@@ -1,0 +1,130 @@
+"""NVMe optimizer offload (``optimizer_nvme_offload_dir``): 10 steps of the tiny GPT equal the in-memory run
+bit for bit (dp 1 stage 0, dp 2 stages 1 and 2, fp32; bf16 against CPU offload); the live master and Adam state
+bytes during a step stay within three chunks while the files hold all of them; a checkpoint of an offloaded run
+resumes exactly; bad folders raise ``ValueError`` naming the path."""
+import contextlib
+import os
+
+import pytest
+import torch
+
+import kernels
+from megatron_core import initialize_model_parallel
+from megatron_core.checkpointing import load_model_weights, read_metadata, save_checkpoint
+from megatron_core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron_core.optimizer import OptimizerConfig, get_optimizer, memory_report
+from megatron_core.optimizer.memory import memory_categories
+from megatron_core.optimizer.offload.state_files import check_offload_dir
+from megatron_core.utils.live_memory import LiveMemoryTracker
+from tests.model_helpers import VOCAB, build_model, make_batch, tiny_config
+
+OPT = dict(lr=1e-2, weight_decay=0.1, clip_grad=0.3)
+CHUNK = 500  # elements: the tiny GPT's ~10k parameters make ~20 chunks per rank
+
+
+def _setup(stage: int, *, nvme_dir=None, cpu_offload=False, dtype=torch.float32):
+    state = initialize_model_parallel()
+    model = build_model(tiny_config(), state).to(dtype)
+    ddp = DistributedDataParallel(model, config=DistributedDataParallelConfig(
+        zero_stage=stage, bucket_size=2000, grad_reduce_in_fp32=True), dp_group=state.dp_group)
+    config = OptimizerConfig(**OPT, bf16=dtype == torch.bfloat16, optimizer_cpu_offload=cpu_offload,
+                             optimizer_nvme_offload_dir=nvme_dir, optimizer_nvme_chunk_elements=CHUNK)
+    return state, model, ddp, get_optimizer(config, ddp, parallel_state=state)
+
+
+def _train(state, ddp, optimizer, steps: range) -> list[float]:
+    losses, rows = [], 4 // state.dp_size
+    for step in steps:
+        input_ids, positions, labels = make_batch(seed=step, batch=4)
+        rank_rows = slice(state.dp_rank * rows, (state.dp_rank + 1) * rows)
+        optimizer.zero_grad()
+        loss = ddp(input_ids[rank_rows], positions[rank_rows], labels=labels[rank_rows]).float().mean()
+        loss.backward()
+        finalize_model_grads([ddp], state)
+        assert optimizer.step()[0]
+        losses.append(loss.item())
+    return losses
+
+
+def train(stage: int, steps: int = 10, **kwargs):
+    with kernels.use_backend("torch"):
+        state, _, ddp, optimizer = _setup(stage, **kwargs)
+        losses = _train(state, ddp, optimizer, range(steps))
+        return losses, {k: v.float() for k, v in ddp.state_dict().items()}
+
+
+@pytest.mark.parametrize("dp,stage", [(1, 0), (2, 1), (2, 2)])
+def test_nvme_offload_equals_in_memory(distributed, tmp_path, dp, stage):
+    nvme = distributed(dp, train, stage, nvme_dir=str(tmp_path))
+    resident = distributed(dp, train, stage)
+    for (losses, params), (ref_losses, ref_params) in zip(nvme, resident):
+        assert losses == ref_losses
+        assert all(torch.equal(params[k], ref_params[k]) for k in ref_params)
+    assert not os.listdir(tmp_path)  # the per-rank files are removed with the optimizer
+
+
+def test_nvme_offload_bf16_equals_cpu_offload(distributed, tmp_path):
+    nvme = distributed(2, train, 1, steps=4, nvme_dir=str(tmp_path), dtype=torch.bfloat16)
+    host = distributed(2, train, 1, steps=4, cpu_offload=True, dtype=torch.bfloat16)
+    for (losses, params), (ref_losses, ref_params) in zip(nvme, host):
+        assert losses == ref_losses and all(torch.equal(params[k], ref_params[k]) for k in ref_params)
+
+
+def test_nvme_states_are_not_in_memory(tmp_path):
+    with kernels.use_backend("torch"):
+        state, model, ddp, optimizer = _setup(0, nvme_dir=str(tmp_path))
+        _train(state, ddp, optimizer, range(1))
+        numel = sum(p.model.numel() for p in optimizer.pieces)
+        files = optimizer.optimizer.files
+        assert files.file_bytes() == 3 * numel * 4  # masters, exp_avg, exp_avg_sq: all of them on disk
+        chunk_bytes = 3 * CHUNK * 4
+        assert numel > 10 * CHUNK  # in memory they would be > 10 chunks, far above the bound below
+        with LiveMemoryTracker(categories=lambda: memory_categories(ddp, optimizer)) as tracker:
+            _train(state, ddp, optimizer, range(1, 3))
+        live = tracker.peak_by_category["master_weights"] + tracker.peak_by_category["optimizer_states"]
+        assert 0 < live <= 3 * chunk_bytes, f"{live} live state bytes, 3 chunks are {3 * chunk_bytes}"
+        report = memory_report(ddp, optimizer, tracker=tracker)
+        assert report.master_weights == report.optimizer_states == 0
+        assert report.nvme_master_weights == numel * 4 and report.nvme_optimizer_states == 2 * numel * 4
+        assert report.tiers["optimizer_states"] == "nvme" and report.tiers["parameters"] == "cpu"
+        in_memory = _setup(0)
+        _train(in_memory[0], in_memory[2], in_memory[3], range(1))
+        assert memory_report(in_memory[2], in_memory[3]).optimizer_states > 3 * chunk_bytes
+
+
+def resume(stage: int, ckpt: str, nvme_dir: str):
+    """5 steps, checkpoint, 5 more; a fresh NVMe-offloaded run loads the checkpoint and repeats the last 5."""
+    with kernels.use_backend("torch"):
+        state, model, ddp, optimizer = _setup(stage, nvme_dir=nvme_dir)
+        _train(state, ddp, optimizer, range(5))
+        save_checkpoint(ckpt, iteration=5, model_chunks=[ddp], config=model.config, state=state,
+                        true_vocab_size=VOCAB, consumed_samples=20, optimizer=optimizer)
+        expected = _train(state, ddp, optimizer, range(5, 10))
+        state, model, ddp, optimizer = _setup(stage, nvme_dir=nvme_dir)
+        folder, metadata = read_metadata(ckpt)
+        load_model_weights(folder, metadata, model_chunks=[ddp], config=model.config, state=state,
+                           optimizer=optimizer)
+        return expected, _train(state, ddp, optimizer, range(5, 10))
+
+
+@pytest.mark.parametrize("dp,stage", [(1, 0), (2, 1)])
+def test_nvme_checkpoint_resume_is_exact(distributed, tmp_path, dp, stage):
+    for expected, resumed in distributed(dp, resume, stage, str(tmp_path / "ckpt"), str(tmp_path / "nvme")):
+        assert expected == resumed
+
+
+def test_bad_offload_dir_names_the_path(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    with pytest.raises(ValueError, match="a_file"):
+        check_offload_dir(str(blocker / "sub"), needed_bytes=1)
+    with pytest.raises(ValueError, match="GiB free"):
+        check_offload_dir(str(tmp_path), needed_bytes=1 << 60)
+    readonly = tmp_path / "ro"
+    readonly.mkdir()
+    os.chmod(readonly, 0o500)
+    if not os.access(readonly, os.W_OK):  # root ignores permissions
+        with pytest.raises(ValueError, match="permissions"):
+            check_offload_dir(str(readonly), needed_bytes=1)
+    with pytest.raises(ValueError, match="optimizer='adam'"):
+        OptimizerConfig(optimizer="sgd", optimizer_nvme_offload_dir=str(tmp_path))
