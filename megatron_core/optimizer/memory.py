@@ -14,7 +14,7 @@ from megatron_core.optimizer.optimizer import MegatronOptimizer
 from megatron_core.utils.live_memory import LiveMemoryTracker, peak_rss_bytes
 
 CATEGORIES = ("parameters", "gathered_parameters", "gradients", "grad_buckets", "master_weights",
-              "optimizer_states", "activations")
+              "optimizer_states", "offloaded_parameters", "activations")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +74,11 @@ def memory_categories(model: Union[nn.Module, Sequence[nn.Module]],
             yield from (("parameters", t) for t in chunk.param_buffers.values())
             yield from (("gradients", t) for t in chunk.grad_buffers.values())
             for bucket in chunk.buckets:
+                if bucket.shard_home is not None:  # parameter offload: the device copy (freed between uses)
+                    yield "parameters", bucket.param_shard
+                    home = getattr(bucket.shard_home, "home", None)
+                    if home is not None:  # --param-offload cpu: the host copy
+                        yield "offloaded_parameters", home
                 if bucket.shard_params and bucket.param_data is not None:
                     yield "gathered_parameters", bucket.param_data
                 if bucket.holds_transient_grads:
@@ -127,7 +132,7 @@ def _tiers(model: Union[nn.Module, Sequence[nn.Module]], optimizer: MegatronOpti
     separate host copy, which on a CPU-only machine is the same memory), ``"nvme"`` (files)."""
     chunks = _chunks(model)
     device = next((p.device.type for c in chunks for p in c.parameters() if p.device.type != "meta"), "cpu")
-    offload = getattr(optimizer.config, "param_offload", "none")
+    offload = next((c.param_offload for c in chunks if isinstance(c, DistributedDataParallel)), "none")
     states = "nvme" if optimizer.nvme_bytes() else "host" if optimizer.config.optimizer_cpu_offload else device
     return {"parameters": device if offload == "none" else offload, "gradients": device,
             "master_weights": states, "optimizer_states": states}

@@ -11,9 +11,10 @@ masters and Adam states then live in files (``offload.NvmeAdam``). ``torch.optim
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
-from typing import Callable, Optional, Sequence, Union
+from typing import Callable, Iterator, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -87,17 +88,10 @@ class MegatronOptimizer:
         self.device = parallel_state.device if parallel_state is not None else torch.device("cpu")
         self.nvme = config.optimizer_nvme_offload_dir is not None
         host = torch.device("cpu") if config.optimizer_cpu_offload or self.nvme else None
-        self.pieces: list[_Piece] = []
-        for chunk in self.chunks:
-            for param, model, grad_fn, is_shard, param_range, shape in _chunk_pieces(chunk):
-                aliased = model.dtype == torch.float32 and host is None
-                master = model if aliased else None if self.nvme else \
-                    model.detach().to(host or model.device, torch.float32).clone()
-                self.pieces.append(_Piece(param, model, grad_fn, master, aliased, is_shard, decay=len(shape) >= 2,
-                                          param_range=param_range, param_shape=shape,
-                                          is_expert=bool(getattr(param, "is_expert", False))))
-        self.has_experts = self._any_rank_has_experts()
-        self.optimizer = self._build_inner() if self.pieces else None
+        with self._shards_resident():  # offloaded ZeRO-3 shards: the pieces are views of them, masters copies
+            self.pieces = self._build_pieces(host)
+            self.has_experts = self._any_rank_has_experts()
+            self.optimizer = self._build_inner() if self.pieces else None
         self.grad_scaler: Optional[ConstantGradScaler] = None
         if config.loss_scale is not None:
             self.grad_scaler = ConstantGradScaler(config.loss_scale)
@@ -105,6 +99,18 @@ class MegatronOptimizer:
             self.grad_scaler = DynamicGradScaler(
                 initial_scale=config.initial_loss_scale, min_scale=config.min_loss_scale,
                 growth_interval=config.loss_scale_window, hysteresis=config.hysteresis)
+
+    def _build_pieces(self, host: Optional[torch.device]) -> list[_Piece]:
+        pieces = []
+        for chunk in self.chunks:
+            for param, model, grad_fn, is_shard, param_range, shape in _chunk_pieces(chunk):
+                aliased = model.dtype == torch.float32 and host is None
+                master = model if aliased else None if self.nvme else \
+                    model.detach().to(host or model.device, torch.float32).clone()
+                pieces.append(_Piece(param, model, grad_fn, master, aliased, is_shard, decay=len(shape) >= 2,
+                                     param_range=param_range, param_shape=shape,
+                                     is_expert=bool(getattr(param, "is_expert", False))))
+        return pieces
 
     def _any_rank_has_experts(self) -> bool:
         """Whether any rank holds expert parameters (then every rank runs the expert norm reductions).
@@ -202,11 +208,23 @@ class MegatronOptimizer:
                                                 count_zeros=self.config.log_num_zeros_in_grad)
         if self.config.clip_grad > 0:
             clip_by_norm_(grads, max_norm=self.config.clip_grad, total_norm=grad_norm)
-        if self.optimizer is not None:
-            self.optimizer.step()
-        self._clear_master_grads()
-        self._copy_masters_to_model()
+        with self._shards_resident():  # ZeRO-3 parameter offload: the shards come back for the update
+            if self.optimizer is not None:
+                self.optimizer.step()
+            self._clear_master_grads()
+            self._copy_masters_to_model()
         return True, grad_norm, num_zeros
+
+    @contextlib.contextmanager
+    def _shards_resident(self) -> Iterator[None]:
+        """Offloaded ZeRO-3 parameter shards in device memory inside the block, written home after it."""
+        for chunk in self.ddp_chunks:
+            chunk.fetch_param_shards()
+        try:
+            yield
+        finally:
+            for chunk in self.ddp_chunks:
+                chunk.evict_param_shards()
 
     def _copy_masters_to_model(self) -> None:
         for piece in self.pieces:
@@ -222,9 +240,10 @@ class MegatronOptimizer:
     def reload_model_params(self) -> None:
         """Copies the model's parameters into the fp32 master weights (after loading new weights into the
         model without the optimizer state, as Megatron's ``reload_model_params``)."""
-        for piece in self.pieces:
-            if not piece.aliased:
-                self.set_piece_state(piece, "master", piece.model)
+        with self._shards_resident():
+            for piece in self.pieces:
+                if not piece.aliased:
+                    self.set_piece_state(piece, "master", piece.model)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zeros the model grads (each DDP chunk's buffers; ``.grad`` of plain modules)."""
@@ -263,7 +282,8 @@ class MegatronOptimizer:
             self.set_piece_state(piece, "master", saved)
         if self.grad_scaler is not None and state["grad_scaler"]:
             self.grad_scaler.load_state_dict({k: v.item() for k, v in state["grad_scaler"].items()})
-        self._copy_masters_to_model()
+        with self._shards_resident():
+            self._copy_masters_to_model()
 
     def master_weight_bytes(self) -> int:
         """Bytes of fp32 master copies in memory (none with NVMe offload: see ``nvme_bytes``)."""

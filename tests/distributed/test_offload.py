@@ -1,7 +1,8 @@
 """NVMe optimizer offload (``optimizer_nvme_offload_dir``): 10 steps of the tiny GPT equal the in-memory run
 bit for bit (dp 1 stage 0, dp 2 stages 1 and 2, fp32; bf16 against CPU offload); the live master and Adam state
 bytes during a step stay within three chunks while the files hold all of them; a checkpoint of an offloaded run
-resumes exactly; bad folders raise ``ValueError`` naming the path."""
+resumes exactly; at ZeRO-3 with parameter offload (cpu, nvme) the run equals the in-memory one and no parameter
+shard stays in memory between uses; bad folders raise ``ValueError`` naming the path."""
 import contextlib
 import os
 
@@ -14,7 +15,7 @@ from megatron_core.checkpointing import load_model_weights, read_metadata, save_
 from megatron_core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron_core.optimizer import OptimizerConfig, get_optimizer, memory_report
 from megatron_core.optimizer.memory import memory_categories
-from megatron_core.optimizer.offload.state_files import check_offload_dir
+from megatron_core.optimizer.offload import check_offload_dir, offload_parameters
 from megatron_core.utils.live_memory import LiveMemoryTracker
 from tests.model_helpers import VOCAB, build_model, make_batch, tiny_config
 
@@ -22,11 +23,14 @@ OPT = dict(lr=1e-2, weight_decay=0.1, clip_grad=0.3)
 CHUNK = 500  # elements: the tiny GPT's ~10k parameters make ~20 chunks per rank
 
 
-def _setup(stage: int, *, nvme_dir=None, cpu_offload=False, dtype=torch.float32):
+def _setup(stage: int, *, nvme_dir=None, cpu_offload=False, dtype=torch.float32, param_offload="none",
+           param_dir=None):
     state = initialize_model_parallel()
     model = build_model(tiny_config(), state).to(dtype)
     ddp = DistributedDataParallel(model, config=DistributedDataParallelConfig(
         zero_stage=stage, bucket_size=2000, grad_reduce_in_fp32=True), dp_group=state.dp_group)
+    offload_parameters(ddp, param_offload, directory=param_dir, rank=torch.distributed.get_rank()
+                       if torch.distributed.is_initialized() else 0)
     config = OptimizerConfig(**OPT, bf16=dtype == torch.bfloat16, optimizer_cpu_offload=cpu_offload,
                              optimizer_nvme_offload_dir=nvme_dir, optimizer_nvme_chunk_elements=CHUNK)
     return state, model, ddp, get_optimizer(config, ddp, parallel_state=state)
@@ -128,3 +132,32 @@ def test_bad_offload_dir_names_the_path(tmp_path):
             check_offload_dir(str(readonly), needed_bytes=1)
     with pytest.raises(ValueError, match="optimizer='adam'"):
         OptimizerConfig(optimizer="sgd", optimizer_nvme_offload_dir=str(tmp_path))
+
+
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+def test_zero3_param_offload_equals_in_memory(distributed, tmp_path, tier):
+    offloaded = distributed(2, train, 3, param_offload=tier, param_dir=str(tmp_path / "p"),
+                            nvme_dir=str(tmp_path / "o") if tier == "nvme" else None)
+    resident = distributed(2, train, 3)
+    for (losses, params), (ref_losses, ref_params) in zip(offloaded, resident):
+        assert losses == ref_losses and all(torch.equal(params[k], ref_params[k]) for k in ref_params)
+
+
+def param_memory(tier: str, param_dir: str):
+    """The live device bytes of parameter shards during forward/backward and between steps."""
+    with kernels.use_backend("torch"):
+        state, model, ddp, optimizer = _setup(3, param_offload=tier, param_dir=param_dir)
+        shards = sorted((b.shard_size * b.kind.param_dtype.itemsize for b in ddp.buckets), reverse=True)
+        _train(state, ddp, optimizer, range(1))
+        input_ids, positions, labels = make_batch(seed=1, batch=4)
+        with LiveMemoryTracker(categories=lambda: memory_categories(ddp, optimizer)) as tracker:
+            ddp(input_ids[:2], positions[:2], labels=labels[:2]).mean().backward()
+        between = sum(b.param_shard.untyped_storage().nbytes() for b in ddp.buckets)
+        report = memory_report(ddp, optimizer)
+        return tracker.peak_by_category["parameters"], between, shards, report.tiers["parameters"]
+
+
+def test_zero3_param_offload_frees_shards(distributed, tmp_path):
+    for peak, between, shards, tier in distributed(2, param_memory, "nvme", str(tmp_path)):
+        assert between == 0 and tier == "nvme"
+        assert peak <= sum(shards[:2]) < sum(shards), f"{peak} live shard bytes, all shards {sum(shards)}"

@@ -17,7 +17,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from megatron_core.optimizer.offload.host_adam import AdamHyper, adamw_
-from megatron_core.optimizer.offload.state_files import StateFiles
+from megatron_core.optimizer.offload.state_files import FP32_BYTES, StateFiles
 
 STATES = ("master", "exp_avg", "exp_avg_sq")
 RING = 3
@@ -52,7 +52,7 @@ class NvmeAdam:
         for piece in self.pieces:
             self.offsets.append(self.offsets[-1] + piece.model.numel())
         self.numel = self.offsets[-1]
-        self.files = StateFiles(directory, rank=rank, names=STATES, numel=self.numel)
+        self.files = StateFiles(directory, rank=rank, sizes={name: FP32_BYTES * self.numel for name in STATES})
         self.steps = [0] * len(self.pieces)
         groups = [{"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay,
                    "params": [i for i, p in enumerate(self.pieces) if p.decay]},
@@ -152,12 +152,12 @@ class NvmeAdam:
         expected = self.offsets[index + 1] - self.offsets[index]
         if values.numel() != expected:
             raise ValueError(f"state {name!r} of piece {index} has {values.numel()} elements, expected {expected}")
-        self.files.write(name, self.offsets[index], values.detach().reshape(-1).to("cpu", torch.float32)
-                         .contiguous())
+        # a copy: the I/O exposes the bytes to numpy, which would pin the caller's storage (not resizable)
+        self.files.write(name, self.offsets[index], values.detach().reshape(-1).to("cpu", torch.float32, copy=True))
 
     def state_bytes(self) -> dict[str, int]:
         """Bytes held in the files: ``{"master_weights": ..., "optimizer_states": ...}``."""
-        return {"master_weights": self.numel * 4, "optimizer_states": 2 * self.numel * 4}
+        return {"master_weights": self.numel * FP32_BYTES, "optimizer_states": 2 * self.numel * FP32_BYTES}
 
     def state_dict(self) -> dict:
         """``torch.optim.AdamW.state_dict()``'s form (pieces numbered in order), read from the files."""

@@ -1,9 +1,8 @@
-"""``StateFiles``: one rank's fp32 optimizer tensors (master weights, Adam moments) as flat files on a local
-disk (NVMe), read and written in element ranges with ``os.preadv`` / ``os.pwrite`` (which release the GIL, so
+"""``StateFiles``: one rank's offloaded tensors (fp32 master weights and Adam moments, or ZeRO-3 parameter
+shards) as flat files on a local disk (NVMe), read and written in element ranges with ``os.preadv`` / ``os.pwrite`` (which release the GIL, so
 a thread pool overlaps them with the update).
 
-Each optimizer gets its own folder ``DIR/rank<r>-<pid>-<n>/`` holding ``<state>.bin`` (``numel`` fp32 values
-each); it is removed when the optimizer is garbage-collected or ``close()`` is called. The files are scratch
+Each owner gets its own folder ``DIR/rank<r>-<pid>-<n>/`` holding ``<name>.bin``; it is removed when the optimizer is garbage-collected or ``close()`` is called. The files are scratch
 space: checkpoints carry the states (through the optimizer's state accessors), never these files.
 """
 from __future__ import annotations
@@ -13,58 +12,58 @@ import os
 import shutil
 import tempfile
 import weakref
-from typing import Sequence
-
 import torch
 
 FP32_BYTES = 4
 _counter = itertools.count()
 
 
-def check_offload_dir(directory: str, needed_bytes: int) -> None:
+def check_offload_dir(directory: str, needed_bytes: int, *, flag: str = "--optimizer-nvme-offload-dir") -> None:
     """Raises ``ValueError`` naming ``directory`` unless it is (or can be made) a writable folder with at
     least ``needed_bytes`` free."""
     try:
         os.makedirs(directory, exist_ok=True)
     except OSError as error:
-        raise ValueError(f"--optimizer-nvme-offload-dir {directory!r} cannot be created ({error}): pass a folder "
+        raise ValueError(f"{flag} {directory!r} cannot be created ({error}): pass a folder "
                          "on a local disk this user may write") from error
     if not os.path.isdir(directory):
-        raise ValueError(f"--optimizer-nvme-offload-dir {directory!r} is not a folder")
+        raise ValueError(f"{flag} {directory!r} is not a folder")
     if not os.access(directory, os.R_OK | os.W_OK | os.X_OK):
-        raise ValueError(f"--optimizer-nvme-offload-dir {directory!r} is not readable and writable by this "
+        raise ValueError(f"{flag} {directory!r} is not readable and writable by this "
                          "user: fix its permissions or pass another folder")
     free = shutil.disk_usage(directory).free
     if free < needed_bytes:
-        raise ValueError(f"--optimizer-nvme-offload-dir {directory!r} has {free / 2**30:.2f} GiB free, this "
-                         f"rank's optimizer states need {needed_bytes / 2**30:.2f} GiB: free space or pass a "
+        raise ValueError(f"{flag} {directory!r} has {free / 2**30:.2f} GiB free, this "
+                         f"rank's offloaded tensors need {needed_bytes / 2**30:.2f} GiB: free space or pass a "
                          "larger disk")
 
 
 class StateFiles:
-    """Flat fp32 files, one per state name, under a fresh per-rank folder in ``directory``.
+    """Flat files, one per name, under a fresh per-rank folder in ``directory``.
 
     Args:
-        directory: the offload folder (``--optimizer-nvme-offload-dir``); checked, created if missing.
+        directory: the offload folder; checked, created if missing.
         rank: this process's global rank (in the folder name).
-        names: the states, e.g. ``("master", "exp_avg", "exp_avg_sq")``.
-        numel: fp32 elements in each file.
+        sizes: bytes of each file by name, e.g. ``{"master": 4 * n, "exp_avg": 4 * n, "exp_avg_sq": 4 * n}``.
+        flag: the command-line flag that named ``directory`` (for error messages).
     """
 
-    def __init__(self, directory: str, *, rank: int, names: Sequence[str], numel: int) -> None:
-        check_offload_dir(directory, needed_bytes=len(names) * numel * FP32_BYTES)
+    def __init__(self, directory: str, *, rank: int, sizes: dict[str, int],
+                 flag: str = "--optimizer-nvme-offload-dir") -> None:
+        check_offload_dir(directory, needed_bytes=sum(sizes.values()), flag=flag)
         self.folder = tempfile.mkdtemp(prefix=f"rank{rank}-{os.getpid()}-{next(_counter)}-", dir=directory)
-        self.numel, self.names = numel, tuple(names)
-        self.paths = {name: os.path.join(self.folder, f"{name}.bin") for name in self.names}
+        self.sizes = dict(sizes)
+        self.paths = {name: os.path.join(self.folder, f"{name}.bin") for name in self.sizes}
         self.fds: dict[str, int] = {}
         self._finalizer = weakref.finalize(self, _remove, self.folder, self.fds)
         for name, path in self.paths.items():
-            self.fds[name] = _open_sized(path, numel * FP32_BYTES)
+            self.fds[name] = _open_sized(path, self.sizes[name])
 
     def read(self, name: str, start: int, out: torch.Tensor) -> None:
-        """Fills the contiguous fp32 ``out`` with elements ``[start, start + out.numel())`` of ``name``."""
-        view = memoryview(out.numpy()).cast("B")
-        offset, done = start * FP32_BYTES, 0
+        """Fills the contiguous host tensor ``out`` with elements ``[start, start + out.numel())`` of ``name``
+        (elements of ``out``'s dtype)."""
+        view = _bytes(out)
+        offset, done = start * out.element_size(), 0
         while done < len(view):
             count = os.preadv(self.fds[name], [view[done:]], offset + done)
             if count <= 0:
@@ -72,9 +71,9 @@ class StateFiles:
             done += count
 
     def write(self, name: str, start: int, values: torch.Tensor) -> None:
-        """Writes the contiguous fp32 ``values`` at element ``start`` of ``name``."""
-        view = memoryview(values.numpy()).cast("B")
-        offset, done = start * FP32_BYTES, 0
+        """Writes the contiguous host tensor ``values`` at element ``start`` of ``name``."""
+        view = _bytes(values)
+        offset, done = start * values.element_size(), 0
         while done < len(view):
             done += os.pwrite(self.fds[name], view[done:], offset + done)
 
@@ -87,13 +86,23 @@ class StateFiles:
         self._finalizer()
 
 
+def _bytes(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous host tensor of any dtype (bf16 included), without a copy. Its storage
+    becomes non-resizable (numpy holds it): pass buffers of your own, never a storage that is freed later."""
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        raise ValueError(f"offload I/O needs a contiguous host tensor, got {tensor.device} "
+                         f"contiguous={tensor.is_contiguous()}")
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+
+
 def _open_sized(path: str, nbytes: int) -> int:
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
     except OSError as error:
         raise ValueError(f"cannot create the optimizer state file {path!r} ({error})") from error
     try:
-        os.posix_fallocate(fd, 0, nbytes)  # reserves the space now (reads as zeros), so a full disk fails here
+        if nbytes:
+            os.posix_fallocate(fd, 0, nbytes)  # reserves the space now (reads as zeros), so a full disk fails here
     except OSError as error:
         os.close(fd)
         raise ValueError(f"cannot reserve {nbytes} bytes for {path!r} ({error}): free space on that disk or "
