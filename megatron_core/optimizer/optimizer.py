@@ -139,13 +139,15 @@ class MegatronOptimizer:
             return NvmeAdam(self.pieces, directory=config.optimizer_nvme_offload_dir, rank=rank,
                             chunk_elements=config.optimizer_nvme_chunk_elements, lr=config.lr,
                             betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
-                            weight_decay=config.weight_decay, pin_memory=self.device.type == "cuda")
+                            weight_decay=config.weight_decay, pin_memory=self.device.type == "cuda",
+                            fused=config.optimizer_host_adam == "fused")
         groups = [{"params": [p.master for p in self.pieces if p.decay], "weight_decay": config.weight_decay},
                   {"params": [p.master for p in self.pieces if not p.decay], "weight_decay": 0.0}]
         groups = [g for g in groups if g["params"]]
         if config.optimizer == "adam":
+            fused = config.optimizer_cpu_offload and config.optimizer_host_adam == "fused"
             return torch.optim.AdamW(groups, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2),
-                                     eps=config.adam_eps)
+                                     eps=config.adam_eps, fused=fused or None)
         return torch.optim.SGD(groups, lr=config.lr, momentum=config.sgd_momentum)
 
     # ----------------------------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ import dataclasses
 from typing import Optional
 
 OPTIMIZERS = ("adam", "sgd")
+HOST_ADAMS = ("exact", "fused")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -46,6 +47,10 @@ class OptimizerConfig:
     optimizer_nvme_chunk_elements: int = 4 * 2 ** 20
     """Elements per streamed chunk (``--optimizer-nvme-chunk-elements``): at most three chunks of masters and
     moments (``3 * 12`` bytes per element) are in memory during a step, none between steps."""
+    optimizer_host_adam: str = "exact"
+    """The Adam kernel of the host update (CPU or NVMe offload; ``--optimizer-host-adam``): ``exact`` repeats
+    ``torch.optim.AdamW``'s op-by-op math (bit-identical to the in-memory run), ``fused`` uses torch's fused,
+    vectorized CPU kernel (one pass over memory, several times faster; within an ulp of ``exact``)."""
     log_num_zeros_in_grad: bool = False
     """Count zero grad elements (``--log-num-zeros-in-grad``); else ``step()`` returns None for it."""
 
@@ -60,6 +65,8 @@ class OptimizerConfig:
         for name in ("adam_beta1", "adam_beta2"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"{name} {getattr(self, name)} must be in [0, 1)")
+        if self.optimizer_host_adam not in HOST_ADAMS:
+            raise ValueError(f"optimizer_host_adam {self.optimizer_host_adam!r} is not one of {HOST_ADAMS}")
         if self.optimizer_nvme_offload_dir is not None:
             if self.optimizer != "adam" or self.optimizer_cpu_offload:
                 raise ValueError(f"optimizer_nvme_offload_dir {self.optimizer_nvme_offload_dir!r} needs "

@@ -16,7 +16,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from megatron_core.optimizer.offload.host_adam import AdamHyper, adamw_
+from megatron_core.optimizer.offload.host_adam import AdamHyper, adamw_, fused_adamw_
 from megatron_core.optimizer.offload.state_files import FP32_BYTES, StateFiles
 
 STATES = ("master", "exp_avg", "exp_avg_sq")
@@ -41,13 +41,16 @@ class NvmeAdam:
         chunk_elements: elements per chunk (``--optimizer-nvme-chunk-elements``).
         lr, betas, eps, weight_decay: as ``torch.optim.AdamW``; 1-D pieces get no weight decay.
         pin_memory: pin the ring buffers (CUDA only).
+        fused: update with ``host_adam.fused_adamw_`` (fast) instead of ``host_adam.adamw_`` (bit-exact).
     """
 
     def __init__(self, pieces: Sequence[Any], *, directory: str, rank: int, chunk_elements: int, lr: float,
-                 betas: tuple[float, float], eps: float, weight_decay: float, pin_memory: bool = False) -> None:
+                 betas: tuple[float, float], eps: float, weight_decay: float, pin_memory: bool = False,
+                 fused: bool = False) -> None:
         if chunk_elements < 1:
             raise ValueError(f"chunk_elements {chunk_elements} must be >= 1")
         self.pieces, self.chunk_elements, self.pin_memory = list(pieces), chunk_elements, pin_memory
+        self.fused = fused
         self.offsets = [0]
         for piece in self.pieces:
             self.offsets.append(self.offsets[-1] + piece.model.numel())
@@ -105,9 +108,12 @@ class NvmeAdam:
     def _update(self, chunk: _Chunk, buffers: dict[str, torch.Tensor], hyper: list[AdamHyper]) -> None:
         for index, lo, hi, at in chunk.segments:
             piece, window = self.pieces[index], slice(at, at + hi - lo)
-            master = buffers["master"][window]
-            adamw_(master, piece.master_grad[lo:hi], buffers["exp_avg"][window], buffers["exp_avg_sq"][window],
-                   step=self.steps[index], hyper=hyper[index])
+            master, grad = buffers["master"][window], piece.master_grad[lo:hi]
+            moments = buffers["exp_avg"][window], buffers["exp_avg_sq"][window]
+            if self.fused:
+                fused_adamw_([master], [grad], [moments[0]], [moments[1]], step=self.steps[index], hyper=hyper[index])
+            else:
+                adamw_(master, grad, *moments, step=self.steps[index], hyper=hyper[index])
             piece.model[lo:hi].copy_(master)
 
     # ----------------------------------------------------------------------------------------------------------
