@@ -59,3 +59,4 @@ def test_kill_during_nvme_steps_leaves_a_loadable_checkpoint(tmp_path):
         folder, metadata = read_metadata(ckpt, fallback=False)
         _verify(folder, metadata, set(metadata["checksums"]))
         assert latest_iteration_or_none(ckpt) > (before or 0)
+        assert len(os.listdir(tmp_path / "nvme")) == 1  # the killed run's files; the next run removes them

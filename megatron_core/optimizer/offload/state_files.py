@@ -1,9 +1,11 @@
 """``StateFiles``: one rank's offloaded tensors (fp32 master weights and Adam moments, or ZeRO-3 parameter
-shards) as flat files on a local disk (NVMe), read and written in element ranges with ``os.preadv`` / ``os.pwrite`` (which release the GIL, so
-a thread pool overlaps them with the update).
+shards) as flat files on a local disk (NVMe), read and written in element ranges with ``os.preadv`` /
+``os.pwrite`` (which release the GIL, so a thread pool overlaps them with the update).
 
-Each owner gets its own folder ``DIR/rank<r>-<pid>-<n>/`` holding ``<name>.bin``; it is removed when the optimizer is garbage-collected or ``close()`` is called. The files are scratch
-space: checkpoints carry the states (through the optimizer's state accessors), never these files.
+Each owner gets its own folder ``DIR/rank<r>-<pid>-<n>/`` holding ``<name>.bin``; it is removed when the owner
+is garbage-collected or ``close()`` is called, and folders left by a killed process (its pid no longer alive)
+are removed when the next one opens. The files are scratch space: checkpoints carry the states (through the
+optimizer's per-piece state accessors), never these files.
 """
 from __future__ import annotations
 
@@ -50,6 +52,7 @@ class StateFiles:
 
     def __init__(self, directory: str, *, rank: int, sizes: dict[str, int],
                  flag: str = "--optimizer-nvme-offload-dir") -> None:
+        _remove_stale(directory, rank)
         check_offload_dir(directory, needed_bytes=sum(sizes.values()), flag=flag)
         self.folder = tempfile.mkdtemp(prefix=f"rank{rank}-{os.getpid()}-{next(_counter)}-", dir=directory)
         self.sizes = dict(sizes)
@@ -108,6 +111,22 @@ def _open_sized(path: str, nbytes: int) -> int:
         raise ValueError(f"cannot reserve {nbytes} bytes for {path!r} ({error}): free space on that disk or "
                          "pass another --optimizer-nvme-offload-dir") from error
     return fd
+
+
+def _remove_stale(directory: str, rank: int) -> None:
+    """Removes ``rank<rank>-<pid>-*`` folders of processes that are gone (a run killed mid-training)."""
+    if not os.path.isdir(directory):
+        return
+    for name in os.listdir(directory):
+        parts = name.split("-")
+        if len(parts) < 3 or parts[0] != f"rank{rank}" or not parts[1].isdigit():
+            continue
+        try:
+            os.kill(int(parts[1]), 0)
+        except ProcessLookupError:
+            shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+        except PermissionError:
+            pass  # alive, another user's
 
 
 def _remove(folder: str, fds: dict[str, int]) -> None:
