@@ -86,6 +86,9 @@ def restore_optimizer_state(optimizer: Any, names: dict[int, str], scalars: dict
     """Fills each piece's master and inner state from ``read(tensor name, parameter)`` (the tensor re-split
     for this rank's tp shard, or None when the checkpoint lacks it)."""
     cache: dict[str, Optional[torch.Tensor]] = {}
+    # masters that are copies start from the loaded weights: a checkpoint of a run whose masters were the
+    # model storage (fp32, no offload) has none to restore; the loop below overwrites those it has
+    optimizer.reload_model_params()
     for piece in optimizer.pieces:
         name = names[id(piece.param)]
         lo, hi = piece.param_range

@@ -108,10 +108,10 @@ def test_nvme_states_are_not_in_memory(tmp_path):
         assert memory_report(in_memory[2], in_memory[3]).optimizer_states > 3 * chunk_bytes
 
 
-def resume(stage: int, ckpt: str, nvme_dir: str):
+def resume(stage: int, ckpt: str, nvme_dir: str, *, save_offloaded: bool = True):
     """5 steps, checkpoint, 5 more; a fresh NVMe-offloaded run loads the checkpoint and repeats the last 5."""
     with kernels.use_backend("torch"):
-        state, model, ddp, optimizer = _setup(stage, nvme_dir=nvme_dir)
+        state, model, ddp, optimizer = _setup(stage, nvme_dir=nvme_dir if save_offloaded else None)
         _train(state, ddp, optimizer, range(5))
         save_checkpoint(ckpt, iteration=5, model_chunks=[ddp], config=model.config, state=state,
                         true_vocab_size=VOCAB, consumed_samples=20, optimizer=optimizer)
@@ -123,9 +123,12 @@ def resume(stage: int, ckpt: str, nvme_dir: str):
         return expected, _train(state, ddp, optimizer, range(5, 10))
 
 
-@pytest.mark.parametrize("dp,stage", [(1, 0), (2, 1)])
-def test_nvme_checkpoint_resume_is_exact(distributed, tmp_path, dp, stage):
-    for expected, resumed in distributed(dp, resume, stage, str(tmp_path / "ckpt"), str(tmp_path / "nvme")):
+@pytest.mark.parametrize("dp,stage,save_offloaded", [(1, 0, True), (2, 1, True), (1, 0, False)])
+def test_nvme_checkpoint_resume_is_exact(distributed, tmp_path, dp, stage, save_offloaded):
+    """(1, 0, False): an in-memory fp32 run's checkpoint (no masters: they were the model storage) resumes
+    exactly with NVMe offload."""
+    for expected, resumed in distributed(dp, resume, stage, str(tmp_path / "ckpt"), str(tmp_path / "nvme"),
+                                         save_offloaded=save_offloaded):
         assert expected == resumed
 
 
