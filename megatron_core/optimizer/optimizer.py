@@ -100,6 +100,12 @@ class MegatronOptimizer:
                 initial_scale=config.initial_loss_scale, min_scale=config.min_loss_scale,
                 growth_interval=config.loss_scale_window, hysteresis=config.hysteresis)
 
+    def params_norm(self) -> float:
+        """Global L2 norm of the fp32 masters (with NVMe offload, of the model values: the masters cast to the
+        model dtype, equal for fp32). Collectives: as ``global_norm``."""
+        with self._shards_resident():
+            return self.global_norm(lambda p: p.master if p.master is not None else p.model.float())[0]
+
     def _build_pieces(self, host: Optional[torch.device]) -> list[_Piece]:
         pieces = []
         for chunk in self.chunks:

@@ -176,3 +176,19 @@ def test_zero3_param_offload_frees_shards(distributed, tmp_path):
     for peak, between, shards, tier in distributed(2, param_memory, "nvme", str(tmp_path)):
         assert between == 0 and tier == "nvme"
         assert peak <= sum(shards[:2]) < sum(shards), f"{peak} live shard bytes, all shards {sum(shards)}"
+
+
+def norm_after(stage: int, **kwargs) -> float:
+    with kernels.use_backend("torch"):
+        state, _, ddp, optimizer = _setup(stage, **kwargs)
+        _train(state, ddp, optimizer, range(2))
+        return optimizer.params_norm()
+
+
+def test_params_norm_with_offload(distributed, tmp_path):
+    """``--log-params-norm`` reads the masters; with NVMe states they are in files, with parameter offload the
+    shards are freed between uses."""
+    reference = distributed(2, norm_after, 3)
+    for kwargs in (dict(nvme_dir=str(tmp_path / "o")), dict(nvme_dir=str(tmp_path / "o"), param_offload="nvme",
+                                                             param_dir=str(tmp_path / "p"))):
+        assert distributed(2, norm_after, 3, **kwargs) == reference
