@@ -94,6 +94,9 @@ def bench_host_adam(numel: int, repeats: int = 5) -> dict[str, float]:
         p.grad = grad
         opt = torch.optim.AdamW([p], lr=1e-4, weight_decay=0.1, **flags)
         kernels[label] = lambda s, opt=opt: opt.step()
+    deepspeed = _deepspeed_cpu_adam(param, grad)
+    if deepspeed is not None:
+        kernels["DeepSpeedCPUAdam (adamw_mode)"] = lambda s: deepspeed.step()
     times = {}
     for label, kernel in kernels.items():
         m, v = torch.zeros(numel), torch.zeros(numel)
@@ -104,6 +107,18 @@ def bench_host_adam(numel: int, repeats: int = 5) -> dict[str, float]:
             best = min(best, time.perf_counter() - start)
         times[label] = best
     return times
+
+
+def _deepspeed_cpu_adam(param: torch.Tensor, grad: torch.Tensor):
+    """DeepSpeed's C++ host Adam when it is installed and its op builds here, else None."""
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+        p = torch.nn.Parameter(param.clone())
+        p.grad = grad
+        return DeepSpeedCPUAdam([p], lr=1e-4, weight_decay=0.1, adamw_mode=True)
+    except Exception as error:  # noqa: BLE001 - optional comparison: any import or build failure skips it
+        print(f"DeepSpeedCPUAdam skipped: {type(error).__name__}: {error}")
+        return None
 
 
 def main() -> None:
@@ -117,20 +132,22 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=2 * 2 ** 20, help="--optimizer-nvme-chunk-elements")
     parser.add_argument("--dir", default=None, help="NVMe offload folder (default: a temporary one)")
     parser.add_argument("--adam-elements", type=int, default=20_000_000)
+    parser.add_argument("--adam-only", action="store_true", help="only the host Adam kernels")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(min(4, os.cpu_count() or 1))
     if args.child is not None:
         print(json.dumps(run_config(args, args.child)))
         return
-    with tempfile.TemporaryDirectory(dir=args.dir) as folder:
-        rows = []
-        for name in CONFIGS:
-            argv = [a for a in sys.argv[1:] if not a.startswith("--dir")]
-            out = subprocess.run([sys.executable, __file__, *argv, "--dir", folder, "--child", name],
-                                 capture_output=True, text=True, check=True).stdout
-            rows.append(json.loads(out.strip().splitlines()[-1]))
-    _print_runs(rows)
+    if not args.adam_only:
+        with tempfile.TemporaryDirectory(dir=args.dir) as folder:
+            rows = []
+            for name in CONFIGS:
+                argv = [a for a in sys.argv[1:] if not a.startswith("--dir")]
+                out = subprocess.run([sys.executable, __file__, *argv, "--dir", folder, "--child", name],
+                                     capture_output=True, text=True, check=True).stdout
+                rows.append(json.loads(out.strip().splitlines()[-1]))
+        _print_runs(rows)
     times = bench_host_adam(args.adam_elements)
     plain = times["torch AdamW, plain (foreach=False)"]
     print(f"\nhost Adam, {args.adam_elements / 1e6:.0f}M fp32 elements, best of 5:")
