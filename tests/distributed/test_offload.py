@@ -192,3 +192,36 @@ def test_params_norm_with_offload(distributed, tmp_path):
     for kwargs in (dict(nvme_dir=str(tmp_path / "o")), dict(nvme_dir=str(tmp_path / "o"), param_offload="nvme",
                                                              param_dir=str(tmp_path / "p"))):
         assert distributed(2, norm_after, 3, **kwargs) == reference
+
+
+def test_reads_and_writes_overlap_the_update(tmp_path):
+    """The read of chunk i+1 and the write of chunk i-1 run (on the pool) while chunk i is updated."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from megatron_core.optimizer.offload import NvmeAdam
+    pieces = [SimpleNamespace(model=torch.randn(1000), master_grad=torch.randn(1000), decay=True)]
+    adam = NvmeAdam(pieces, directory=str(tmp_path), rank=0, chunk_elements=100, lr=1e-3, betas=(0.9, 0.999),
+                    eps=1e-8, weight_decay=0.0)
+    events, lock = [], threading.Lock()
+
+    def traced(kind, fn):
+        def run(chunk, *args):
+            with lock:
+                events.append((kind, chunk.start // 100, "start"))
+            time.sleep(0.01)
+            fn(chunk, *args)
+            with lock:
+                events.append((kind, chunk.start // 100, "end"))
+        return run
+
+    adam._read, adam._write, adam._update = (traced("read", adam._read), traced("write", adam._write),
+                                             traced("update", adam._update))
+    adam.step()
+    at = {event: i for i, event in enumerate(events)}
+    for i in range(1, 9):
+        assert at[("read", i + 1, "start")] < at[("update", i, "end")]  # read of i+1 during update of i
+        assert at[("read", i + 1, "end")] > at[("update", i, "start")]
+        assert at[("write", i - 1, "end")] > at[("update", i, "start")]  # write of i-1 still running then
+    assert at[("write", 9, "end")] < len(events)
