@@ -35,6 +35,8 @@ setup(
         # NVIDIA's megatron-core, installed beside us: tests that both import side by side (issue 15, part 6).
         # Light: torch, numpy and packaging only; its wheel runs on CPU.
         "megatron-core==0.16.1",
+        # TikTokenizer (tests compare with megatron-core's TikTokenTokenizer); at runtime imported lazily.
+        "tiktoken",
     ],
         # Benchmarks (scripts/bench_*.py) draw their charts with matplotlib; bench_memory.py also runs
         # DeepSpeed's ZeRO-2/3 engines when deepspeed is installed (pure Python on CPU, gloo).

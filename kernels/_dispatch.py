@@ -110,6 +110,37 @@ def unsupported_dtype(what: str, tensor: torch.Tensor) -> Optional[str]:
     return f"{what} dtype {tensor.dtype} (supported: float32, float16, bfloat16)"
 
 
+_capture: Optional[list] = None  # launches recorded instead of run (``capture_launches``)
+
+
+@contextlib.contextmanager
+def capture_launches() -> Iterator[list]:
+    """Inside the block every op takes its Triton path on any device and each kernel launch is recorded as
+    ``(kernel, args, kwargs)`` instead of run (the outputs stay uninitialized): what ``kernels.aot`` compiles
+    ahead of time for a GPU target, on a machine without one."""
+    global _capture
+    previous, _capture = _capture, []
+    try:
+        yield _capture
+    finally:
+        _capture = previous
+
+
+def launch(kernel, grid: tuple, *args, **kwargs) -> None:
+    """``kernel[grid](*args, **kwargs)``, or its record under ``capture_launches``."""
+    if _capture is not None:
+        _capture.append((kernel, args, kwargs))
+    else:
+        kernel[grid](*args, **kwargs)
+
+
+def would_run_triton(device: torch.device) -> bool:
+    """Whether an op on ``device`` would run Triton now (the backend mode and rules 2-4), without recording."""
+    if _capture is not None:
+        return True
+    return _mode != "torch" and triton_unavailable_reason(device) is None
+
+
 def select(op: str, device: torch.device, unsupported: Optional[str] = None) -> str:
     """Picks and records the backend for one call of ``op`` on ``device``.
 
@@ -121,7 +152,9 @@ def select(op: str, device: torch.device, unsupported: Optional[str] = None) -> 
     Returns:
         ``"triton"`` or ``"torch"``.
     """
-    if _mode == "torch":
+    if _capture is not None and unsupported is None:
+        backend = "triton"
+    elif _mode == "torch":
         backend = "torch"
     else:
         missing = triton_unavailable_reason(device)

@@ -15,6 +15,7 @@ import functools
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 from kernels import _dispatch
 from kernels._dispatch import jit, tl
@@ -174,7 +175,7 @@ def _forward_triton(x, weight, bias, eps, rms):
     mean = torch.empty(rows, dtype=torch.float32, device=x.device)
     rstd = torch.empty_like(mean)
     block, one_block = _dispatch.block_size(hidden, _MAX_BLOCK)
-    _norm_fwd_kernel[(rows,)](x, weight, weight if bias is None else bias, y, mean, rstd, hidden, eps,
+    _dispatch.launch(_norm_fwd_kernel, (rows,), x, weight, weight if bias is None else bias, y, mean, rstd, hidden, eps,
                               IS_RMS=rms, HAS_BIAS=bias is not None, ONE_BLOCK=one_block, BLOCK=block,
                               num_warps=_dispatch.num_warps(block))
     return y, mean, rstd
@@ -197,7 +198,7 @@ def _backward_triton(x, weight, dy, mean, rstd, rms, has_bias):
     block, one_block = _dispatch.block_size(hidden, _MAX_BLOCK)
     dw = torch.zeros(programs, hidden, dtype=torch.float32, device=x.device)
     db = torch.zeros_like(dw) if has_bias else dw
-    _norm_bwd_kernel[(programs,)](x, weight, dy, dx, mean, rstd, dw, db, rows, hidden, per_program,
+    _dispatch.launch(_norm_bwd_kernel, (programs,), x, weight, dy, dx, mean, rstd, dw, db, rows, hidden, per_program,
                                   IS_RMS=rms, HAS_BIAS=has_bias, ONE_BLOCK=one_block, BLOCK=block,
                                   num_warps=_dispatch.num_warps(block))
     return dx, dw.sum(dim=0), db.sum(dim=0)
@@ -260,6 +261,8 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
         ``[..., hidden]`` in x's dtype. Backward gives dx, dweight and dbias.
     """
     _check("layer_norm", x, weight, bias, eps)
+    if _native("layer_norm", x, weight, bias):
+        return F.layer_norm(x, x.shape[-1:], weight.to(x.dtype), None if bias is None else bias.to(x.dtype), eps)
     return _Norm.apply(x, weight, bias, float(eps), False, "layer_norm")
 
 
@@ -275,4 +278,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5) -> torch.
         ``[..., hidden]`` in x's dtype. Backward gives dx and dweight.
     """
     _check("rms_norm", x, weight, None, eps)
+    if _native("rms_norm", x, weight, None):
+        return F.rms_norm(x, x.shape[-1:], weight.to(x.dtype), eps)
     return _Norm.apply(x, weight, None, float(eps), True, "rms_norm")
+
+
+def _native(op: str, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:
+    """Where the Triton kernel cannot run, torch's own fused op is the fastest path (``F.layer_norm``'s
+    backward is 3-5x faster than the reference's on CPU); recorded as the "torch" backend. fp16/bf16 inputs
+    keep the reference, whose statistics and weight grads are fp32 whatever torch's kernel does."""
+    if _dispatch.would_run_triton(x.device) or x.dtype != torch.float32:
+        return False
+    if any(t is not None and t.dtype != torch.float32 for t in (weight, bias)):
+        return False
+    _dispatch.select(op, x.device)
+    return True

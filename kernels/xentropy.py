@@ -154,7 +154,7 @@ def cross_entropy_shard_stats(logits: torch.Tensor, target: torch.Tensor, *, voc
     row_max, sum_exp, target_logit = (torch.empty(n, dtype=torch.float32, device=rows.device) for _ in range(3))
     shifted_sum = torch.empty_like(row_max) if with_shifted_sum else None
     block = _dispatch.block_size(v, _MAX_BLOCK)[0]
-    _ce_stats_kernel[(n,)](rows, target, row_max, sum_exp, target_logit,
+    _dispatch.launch(_ce_stats_kernel, (n,), rows, target, row_max, sum_exp, target_logit,
                            row_max if shifted_sum is None else shifted_sum, v, rows.stride(0), vocab_start,
                            WANT_SUM=with_shifted_sum, BLOCK=block, num_warps=_dispatch.num_warps(block))
     return CrossEntropyShardStats(row_max, sum_exp, target_logit, shifted_sum, v)
@@ -218,7 +218,7 @@ def cross_entropy_shard_backward(logits: torch.Tensor, target: torch.Tensor, row
     else:
         n, v = rows.shape
         block = _dispatch.block_size(v, _MAX_BLOCK)[0]
-        _ce_bwd_kernel[(n, -(-v // block))](rows, target, row_max, sum_exp, grad_scale, buffer_rows, v,
+        _dispatch.launch(_ce_bwd_kernel, (n, -(-v // block)), rows, target, row_max, sum_exp, grad_scale, buffer_rows, v,
                                             rows.stride(0), buffer_rows.stride(0), vocab_start, smooth,
                                             target_weight, BLOCK=block, num_warps=_dispatch.num_warps(block))
     return out if buffer is out else out.copy_(buffer)

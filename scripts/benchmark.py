@@ -254,14 +254,14 @@ def bench_planner(args) -> list[str]:
     for layout in tp_test.LAYOUTS:
         pairs = tp_test.predicted_and_measured(run_distributed, layout)
         measured_ms = 1e3 * statistics.median(
-            max(r.step_seconds for r in run_distributed(layout.tp * layout.pp * layout.dp, tp_test._measure, layout,
+            max(r.step_seconds for r in run_distributed(layout.tp * layout.pp * layout.dp * layout.cp, tp_test._measure, layout,
                                                         {**tp_test.MODEL, "sequence_parallel": layout.sequence_parallel,
                                                          "recompute_granularity": layout.recompute}, 3))
             for _ in range(3))
         workload = Workload(vocab_size=tp_test.V, seq_length=tp_test.S, micro_batch_size=tp_test.B,
                             global_batch_size=tp_test.B * tp_test.M * layout.dp, make_vocab_size_divisible_by=8,
                             mask_bytes=2)
-        hardware = Hardware(num_devices=layout.tp * layout.pp * layout.dp, memory_per_device_gb=1, peak_tflops=peak,
+        hardware = Hardware(num_devices=layout.tp * layout.pp * layout.dp * layout.cp, memory_per_device_gb=1, peak_tflops=peak,
                             intra_node_bandwidth_gbps=gbps, devices_per_node=4, compute_efficiency=1.0)
         plan = plan_layout(base, workload, hardware, layout)
         predicted, measured = max(p for p, _ in pairs), max(m for _, m in pairs)

@@ -3,9 +3,18 @@
     # reshard a megatron_core checkpoint to tp 4 x pp 2 (optimizer states converted too)
     python tools/checkpoint_convert.py --model-type GPT --loader mcore --saver mcore --load-dir ckpt \\
         --save-dir ckpt_tp4_pp2 --target-tensor-parallel-size 4 --target-pipeline-parallel-size 2 --check
+    # reshard an MoE checkpoint to tp 2 x ep 4 (experts keep their global ids; --num-experts divisible by ep)
+    python tools/checkpoint_convert.py --model-type GPT --loader mcore --saver mcore --load-dir moe_ckpt \\
+        --save-dir moe_tp2_ep4 --target-tensor-parallel-size 2 --target-expert-parallel-size 4
     # import a Hugging Face GPT-2 folder (config.json + model.safetensors or pytorch_model.bin)
     python tools/checkpoint_convert.py --model-type GPT --loader hf --saver mcore --load-dir gpt2 \\
         --save-dir ckpt_gpt2 --target-tensor-parallel-size 2 --target-pipeline-parallel-size 2
+    # import a Megatron-LM checkpoint (torch or torch_dist format, any tp/pp; target sizes default to its own)
+    python tools/checkpoint_convert.py --model-type GPT --loader core --saver mcore --load-dir megatron_ckpt \\
+        --save-dir ckpt
+    # export one that megatron-core / Megatron-LM loads (--ckpt-format torch_dist or torch)
+    python tools/checkpoint_convert.py --model-type GPT --loader mcore --saver core --load-dir ckpt \\
+        --save-dir megatron_ckpt --target-tensor-parallel-size 2
     # export for transformers.GPT2LMHeadModel.from_pretrained
     python tools/checkpoint_convert.py --model-type GPT --loader mcore --saver hf --load-dir ckpt \\
         --save-dir hf_out --target-tensor-parallel-size 1 --target-pipeline-parallel-size 1
@@ -28,23 +37,37 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_core.checkpointing.convert import (  # noqa: E402
     SourceCheckpoint,
+    expert_id_of,
     read_mcore_checkpoint,
     write_mcore_checkpoint,
 )
 from megatron_core.inference.checkpoint_model import config_from_flags, run_flags  # noqa: E402
 
 
+MEGATRON_LM = ("core", "megatron")  # Megatron-LM checkpoints of megatron-core's GPTModel (torch or torch_dist)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="checkpoint_convert.py", description=__doc__.split("\n")[0], allow_abbrev=False)
     p.add_argument("--model-type", required=True, choices=["GPT"])
-    p.add_argument("--loader", choices=["mcore", "hf"], default="mcore")
-    p.add_argument("--saver", choices=["mcore", "hf"], default="mcore")
+    p.add_argument("--loader", choices=["mcore", "hf", *MEGATRON_LM], default="mcore",
+                   help="mcore: a megatron_core checkpoint; hf: Hugging Face GPT-2; core / megatron: a Megatron-LM "
+                        "checkpoint (torch or torch_dist format)")
+    p.add_argument("--saver", choices=["mcore", "hf", "core"], default="mcore",
+                   help="core: a Megatron-LM checkpoint megatron-core's GPTModel loads (see --ckpt-format)")
     p.add_argument("--load-dir", required=True)
     p.add_argument("--save-dir", required=True)
-    p.add_argument("--target-tensor-parallel-size", type=int, default=1)
-    p.add_argument("--target-pipeline-parallel-size", type=int, default=1)
+    p.add_argument("--target-tensor-parallel-size", type=int, default=None, help="default: the source's")
+    p.add_argument("--target-pipeline-parallel-size", type=int, default=None, help="default: the source's")
+    p.add_argument("--target-expert-parallel-size", type=int, default=None,
+                   help="MoE: the target --expert-model-parallel-size (default: the source's)")
     p.add_argument("--target-data-parallel-size", type=int, default=1,
                    help="recorded in the layout; data-parallel sharding happens at load time")
+    p.add_argument("--true-vocab-size", type=int, default=None,
+                   help="Megatron-LM loaders: the tokenizer's vocab, to drop the padding rows (default: "
+                        "NullTokenizer's from the checkpoint args, else every padded row is kept)")
+    p.add_argument("--ckpt-format", choices=["torch", "torch_dist"], default="torch_dist",
+                   help="--saver core: Megatron-LM's checkpoint format to write")
     p.add_argument("--no-optim", action="store_true", help="drop optimizer states")
     p.add_argument("--check", action="store_true", help="compare logits of source and result (tp 1, pp 1)")
     p.add_argument("--no-progress", action="store_true")
@@ -54,15 +77,22 @@ def build_parser() -> argparse.ArgumentParser:
 def read_source(args: argparse.Namespace) -> SourceCheckpoint:
     if args.loader == "mcore":
         return read_mcore_checkpoint(args.load_dir)
+    if args.loader in MEGATRON_LM:
+        from megatron_core.checkpointing.megatron_lm import read_megatron_lm_checkpoint
+        return read_megatron_lm_checkpoint(args.load_dir, vars(run_flags({})), true_vocab_size=args.true_vocab_size)
     from megatron_core.checkpointing.hf_gpt2 import read_hf_gpt2
     return read_hf_gpt2(args.load_dir, vars(run_flags({})))
 
 
-def target_flags(source: SourceCheckpoint, tp: int, pp: int) -> dict:
+def target_flags(source: SourceCheckpoint, tp: int, pp: int, ep: int = 1) -> dict:
     """The source's run flags at the target layout (virtual pipelining and sequence parallelism reset
     when they no longer apply)."""
     flags = dict(source.flags)
     flags.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    if flags.get("num_experts") or ep > 1:
+        flags["expert_model_parallel_size"] = ep
+        if tp > 1:  # MoE layers at tp > 1 route each tp rank's chunk of the sequence
+            flags["sequence_parallel"] = True
     per_stage = flags.get("num_layers_per_virtual_pipeline_stage")
     if per_stage and (pp == 1 or flags["num_layers"] % (pp * per_stage) != 0):
         flags["num_layers_per_virtual_pipeline_stage"] = None
@@ -71,25 +101,42 @@ def target_flags(source: SourceCheckpoint, tp: int, pp: int) -> dict:
     return flags
 
 
-def convert(args: argparse.Namespace) -> str:
-    """Runs the conversion the flags describe; returns the written folder."""
-    tp, pp, dp = args.target_tensor_parallel_size, args.target_pipeline_parallel_size, args.target_data_parallel_size
+def target_layout(args: argparse.Namespace, source: SourceCheckpoint) -> tuple[int, int, int]:
+    """(tp, pp, dp) of the result: the flags, else the source's layout (as Megatron-LM's converter)."""
+    tp, pp = args.target_tensor_parallel_size, args.target_pipeline_parallel_size
+    tp = int(source.layout.get("tp", 1)) if tp is None else tp
+    pp = int(source.layout.get("pp", 1)) if pp is None else pp
     for name, value in (("--target-tensor-parallel-size", tp), ("--target-pipeline-parallel-size", pp),
-                        ("--target-data-parallel-size", dp)):
+                        ("--target-data-parallel-size", args.target_data_parallel_size)):
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
+    return tp, pp, args.target_data_parallel_size
+
+
+def convert(args: argparse.Namespace) -> str:
+    """Runs the conversion the flags describe; returns the written folder."""
     source = read_source(args)
+    tp, pp, dp = target_layout(args, source)
+    ep = args.target_expert_parallel_size
+    ep = int(source.layout.get("ep", 1)) if ep is None else ep
+    has_experts = any(expert_id_of(t.name) is not None for t in source.tensors)
+    if has_experts and args.saver != "mcore":
+        raise ValueError(f"{source.description} is a mixture-of-experts checkpoint: only --saver mcore writes "
+                         "experts")
     if args.saver == "hf":
         from megatron_core.checkpointing.hf_gpt2 import write_hf_gpt2
         return write_hf_gpt2(source, args.save_dir, progress=not args.no_progress)
-    flags = target_flags(source, tp, pp)
+    flags = target_flags(source, tp, pp, ep)
     try:
         config = config_from_flags(flags, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     except ValueError as error:
         raise ValueError(f"cannot convert {source.description} to tensor parallel {tp} x pipeline parallel {pp}: "
                          f"{error}") from error
+    if args.saver == "core":
+        from megatron_core.checkpointing.megatron_lm import write_megatron_lm_checkpoint
+        return write_megatron_lm_checkpoint(source, args.save_dir, tp=tp, pp=pp, ckpt_format=args.ckpt_format)
     return write_mcore_checkpoint(source, args.save_dir, config=config, flags=flags, data_parallel_size=dp,
-                                  no_optim=args.no_optim, progress=not args.no_progress)
+                                  no_optim=args.no_optim, progress=not args.no_progress, expert_parallel_size=ep)
 
 
 def reference_logits(kind: str, directory: str, tokens: torch.Tensor) -> torch.Tensor:
@@ -121,6 +168,9 @@ def check(args: argparse.Namespace, source: SourceCheckpoint, seed: int = 0) -> 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.check and (args.saver == "core" or args.loader in MEGATRON_LM):
+        parser.error("--check runs megatron_core and Hugging Face models only; compare a Megatron-LM checkpoint "
+                     "in megatron-core itself (see tests/integration/test_megatron_lm_checkpoints.py)")
     try:
         folder = convert(args)
         print(f"wrote {folder}")

@@ -29,23 +29,51 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     group.add_argument("--json-keys", nargs="+", default=["text"], help="keys to extract from jsonl")
     group.add_argument("--document-per-file", action="store_true", help="each plain-text file is one document")
     group.add_argument("--skip-bad-lines", action="store_true", help="skip and count malformed lines")
+    group.add_argument("--split-sentences", action="store_true",
+                       help="one sequence per sentence; writes PREFIX_{key}_sentence (nltk punkt when installed)")
+    group.add_argument("--keep-newlines", action="store_true",
+                       help="with --split-sentences, keep the newlines between sentences")
     group = parser.add_argument_group("tokenizer")
     group.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
     group.add_argument("--tokenizer-model", default=None, help="sentencepiece .model")
     group.add_argument("--vocab-file", default=None, help="GPT-2 vocab.json")
     group.add_argument("--merge-file", default=None, help="GPT-2 merges.txt")
-    group.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer vocabulary size")
+    group.add_argument("--vocab-size", type=int, default=None,
+                       help="NullTokenizer: ids before eod; TikTokenizer: all ids (default 2**17)")
+    group.add_argument("--tiktoken-pattern", default=None, help="TikTokenizer: v1 or v2 (default v2)")
+    group.add_argument("--tiktoken-num-special-tokens", type=int, default=1000)
     group.add_argument("--append-eod", action="store_true", help="end each document with the eod token")
     group = parser.add_argument_group("output data")
     group.add_argument("--output-prefix", required=True, help="writes PREFIX_{key}_document.bin/.idx")
     group = parser.add_argument_group("runtime")
     group.add_argument("--workers", type=int, default=1, help="tokenizing processes")
     group.add_argument("--log-interval", type=int, default=10000, help="documents between progress updates")
+    group.add_argument("--partitions", type=int, default=1,
+                       help="Megatron's input partitions (merged at the end there); here --workers tokenize in "
+                            "parallel and the output is the one merged dataset either way")
+    group.add_argument("--keep-sequential-samples", action="store_true",
+                       help="documents keep their input order (always the case here)")
+    group.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser.parse_args(argv)
 
 
-def _progress_printer():
-    """Returns a callback that redraws one progress line on stderr."""
+def _progress_printer(enabled: bool = True):
+    """Returns a callback that shows progress on stderr: a tqdm bar on a terminal, else one redrawn line."""
+    if not enabled:
+        return lambda stats: None
+    if sys.stderr.isatty():
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            tqdm = None
+        if tqdm is not None:
+            bar = tqdm(unit=" docs", file=sys.stderr, dynamic_ncols=True)
+
+            def advance(stats: PreprocessStats) -> None:
+                bar.update(stats.documents - bar.n)
+                bar.set_postfix(tokens=stats.tokens, MBps=f"{stats.bytes_read / max(stats.seconds, 1e-9) / 1e6:.1f}")
+            return advance
+
     def show(stats: PreprocessStats) -> None:
         seconds = max(stats.seconds, 1e-9)
         print(f"\rprocessed {stats.documents} documents, {stats.tokens} tokens "
@@ -58,19 +86,28 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     tokenizer_args = dict(tokenizer_type=args.tokenizer_type, tokenizer_model=args.tokenizer_model,
-                          vocab_file=args.vocab_file, merge_file=args.merge_file, vocab_size=args.vocab_size)
+                          vocab_file=args.vocab_file, merge_file=args.merge_file, vocab_size=args.vocab_size,
+                          tiktoken_pattern=args.tiktoken_pattern,
+                          tiktoken_num_special_tokens=args.tiktoken_num_special_tokens)
     stats = PreprocessStats()
 
     def progress(s: PreprocessStats) -> None:
         stats.__dict__.update(s.__dict__)
         show(s)
 
-    show = _progress_printer()
+    if args.partitions < 1:
+        print(f"error: --partitions must be >= 1, got {args.partitions}", file=sys.stderr)
+        return 2
+    if args.keep_newlines and not args.split_sentences:
+        print("error: --keep-newlines only applies with --split-sentences", file=sys.stderr)
+        return 2
+    show = _progress_printer(enabled=not args.no_progress)
     try:
         prefixes = preprocess(args.input, args.output_prefix, tokenizer_args=tokenizer_args,
                               json_keys=args.json_keys, append_eod=args.append_eod, workers=args.workers,
                               skip_bad_lines=args.skip_bad_lines, document_per_file=args.document_per_file,
-                              log_interval=args.log_interval, progress=progress)
+                              log_interval=args.log_interval, progress=progress,
+                              split_sentences=args.split_sentences, keep_newlines=args.keep_newlines)
     except (ValueError, FileNotFoundError) as err:
         print(f"\nerror: {err}", file=sys.stderr)
         return 2

@@ -7,14 +7,17 @@
                                                     states ``optim/<state>/<name>`` (written by dp rank 0)
     DIR/iter_0000020/rng_rank00000.safetensors      RNG states of each rank
 
-Saving writes into ``iter_N.partial``, fsyncs every file, renames the folder to ``iter_N`` and only then
-replaces the pointer file, so a crash never leaves a partial checkpoint that looks complete. Weights and
+Saving writes into ``iter_N.partial``, fsyncs every file and the folder, renames it to ``iter_N``, fsyncs
+the parent and only then replaces the pointer file (``durable.py``), so a crash or power loss never leaves a
+partial checkpoint that looks complete. ``prepare_checkpoint`` + ``PendingSave`` split a save into the host
+copy (collective), the file writes (any thread) and the publication (collective) for ``--async-save``. Weights and
 optimizer states load at any tp/pp/dp layout and ZeRO stage (shards are merged by their partition record and
 re-split; the vocab padding is recomputed from the true vocab size); RNG states at the same layout only.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -25,16 +28,18 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 import torch.distributed as dist
 from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import nn
 
+from megatron_core.checkpointing.durable import fsync_write, publish_folder, save_file_durably
 from megatron_core.checkpointing.layout import (
+    global_named_buffers,
     global_named_parameters,
     merge_shards,
     partition_record,
     repad_vocab,
     take_shard,
 )
+from megatron_core.checkpointing.megatron_lm_io import describe_foreign
 from megatron_core.checkpointing.optimizer_state import collect_optimizer_state, restore_optimizer_state
 from megatron_core.config import TransformerConfig
 from megatron_core.parallel_state import ParallelState
@@ -48,16 +53,6 @@ VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
-
-
-def fsync_write(path: str, data: bytes) -> None:
-    """Writes ``data`` to ``path`` atomically (temporary file, fsync, rename)."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def sha256_file(path: str) -> str:
@@ -75,11 +70,57 @@ def _layout(state: ParallelState, extra: dict) -> dict:
             **extra}
 
 
+@dataclasses.dataclass
+class PendingSave:
+    """A checkpoint whose tensors are on the host: ``write()`` puts this rank's files on disk (fsynced; may
+    run in a background thread, no collective), ``finalize()`` (collective, main thread, after every rank's
+    ``write()``) writes metadata.json on rank 0, publishes the folder and moves the pointer file."""
+
+    directory: str
+    final: str
+    partial: str
+    rank: int
+    writes: list[tuple[str, dict[str, torch.Tensor]]]
+    gathered: list[dict]
+    info: dict
+
+    def write(self) -> None:
+        for path, tensors in self.writes:
+            save_file_durably(tensors, path)
+
+    def finalize(self) -> None:
+        _barrier()  # every rank's files are durable
+        if self.rank == 0:
+            _write_metadata(self.partial, self.gathered, **self.info)
+            if os.path.exists(self.final):  # the same iteration again (a resumed run): the complete one stays
+                shutil.rmtree(self.partial)
+            else:
+                publish_folder(self.partial, self.final)
+            fsync_write(os.path.join(self.directory, LATEST), str(self.info["iteration"]).encode())
+        _barrier()
+
+
 def save_checkpoint(directory: str, *, iteration: int, model_chunks: Sequence[nn.Module], config: TransformerConfig,
                     state: ParallelState, true_vocab_size: int, consumed_samples: int,
                     optimizer: Optional[Any] = None, scheduler: Optional[Any] = None,
                     run_config: Optional[dict] = None, layout_extra: Optional[dict] = None) -> str:
     """Writes checkpoint ``iteration`` (collective: every rank calls it). Returns the checkpoint folder."""
+    pending = prepare_checkpoint(directory, iteration=iteration, model_chunks=model_chunks, config=config,
+                                 state=state, true_vocab_size=true_vocab_size, consumed_samples=consumed_samples,
+                                 optimizer=optimizer, scheduler=scheduler, run_config=run_config,
+                                 layout_extra=layout_extra)
+    pending.write()
+    pending.finalize()
+    return pending.final
+
+
+def prepare_checkpoint(directory: str, *, iteration: int, model_chunks: Sequence[nn.Module],
+                       config: TransformerConfig, state: ParallelState, true_vocab_size: int, consumed_samples: int,
+                       optimizer: Optional[Any] = None, scheduler: Optional[Any] = None,
+                       run_config: Optional[dict] = None, layout_extra: Optional[dict] = None) -> PendingSave:
+    """Copies what this rank writes to the host (its own copies: training may go on) and gathers every
+    rank's tensor records; collective (ZeRO gathers, the records). Nothing is written but the empty
+    ``iter_N.partial`` folder."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     final = os.path.join(directory, f"iter_{iteration:07d}")
     partial = f"{final}.partial"
@@ -91,28 +132,26 @@ def save_checkpoint(directory: str, *, iteration: int, model_chunks: Sequence[nn
         named = global_named_parameters(model_chunks, config, state)
         # a copy: a ZeRO-3 parameter's gathered storage is freed when the block ends
         tensors = {name: (param.detach().to("cpu", copy=True).contiguous(), param) for name, param in named.items()}
+    # model-state buffers (the router's expert bias): replicated, saved with the dense weights
+    tensors.update({name: (buffer.detach().to("cpu", copy=True).contiguous(), buffer)
+                    for name, buffer in global_named_buffers(model_chunks, config, state).items()})
     optimizer_scalars = None
     if optimizer is not None:
         optim_tensors, optimizer_scalars = collect_optimizer_state(optimizer, named, state)
-        tensors.update(optim_tensors)
-    records = _save_shard(partial, tensors, state)
-    save_file(_rng_tensors(state.device), os.path.join(partial, f"rng_rank{rank:05d}.safetensors"))
+        # copies: without ZeRO these may be views of the live optimizer states
+        tensors.update({n: (t.clone(), p) for n, (t, p) in optim_tensors.items()})
+    records, writes = _shard_files(partial, tensors, state)
+    writes.append((os.path.join(partial, f"rng_rank{rank:05d}.safetensors"),
+                   {n: t.clone() for n, t in _rng_tensors(state.device).items()}))
     gathered = [records]
     if dist.is_initialized():
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, records)
-    _barrier()
-    if rank == 0:
-        _write_metadata(partial, gathered, iteration=iteration, state=state, true_vocab_size=true_vocab_size,
-                        consumed_samples=consumed_samples, scheduler=scheduler, run_config=run_config,
-                        layout_extra=layout_extra or {}, optimizer=optimizer_scalars)
-        if os.path.exists(final):  # the same iteration again (a resumed run): the complete one stays
-            shutil.rmtree(partial)
-        else:
-            os.replace(partial, final)
-        fsync_write(os.path.join(directory, LATEST), str(iteration).encode())
-    _barrier()
-    return final
+    info = dict(iteration=iteration, state=state, true_vocab_size=true_vocab_size, consumed_samples=consumed_samples,
+                scheduler=scheduler.state_dict() if scheduler else None, run_config=run_config,
+                layout_extra=layout_extra or {}, optimizer=optimizer_scalars)
+    return PendingSave(directory=directory, final=final, partial=partial, rank=rank, writes=writes,
+                       gathered=gathered, info=info)
 
 
 @contextlib.contextmanager
@@ -125,26 +164,27 @@ def full_parameters(chunks: Sequence[nn.Module]) -> Iterator[None]:
         yield
 
 
-def _save_shard(folder: str, tensors: dict[str, tuple[torch.Tensor, nn.Parameter]], state: ParallelState) -> dict:
+def _shard_files(folder: str, tensors: dict[str, tuple[torch.Tensor, nn.Parameter]],
+                 state: ParallelState) -> tuple[dict, list[tuple[str, dict[str, torch.Tensor]]]]:
     """dp rank 0 of each tp x pp writes its dense tensors (weights and optimizer states) into one file, and
     expert-dp rank 0 of each ep x pp its experts' (stored under global expert ids, replicated over tp) into
-    another; returns ``{name: record}`` with each tensor's tp partition (an optimizer state shares its
-    parameter's)."""
+    another; returns ``({name: record}, [(path, tensors)])`` with each tensor's tp partition (an optimizer
+    state shares its parameter's) and the files this rank writes."""
     dense = {n: t for n, t in tensors.items() if not getattr(t[1], "is_expert", False)}
     experts = {n: t for n, t in tensors.items() if getattr(t[1], "is_expert", False)}
-    records = {}
+    records, writes = {}, []
     if state.dp_rank == 0 and state.cp_rank == 0:
-        records.update(_write_file(folder, f"model_tp{state.tp_rank:02d}_pp{state.pp_rank:03d}.safetensors",
-                                   dense, tp_rank=state.tp_rank))
+        file = f"model_tp{state.tp_rank:02d}_pp{state.pp_rank:03d}.safetensors"
+        records.update(_records(file, dense, tp_rank=state.tp_rank))
+        writes.append((os.path.join(folder, file), {name: tensor for name, (tensor, _) in dense.items()}))
     if state.expert_dp_rank == 0 and experts:
-        records.update(_write_file(folder, f"experts_ep{state.ep_rank:03d}_pp{state.pp_rank:03d}.safetensors",
-                                   experts, tp_rank=0))
-    return records
+        file = f"experts_ep{state.ep_rank:03d}_pp{state.pp_rank:03d}.safetensors"
+        records.update(_records(file, experts, tp_rank=0))
+        writes.append((os.path.join(folder, file), {name: tensor for name, (tensor, _) in experts.items()}))
+    return records, writes
 
 
-def _write_file(folder: str, file: str, tensors: dict[str, tuple[torch.Tensor, nn.Parameter]], *,
-                tp_rank: int) -> dict:
-    save_file({name: tensor for name, (tensor, _) in tensors.items()}, os.path.join(folder, file))
+def _records(file: str, tensors: dict[str, tuple[torch.Tensor, nn.Parameter]], *, tp_rank: int) -> dict:
     records = {}
     for name, (tensor, param) in tensors.items():
         dim, stride = partition_record(param)
@@ -169,16 +209,11 @@ def _write_metadata(folder: str, gathered: list[dict], **info) -> None:
     metadata = {
         "format": "megatron_core/1", "iteration": info["iteration"], "consumed_samples": info["consumed_samples"],
         "true_vocab_size": info["true_vocab_size"], "layout": _layout(state, info["layout_extra"]),
-        "config": info["run_config"] or {}, "scheduler": scheduler.state_dict() if scheduler else None,
+        "config": info["run_config"] or {}, "scheduler": scheduler,
         "optimizer": info["optimizer"], "tensors": tensors,
         "checksums": {f: sha256_file(os.path.join(folder, f)) for f in sorted(os.listdir(folder))},
     }
-    fsync_write(os.path.join(folder, "metadata.json"), json.dumps(metadata, indent=1).encode())
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_write(os.path.join(folder, "metadata.json"), json.dumps(metadata, indent=1).encode())  # fsyncs folder
 
 
 def _rng_tensors(device: torch.device) -> dict[str, torch.Tensor]:
@@ -205,6 +240,9 @@ def read_metadata(directory: str, iteration: Optional[int] = None, *, fallback: 
     With ``fallback``, every file of the checkpoint is verified first and, if one is missing or corrupt, the
     next older complete checkpoint is tried (each failure is logged).
     """
+    foreign = describe_foreign(directory)
+    if foreign:
+        raise ValueError(foreign)
     iteration = latest_iteration(directory) if iteration is None else iteration
     if iteration is None:
         raise ValueError(f"no checkpoint in {directory}: {LATEST} is missing")
@@ -280,6 +318,13 @@ def load_model_weights(folder: str, metadata: dict, *, model_chunks: Sequence[nn
                                      "model shape?)")
                 with torch.no_grad():
                     param.copy_(shard.to(param.dtype))
+            for name, buffer in global_named_buffers(model_chunks, config, state).items():
+                shard = reader.read(name, buffer)
+                if shard is None:  # a checkpoint from before buffers were saved: the buffer keeps its value
+                    logger.warning("checkpoint %s has no buffer %r: it keeps its initial value", folder, name)
+                    continue
+                with torch.no_grad():
+                    buffer.copy_(shard.to(buffer.dtype))
             _store_gathered(model_chunks)
             if optimizer is not None:
                 if metadata.get("optimizer") is None:

@@ -6,7 +6,10 @@ Face). ``write_mcore_checkpoint`` re-splits every tensor for the target tp, assi
 that owns it and streams it into ``model_tp{r}_pp{p}.safetensors`` (header first, then tensor by tensor), so
 peak memory stays near the largest tensor. Optimizer states (``optim/<state>/<param>``) are converted like
 their parameters; vocab-padded tensors (names ending in a ``VOCAB_PARAMS`` entry) lose their padding on read
-and are re-padded for the target tp on write.
+and are re-padded for the target tp on write. MoE experts (``...mlp.experts.local_experts.<global id>...``
+and their optimizer states) are not split over tp: each goes, once, into ``experts_ep{r}_pp{p}.safetensors``
+of the target ep rank that holds its global id (ep rank r holds ids ``[r * E / ep, (r + 1) * E / ep)``), so
+conversion changes tp, pp and ep together and every expert keeps its global id.
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ from megatron_core.checkpointing.checkpoint import (
     safe_path,
     sha256_file,
 )
+from megatron_core.checkpointing.durable import publish_folder
 from megatron_core.checkpointing.layout import merge_shards, repad_vocab, take_shard
 from megatron_core.checkpointing.streaming import ProgressBar, StreamingSafetensorsWriter, parse_dtype
 from megatron_core.config import TransformerConfig
@@ -137,6 +141,17 @@ class _ShardReader:
         return full[: self.metadata["true_vocab_size"]] if is_vocab_tensor(name) else full
 
 
+EXPERT_MARK = ".mlp.experts.local_experts."
+
+
+def expert_id_of(name: str) -> Optional[int]:
+    """The global expert id of a routed-expert tensor (or its optimizer state), else None."""
+    param = parameter_name(name)
+    if EXPERT_MARK not in param:
+        return None
+    return int(param.split(EXPERT_MARK, 1)[1].split(".", 1)[0])
+
+
 def pipeline_stage_of(name: str, config: TransformerConfig) -> int:
     """The pipeline rank that holds tensor ``name`` in a model built with ``config``."""
     param = parameter_name(name)
@@ -189,7 +204,8 @@ def _target_shape(name: str, tensor: SourceTensor, padded_vocab: int, tp: int) -
 
 
 def write_mcore_checkpoint(source: SourceCheckpoint, save_dir: str, *, config: TransformerConfig, flags: dict,
-                           data_parallel_size: int = 1, no_optim: bool = False, progress: bool = True) -> str:
+                           data_parallel_size: int = 1, no_optim: bool = False, progress: bool = True,
+                           expert_parallel_size: int = 1) -> str:
     """Writes ``source`` as a checkpoint for the layout of ``config`` (its tp and pp sizes) under
     ``save_dir/iter_N`` (atomically: ``iter_N.partial``, fsync, rename, then the pointer file).
 
@@ -198,11 +214,16 @@ def write_mcore_checkpoint(source: SourceCheckpoint, save_dir: str, *, config: T
         flags: the run flags metadata.json records as ``config`` (already set for the target layout).
         data_parallel_size: recorded as the layout's dp (dp sharding happens at load time).
         no_optim: drop optimizer states (``optim/`` tensors and metadata["optimizer"]).
+        expert_parallel_size: the target ep (MoE models: ``num_moe_experts`` must be divisible by it).
     Returns: the checkpoint folder.
     """
     if data_parallel_size < 1:
         raise ValueError(f"target data-parallel size must be >= 1, got {data_parallel_size}")
-    tp, pp = config.tensor_model_parallel_size, config.pipeline_model_parallel_size
+    tp, pp, ep = config.tensor_model_parallel_size, config.pipeline_model_parallel_size, expert_parallel_size
+    num_experts = config.moe.num_moe_experts if config.moe is not None else None
+    if ep < 1 or (ep > 1 and num_experts is None) or (num_experts and num_experts % ep):
+        raise ValueError(f"target expert_model_parallel_size {ep} does not fit num_moe_experts {num_experts} "
+                         "(it must be >= 1 and divide the number of experts; 1 without experts)")
     padded_vocab = vocab_size_with_padding(source.true_vocab_size, tensor_model_parallel_size=tp,
                                            make_vocab_size_divisible_by=int(flags.get("make_vocab_size_divisible_by", 128)))
     tied = not (flags.get("untie_embeddings_and_output_weights") or config.untie_embeddings_and_output_weights)
@@ -213,8 +234,10 @@ def write_mcore_checkpoint(source: SourceCheckpoint, save_dir: str, *, config: T
     shutil.rmtree(partial, ignore_errors=True)
     os.makedirs(partial)
     records = _stream_tensors(partial, plan, tp=tp, padded_vocab=padded_vocab,
-                              true_vocab=source.true_vocab_size, progress=progress)
+                              true_vocab=source.true_vocab_size, progress=progress,
+                              experts_per_rank=(num_experts // ep) if num_experts else None)
     layout = {"tp": tp, "pp": pp, "dp": data_parallel_size, "vpp": config.virtual_pipeline_model_parallel_size,
+              **({"ep": ep} if ep > 1 else {}),
               "zero_stage": source.layout.get("zero_stage", flags.get("zero_stage", 0))}
     metadata = {"format": FORMAT, "iteration": source.iteration, "consumed_samples": source.consumed_samples,
                 "true_vocab_size": source.true_vocab_size, "layout": layout, "config": flags,
@@ -224,19 +247,28 @@ def write_mcore_checkpoint(source: SourceCheckpoint, save_dir: str, *, config: T
     fsync_write(os.path.join(partial, "metadata.json"), json.dumps(metadata, indent=1).encode())
     if os.path.exists(final):
         shutil.rmtree(final)
-    os.replace(partial, final)
+    publish_folder(partial, final)
     fsync_write(os.path.join(save_dir, LATEST), str(source.iteration).encode())
     return final
 
 
 def _stream_tensors(folder: str, plan: list, *, tp: int, padded_vocab: int, true_vocab: int,
-                    progress: bool) -> dict:
-    """Declares every file's tensors, then reads each source tensor once and writes its tp shards."""
+                    progress: bool, experts_per_rank: Optional[int] = None) -> dict:
+    """Declares every file's tensors, then reads each source tensor once and writes its tp shards (an
+    expert tensor: one copy, in its ep rank's expert file)."""
     declared: dict[str, list] = {}
     records = {}
     for name, tensor, stage, shard_shape in plan:
         shards = {}
-        for rank in range(tp):
+        expert = expert_id_of(name)
+        if expert is not None:
+            if experts_per_rank is None or tensor.partition_dim is not None:
+                raise ValueError(f"tensor {name!r} is a routed expert's but the target model has no experts "
+                                 "(or the expert is split over tp, which this converter does not write)")
+            file = f"experts_ep{expert // experts_per_rank:03d}_pp{stage:03d}.safetensors"
+            declared.setdefault(file, []).append((name, tensor.dtype, shard_shape))
+            shards["0"] = {"file": file, "shape": list(shard_shape)}
+        for rank in range(tp if expert is None else 0):
             file = f"model_tp{rank:02d}_pp{stage:03d}.safetensors"
             declared.setdefault(file, []).append((name, tensor.dtype, shard_shape))
             shards[str(rank)] = {"file": file, "shape": list(shard_shape)}
@@ -255,9 +287,9 @@ def _stream_tensors(folder: str, plan: list, *, tp: int, padded_vocab: int, true
                 raise ValueError(f"{name!r}: read shape {tuple(full.shape)}, expected {tensor.shape}")
             if is_vocab_tensor(name):
                 full = repad_vocab(full, true_vocab, padded_vocab)
-            for rank in range(tp):
-                shard = take_shard(full, tensor.partition_dim, tensor.stride, rank, tp)
-                writers[records[name]["shards"][str(rank)]["file"]].write(name, shard.to(tensor.dtype))
+            for rank, shard_record in records[name]["shards"].items():
+                shard = take_shard(full, tensor.partition_dim, tensor.stride, int(rank), tp)
+                writers[shard_record["file"]].write(name, shard.to(tensor.dtype))
             if bar:
                 bar.update(name)
         for writer in writers.values():
@@ -266,4 +298,4 @@ def _stream_tensors(folder: str, plan: list, *, tp: int, padded_vocab: int, true
 
 
 __all__ = ["SourceTensor", "SourceCheckpoint", "read_mcore_checkpoint", "write_mcore_checkpoint",
-           "plan_target_tensors", "pipeline_stage_of", "parameter_name", "is_vocab_tensor", "VOCAB_PARAMS"]
+           "plan_target_tensors", "pipeline_stage_of", "expert_id_of", "parameter_name", "is_vocab_tensor", "VOCAB_PARAMS"]

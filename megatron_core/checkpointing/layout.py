@@ -34,6 +34,36 @@ def global_named_parameters(chunks: Sequence[nn.Module], config: TransformerConf
     return named
 
 
+def global_named_buffers(chunks: Sequence[nn.Module], config: TransformerConfig,
+                         state: ParallelState) -> dict[str, torch.Tensor]:
+    """``{global name: buffer}`` of the persistent buffers of this rank's chunks that are model state (the
+    MoE router's ``expert_bias``): replicated over tp, dp and ep, named like parameters (global layer)."""
+    named = {}
+    for vp, chunk in enumerate(chunks):
+        offset = config.pipeline_layer_range(state.pp_rank, vp if state.vpp_size else None)[0]
+        module = unwrap(chunk)
+        persistent = {name for name, _ in module.named_buffers()} - _non_persistent(module)
+        for name, buffer in module.named_buffers():
+            if name not in persistent or not name.endswith(STATE_BUFFERS):
+                continue
+            parts = name.split(".")
+            if parts[:2] == ["decoder", "layers"]:
+                parts[2] = str(int(parts[2]) + offset)
+            named[".".join(parts)] = buffer
+    return named
+
+
+STATE_BUFFERS = ("expert_bias",)
+
+
+def _non_persistent(module: nn.Module) -> set[str]:
+    names = set()
+    for prefix, sub in module.named_modules():
+        for name in getattr(sub, "_non_persistent_buffers_set", ()):
+            names.add(f"{prefix}.{name}" if prefix else name)
+    return names
+
+
 def partition_record(param: torch.Tensor) -> tuple[Optional[int], int]:
     """``(tp partition dim or None, stride)`` of a parameter."""
     if getattr(param, "tensor_model_parallel", False):

@@ -30,7 +30,7 @@ class _ChunkAttention(torch.autograd.Function):
         q, k, v, mask, out, lse = ctx.saved_tensors
         dout = dout.to(lse.dtype)
         delta = (dout * out.to(lse.dtype)).sum(dim=-1)
-        dq, dk, dv = block_backward(q, k, v, dout, delta=delta, lse=lse, mask=mask, **ctx.options)
+        dq, dk, dv = block_backward(q, k, v, dout, delta=delta, lse=lse, mask=mask, out=out, **ctx.options)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 
 

@@ -7,6 +7,13 @@ Shapes, per rank: query ``[b, hq, sq, d]``, key and value ``[b, hk, sk, d]`` wit
 fp32 (fp64 for fp64 inputs: ``accumulation_dtype``). Query rows are processed in tiles of at most
 ``tile_elements`` scores, so the transient score / probability / dropout-mask tensors stay bounded whatever
 the sequence length.
+
+Fused path: when a block has no user mask and no dropout, and runs on the CPU, its forward and backward are
+torch's fused flash-attention kernels that return / take the log-sum-exp
+(``aten._scaled_dot_product_flash_attention_for_cpu`` and its ``_backward``), as torch's own ring attention
+does; a causal block with ``causal_offset > 0`` is cut into the keys every query sees (no mask) and the
+diagonal (top-left causal), merged with the log-sum-exp rule. Everything else (masks, dropout, other
+devices, ``FUSED = False``) runs the tiled torch math below.
 """
 from __future__ import annotations
 
@@ -16,6 +23,62 @@ import torch
 
 TILE_ELEMENTS = 1 << 20
 """Scores per tile (``b * hq * rows * sk``): about two such fp32 buffers (8 MiB) live at once in backward."""
+
+
+FUSED = True
+"""Use the fused CPU flash-attention kernels where a block allows them (``False``: always the tiled math)."""
+
+_FUSED_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def fused_ok(q: torch.Tensor, *, mask: Optional[torch.Tensor], dropout_p: float, dropout_seed: Optional[int]) -> bool:
+    """Whether a block of ``q`` runs the fused kernel: CPU, no user mask, no dropout."""
+    return (FUSED and q.device.type == "cpu" and q.dtype in _FUSED_DTYPES and mask is None
+            and (dropout_p == 0.0 or dropout_seed is None))
+
+
+def _fused_pieces(sq: int, sk: int, causal: bool, causal_offset: int) -> list[tuple[int, int, bool]]:
+    """``(key start, key end, top-left causal)`` pieces of a block: all keys (not causal), or the keys
+    before ``causal_offset`` (every query sees them) and the diagonal ``[offset, offset + sq)``."""
+    if not causal:
+        return [(0, sk, False)]
+    pieces = [(0, min(causal_offset, sk), False)] if causal_offset > 0 else []
+    if causal_offset < sk:
+        pieces.append((causal_offset, min(sk, causal_offset + sq), True))
+    return [piece for piece in pieces if piece[1] > piece[0]]
+
+
+def _fused_forward(q, k, v, *, scale: float, causal: bool, causal_offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+    acc = accumulation_dtype(q.dtype)
+    b, hq, sq, d = q.shape
+    pieces = _fused_pieces(sq, k.shape[2], causal, causal_offset)
+    if len(pieces) == 1:
+        start, end, top_left = pieces[0]
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k[:, :, start:end], v[:, :, start:end], 0.0, top_left, scale=scale)
+        return out.to(acc), lse.to(acc)
+    out = torch.zeros(b, hq, sq, v.shape[-1], dtype=acc, device=q.device)
+    lse = torch.full((b, hq, sq), float("-inf"), dtype=acc, device=q.device)
+    for start, end, top_left in pieces:
+        piece_out, piece_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k[:, :, start:end], v[:, :, start:end], 0.0, top_left, scale=scale)
+        merge_(out, lse, piece_out.to(acc), piece_lse.to(acc))
+    return out, lse
+
+
+def _fused_backward(q, k, v, dout, out, lse, *, scale: float, causal: bool,
+                    causal_offset: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    acc = accumulation_dtype(q.dtype)
+    dout, out = dout.to(q.dtype).contiguous(), out.to(q.dtype).contiguous()
+    lse = lse.to(torch.float32 if q.dtype in (torch.bfloat16, torch.float16) else acc).contiguous()
+    dq, dk, dv = (torch.zeros(x.shape, dtype=acc, device=q.device) for x in (q, k, v))
+    for start, end, top_left in _fused_pieces(q.shape[2], k.shape[2], causal, causal_offset):
+        piece_dq, piece_dk, piece_dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k[:, :, start:end], v[:, :, start:end], out, lse, 0.0, top_left, scale=scale)
+        dq += piece_dq
+        dk[:, :, start:end] += piece_dk
+        dv[:, :, start:end] += piece_dv
+    return dq, dk, dv
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -93,6 +156,9 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: f
         (-inf, with out 0, for rows this block fully masks), both in the accumulation dtype.
     """
     acc, heads_per_group = accumulation_dtype(q.dtype), q.shape[1] // k.shape[1]
+    if fused_ok(q, mask=mask, dropout_p=dropout_p, dropout_seed=dropout_seed):
+        return _fused_forward(q, expand_kv(k, heads_per_group), expand_kv(v, heads_per_group), scale=scale,
+                              causal=causal, causal_offset=causal_offset)
     k, v = expand_kv(k, heads_per_group).to(acc), expand_kv(v, heads_per_group).to(acc)
     outs, lses = [], []
     for start, end in _row_tiles(q, k.shape[2], tile_elements):
@@ -124,7 +190,8 @@ def block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torc
                    lse: torch.Tensor, scale: float, causal: bool, causal_offset: int = 0,
                    mask: Optional[torch.Tensor] = None,
                    dropout_p: float = 0.0, dropout_seed: Optional[int] = None,
-                   tile_elements: int = TILE_ELEMENTS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   tile_elements: int = TILE_ELEMENTS,
+                   out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of this block's share of the attention output, from the final (merged) statistics.
 
     Args:
@@ -133,11 +200,17 @@ def block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torc
         dout: ``[b, hq, sq, d]`` gradient of the final attention output (for this block's query rows).
         delta: ``[b, hq, sq]``, ``rowsum(dout * out)`` of the final output.
         lse: ``[b, hq, sq]`` log-sum-exp over every key (after the merge).
+        out: ``[b, hq, sq, d]`` the final (merged) attention output of these rows; the fused kernel needs it
+            (without it the tiled math runs).
 
     Returns:
         ``(dq [b, hq, sq, d], dk [b, hk, sk, d], dv [b, hk, sk, d])`` in the accumulation dtype.
     """
     acc, heads_per_group = accumulation_dtype(q.dtype), q.shape[1] // k.shape[1]
+    if out is not None and fused_ok(q, mask=mask, dropout_p=dropout_p, dropout_seed=dropout_seed):
+        dq, dk, dv = _fused_backward(q, expand_kv(k, heads_per_group), expand_kv(v, heads_per_group), dout, out,
+                                     lse, scale=scale, causal=causal, causal_offset=causal_offset)
+        return dq, fold_kv(dk, heads_per_group), fold_kv(dv, heads_per_group)
     k, v = expand_kv(k, heads_per_group).to(acc), expand_kv(v, heads_per_group).to(acc)
     dq_tiles, dk, dv = [], torch.zeros_like(k), torch.zeros_like(v)
     for start, end in _row_tiles(q, k.shape[2], tile_elements):
@@ -159,5 +232,5 @@ def block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torc
     return torch.cat(dq_tiles, dim=2), fold_kv(dk, heads_per_group), fold_kv(dv, heads_per_group)
 
 
-__all__ = ["TILE_ELEMENTS", "accumulation_dtype", "block_backward", "block_forward", "expand_kv", "fold_kv",
+__all__ = ["FUSED", "TILE_ELEMENTS", "accumulation_dtype", "fused_ok", "block_backward", "block_forward", "expand_kv", "fold_kv",
            "merge_", "tile_keep_mask"]

@@ -133,7 +133,7 @@ class _RingAttention(torch.autograd.Function):
             ops = [("recv", arriving, spec.prev_rank)] if arriving is not None else []
             ops += [("send", kv, spec.next_rank), ("recv", incoming, spec.prev_rank)] if incoming is not None else []
             requests = _post(ops, spec.cp_group)
-            dkv = _backward_block(q, kv, dout, delta, lse, mask, dq, spec, step)
+            dkv = _backward_block(q, kv, dout, out, delta, lse, mask, dq, spec, step)
             _wait(requests)
             if arriving is not None:
                 dkv += arriving  # the accumulated grads of this kv block from the ranks it visited before
@@ -148,7 +148,7 @@ class _RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None, None
 
 
-def _backward_block(q, kv, dout, delta, lse, mask, dq, spec: RingSpec, step: int) -> torch.Tensor:
+def _backward_block(q, kv, dout, out, delta, lse, mask, dq, spec: RingSpec, step: int) -> torch.Tensor:
     """Adds step ``step``'s query grads into ``dq``; returns the fp32 ``[2, b, hk, s/cp, d]`` dK/dV of the
     kv block held at this step."""
     local = q.shape[2]
@@ -157,7 +157,7 @@ def _backward_block(q, kv, dout, delta, lse, mask, dq, spec: RingSpec, step: int
         q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], dout[:, :, rows], delta=delta[:, :, rows],
         lse=lse[:, :, rows], scale=spec.scale, causal=causal,
         mask=_block_mask(mask, spec, step, rows, cols, local * spec.cp_size), dropout_p=spec.dropout_p,
-        dropout_seed=_dropout_seed(spec, step))
+        dropout_seed=_dropout_seed(spec, step), out=out[:, :, rows])
     dq[:, :, rows] += block_dq
     dkv = torch.zeros(kv.shape, dtype=dq.dtype, device=q.device)
     dkv[0][:, :, cols] = block_dk

@@ -55,11 +55,16 @@ def parse_data_path(data_path: Sequence[str]) -> Tuple[List[str], Optional[List[
 
 
 def normalize_weights(weights: Sequence[float]) -> List[float]:
-    """Weights divided by their sum; raises ValueError when the sum is not positive."""
-    total = float(sum(weights))
+    """Weights divided by their sum in float64 (megatron-core's ``normalize``, bit for bit).
+
+    Raises:
+        ValueError: when the sum is not positive.
+    """
+    array = np.asarray(weights, dtype=np.float64)
+    total = float(np.sum(array))
     if total <= 0:
         raise ValueError(f"blend weights {list(weights)} sum to {total}; at least one must be positive")
-    return [float(w) / total for w in weights]
+    return (array / np.sum(array)).tolist()
 
 
 def parse_split(split: str) -> List[float]:
@@ -75,27 +80,34 @@ def parse_split(split: str) -> List[float]:
 
 
 def split_document_ranges(num_documents: int, split: Sequence[float]) -> List[Tuple[int, int]]:
-    """[begin, end) document ranges for train/valid/test, computed as Megatron's ``_get_split_indices``.
+    """[begin, end) document ranges for train/valid/test, as megatron-core's ``BlendedMegatronDatasetBuilder``.
 
-    Each bound is the running sum of ``round(weight * num_documents)``, then all bounds are shifted so
-    that the last equals ``num_documents``.
+    The normalized weights are turned into book-ends by a running float sum (megatron-core's
+    ``convert_split_vector_to_split_matrix``: ``[0.9, 0.05, 0.05] -> (0, 0.9), (0.9, 0.95), (0.95, 1.0)``) and
+    each book-end becomes ``int(round(bound * num_documents))``. A split of weight 0 is the empty range
+    ``(end, end)`` (megatron-core builds no dataset for it).
     """
     weights = normalize_weights(split)
-    bounds = [0]
+    bounds = [0.0]
     for weight in weights:
-        bounds.append(bounds[-1] + int(round(weight * float(num_documents))))
-    diff = bounds[-1] - num_documents
-    bounds = [bounds[0]] + [b - diff for b in bounds[1:]]
-    return [(max(bounds[i], 0), max(bounds[i + 1], 0)) for i in range(len(weights))]
+        bounds.append(bounds[-1] + weight)
+    ranges = []
+    for weight, low, high in zip(weights, bounds[:-1], bounds[1:]):
+        end = int(round(high * float(num_documents)))
+        ranges.append((end, end) if weight <= 0 else (int(round(low * float(num_documents))), end))
+    return ranges
 
 
 def build_blending_indices(weights: Sequence[float], size: int) -> Tuple[np.ndarray, np.ndarray]:
     """Megatron's greedy interleaving: sample ``i`` goes to the dataset furthest behind its share.
 
+    The same loop as megatron-core's ``helpers.build_blending_indices``; like it, the weights are used as
+    given (pass normalized weights, e.g. ``normalize_weights(w)``).
+
     Returns:
         (dataset_index int16, dataset_sample_index int64), each of length ``size``.
     """
-    weights = normalize_weights(weights)
+    weights = [float(w) for w in weights]
     counts = [0] * len(weights)
     dataset_index = np.empty(size, dtype=np.int16)
     dataset_sample_index = np.empty(size, dtype=np.int64)
@@ -113,49 +125,87 @@ def build_blending_indices(weights: Sequence[float], size: int) -> Tuple[np.ndar
     return dataset_index, dataset_sample_index
 
 
+def build_exhaustive_blending_indices(sizes: Sequence[int]) -> Tuple[np.ndarray, np.ndarray]:
+    """Takes exactly ``sizes[d]`` samples from each dataset ``d``, interleaved by the greedy rule.
+
+    megatron-core's ``helpers.build_exhaustive_blending_indices`` (a blend of unweighted prefixes with no
+    requested size): the weights are ``sizes / sum(sizes)`` and a dataset leaves the race once it has given
+    all its samples.
+
+    Returns:
+        (dataset_index int16, dataset_sample_index int64), each of length ``sum(sizes)``.
+    """
+    sizes = [int(n) for n in sizes]
+    total = sum(sizes)
+    weights = [n / float(total) for n in sizes]
+    counts = [0] * len(sizes)
+    unspent = [d for d, n in enumerate(sizes) if n > 0]
+    dataset_index = np.empty(total, dtype=np.int16)
+    dataset_sample_index = np.empty(total, dtype=np.int64)
+    for i in range(total):
+        scale = max(float(i), 1.0)
+        best = max(unspent, key=lambda d: (weights[d] * scale - counts[d], -d))  # first of equal errors wins
+        dataset_index[i] = best
+        dataset_sample_index[i] = counts[best]
+        counts[best] += 1
+        if counts[best] == sizes[best]:
+            unspent.remove(best)
+    return dataset_index, dataset_sample_index
+
+
 def samples_per_dataset(weights: Sequence[float], size: int) -> List[int]:
     """Samples to request from each blended dataset: ``ceil(ceil(size * w) * 1.005)`` as in Megatron."""
     return [int(math.ceil(math.ceil(size * w) * 1.005)) for w in normalize_weights(weights)]
 
 
 class BlendedDataset(torch.utils.data.Dataset):
-    """``size`` samples drawn from ``datasets`` in proportion to ``weights``.
+    """Samples drawn from ``datasets`` in proportion to ``weights`` (megatron-core's ``BlendedDataset``).
 
     The order is deterministic (no randomness): see ``build_blending_indices``. Items are the
     sub-dataset's dict plus ``dataset_id``.
 
     Args:
         datasets: the datasets to blend; each must hold at least the samples the blend takes from it.
-        weights: non-negative weights, normalized here.
-        size: number of samples.
+        weights: non-negative weights, normalized here; with ``size=None``, the whole number of samples to
+            take from each dataset.
+        size: number of samples; None: exactly ``weights[d]`` samples of each dataset ``d``
+            (``build_exhaustive_blending_indices``).
         cache_dir: where to cache the two index arrays as ``.npy`` (None: no caching).
         name: used in the cache key and messages.
     """
 
-    def __init__(self, datasets: Sequence, weights: Sequence[float], size: int, *,
+    def __init__(self, datasets: Sequence, weights: Sequence[float], size: Optional[int], *,
                  cache_dir: Optional[str] = None, name: str = "train") -> None:
         if len(datasets) != len(weights) or not datasets:
             raise ValueError(f"BlendedDataset needs one weight per dataset, got {len(datasets)} datasets and "
                              f"{len(weights)} weights")
-        if size <= 0:
+        if size is None and any(float(w) != int(w) or w < 0 for w in weights):
+            raise ValueError(f"BlendedDataset with size=None takes whole sample counts as weights, got {list(weights)}")
+        if size is not None and size <= 0:
             raise ValueError(f"BlendedDataset size must be positive, got {size}")
-        self.datasets, self.weights, self.size, self.name = list(datasets), normalize_weights(weights), size, name
-        self.dataset_index, self.dataset_sample_index = self._load_or_build(cache_dir)
+        self.datasets, self.name = list(datasets), name
+        self.weights = normalize_weights(weights) if size is not None else [int(w) for w in weights]
+        self.size = size if size is not None else sum(self.weights)
+        self.dataset_index, self.dataset_sample_index = self._load_or_build(cache_dir, exhaustive=size is None)
         for d, dataset in enumerate(self.datasets):
             taken = self.dataset_sample_index[self.dataset_index == d]
             if len(taken) and int(taken.max()) >= len(dataset):
                 raise ValueError(f"blend '{name}' needs {int(taken.max()) + 1} samples from dataset {d} but it has "
                                  f"{len(dataset)}; build it with num_samples >= samples_per_dataset(weights, size)")
 
-    def _load_or_build(self, cache_dir: Optional[str]):
+    def _load_or_build(self, cache_dir: Optional[str], *, exhaustive: bool):
         key = json.dumps({"class": "BlendedDataset", "name": self.name, "weights": self.weights, "size": self.size,
-                          "datasets": [_describe(d) for d in self.datasets]}, sort_keys=True)
+                          "exhaustive": exhaustive, "datasets": [_describe(d) for d in self.datasets]},
+                         sort_keys=True)
         digest = hashlib.md5(key.encode()).hexdigest()
         paths = [os.path.join(cache_dir, f"{digest}-BlendedDataset-{self.name}-{n}.npy")
                  for n in ("dataset_index", "dataset_sample_index")] if cache_dir else []
         if paths and all(os.path.isfile(p) for p in paths):
             return tuple(np.load(p, allow_pickle=False) for p in paths)
-        arrays = build_blending_indices(self.weights, self.size)
+        if exhaustive:
+            arrays = build_exhaustive_blending_indices(self.weights)
+        else:
+            arrays = build_blending_indices(self.weights, self.size)
         for path, array in zip(paths, arrays):
             atomic_save_npy(path, array)
         return arrays

@@ -1,12 +1,13 @@
 """Entry point of the training loop: flags -> (train, valid, test) GPT datasets."""
 import dataclasses
 import logging
+import math
 from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from megatron_core.data.blended_dataset import (BlendedDataset, parse_data_path, parse_split, samples_per_dataset,
-                                                split_document_ranges)
+from megatron_core.data.blended_dataset import (BlendedDataset, normalize_weights, parse_data_path, parse_split,
+                                                samples_per_dataset, split_document_ranges)
 from megatron_core.data.default_corpus import default_corpus_prefix
 from megatron_core.data.gpt_dataset import GPTDataset, GPTDatasetConfig
 from megatron_core.data.indexed_dataset import IndexedDataset
@@ -105,12 +106,14 @@ def build_gpt_datasets(config: GPTDataConfig) -> Tuple[Optional[object], Optiona
         split_counts = [shares[s][d] for s in range(len(SPLIT_NAMES))]
         for s, dataset in enumerate(_datasets_for_prefix(prefix, config, split_counts, dataset_config)):
             per_split[s][d] = dataset
+    normalized = normalize_weights(weights)  # megatron-core's builder normalizes; BlendedDataset again
     blends = []
     for name, count, parts in zip(SPLIT_NAMES, counts, per_split):
         if count == 0 or any(p is None for p in parts):
             blends.append(None)
             continue
-        blends.append(BlendedDataset(parts, weights, count, cache_dir=config.index_cache_dir
+        size = sum(math.ceil(count * w) for w in normalized)  # megatron-core's size: may exceed count a little
+        blends.append(BlendedDataset(parts, normalized, size, cache_dir=config.index_cache_dir
                                      or parts[0].cache_dir, name=name))
     return tuple(blends)
 
@@ -119,7 +122,7 @@ def _unweighted_blend(prefixes: Sequence[str], config: GPTDataConfig, counts: Se
                       dataset_config: GPTDatasetConfig) -> Tuple[Optional[object], ...]:
     """``--data-path a b`` without weights (Megatron-LM's rule): one epoch of each dataset per split, blended
     with weights equal to their sample counts; a split holds ``min(requested, total)`` samples."""
-    per_prefix = [_datasets_for_prefix(p, config, [None if c else 0 for c in counts], dataset_config)
+    per_prefix = [_datasets_for_prefix(p, config, [0 if c == 0 else None for c in counts], dataset_config)
                   for p in prefixes]
     blends = []
     for s, (name, count) in enumerate(zip(SPLIT_NAMES, counts)):
@@ -128,7 +131,10 @@ def _unweighted_blend(prefixes: Sequence[str], config: GPTDataConfig, counts: Se
             blends.append(None)
             continue
         sizes = [len(p) for p in parts]
-        size = sum(sizes) if count is None else min(count, sum(sizes))
-        blends.append(BlendedDataset(parts, [float(n) for n in sizes], size,
+        if count is None:  # every sample of every dataset once (megatron-core's exhaustive blend)
+            blends.append(BlendedDataset(parts, sizes, None, cache_dir=config.index_cache_dir or parts[0].cache_dir,
+                                         name=name))
+            continue
+        blends.append(BlendedDataset(parts, [float(n) for n in sizes], min(count, sum(sizes)),
                                      cache_dir=config.index_cache_dir or parts[0].cache_dir, name=name))
     return tuple(blends)

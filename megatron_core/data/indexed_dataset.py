@@ -106,13 +106,18 @@ class IndexedDatasetBuilder:
 
     def add_document(self, tokens: Iterable[int]) -> None:
         """Appends one document as one sequence (what ``tools/preprocess_data.py`` writes)."""
-        array = np.asarray(tokens)
-        if self._max_token is not None and array.size and (
-                array.max() > self._max_token or array.min() < np.iinfo(self.dtype).min):
-            raise ValueError(f"token ids in [{array.min()}, {array.max()}] do not fit {self.dtype.name} "
-                             f"for {self.prefix}; build the dataset with a wider dtype (np.int32)")
-        self._bin.write(array.astype(self.dtype, copy=False).tobytes(order="C"))
-        self._lengths.append(int(array.size))
+        self.add_sentences([tokens])
+
+    def add_sentences(self, sentences: Iterable[Iterable[int]]) -> None:
+        """Appends one document as several sequences (``--split-sentences``: one per sentence)."""
+        for tokens in sentences:
+            array = np.asarray(tokens)
+            if self._max_token is not None and array.size and (
+                    array.max() > self._max_token or array.min() < np.iinfo(self.dtype).min):
+                raise ValueError(f"token ids in [{array.min()}, {array.max()}] do not fit {self.dtype.name} "
+                                 f"for {self.prefix}; build the dataset with a wider dtype (np.int32)")
+            self._bin.write(array.astype(self.dtype, copy=False).tobytes(order="C"))
+            self._lengths.append(int(array.size))
         self._document_indices.append(len(self._lengths))
 
     @property
@@ -181,6 +186,18 @@ class IndexedDataset:
     def __len__(self) -> int:
         """Number of sequences."""
         return len(self.sequence_lengths)
+
+    def add_sentences(self, sentences: Iterable[Iterable[int]]) -> None:
+        """Appends one document as several sequences (``--split-sentences``: one per sentence)."""
+        for tokens in sentences:
+            array = np.asarray(tokens)
+            if self._max_token is not None and array.size and (
+                    array.max() > self._max_token or array.min() < np.iinfo(self.dtype).min):
+                raise ValueError(f"token ids in [{array.min()}, {array.max()}] do not fit {self.dtype.name} "
+                                 f"for {self.prefix}; build the dataset with a wider dtype (np.int32)")
+            self._bin.write(array.astype(self.dtype, copy=False).tobytes(order="C"))
+            self._lengths.append(int(array.size))
+        self._document_indices.append(len(self._lengths))
 
     @property
     def num_documents(self) -> int:

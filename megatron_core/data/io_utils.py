@@ -1,4 +1,5 @@
-"""Atomic file writes: write to a temporary file beside the target, then ``os.replace`` it into place.
+"""Atomic file writes: write to a temporary file beside the target, fsync it, ``os.replace`` it into place,
+then fsync the folder (so the rename survives a power loss too).
 
 A reader never sees a half-written file, and two processes building the same cache file at once
 (data-parallel ranks, say) both end with one complete copy.
@@ -21,6 +22,14 @@ def make_temp_file(folder: str, name: str) -> str:
     return tmp
 
 
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 @contextlib.contextmanager
 def atomic_path(path: str) -> Iterator[str]:
     """Yields a temporary path in ``path``'s folder; on success it is renamed to ``path``.
@@ -36,7 +45,9 @@ def atomic_path(path: str) -> Iterator[str]:
     tmp = make_temp_file(folder, os.path.basename(path))
     try:
         yield tmp
+        _fsync(tmp)
         os.replace(tmp, path)
+        _fsync(folder)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.remove(tmp)

@@ -10,11 +10,17 @@ Input formats, chosen by extension:
 
 Worker processes parse and tokenize; the parent writes in input order, so the output does not
 depend on the number of workers.
+
+With ``split_sentences`` (Megatron's ``--split-sentences``) every sentence is its own sequence of the
+document, in a dataset named ``{output_prefix}_{key}_sentence``; sentences end at ``.``, ``!`` or ``?``
+followed by whitespace (nltk's punkt splitter when ``nltk`` and its data are installed, as in Megatron), and
+``keep_newlines`` keeps the newlines between them instead of dropping them.
 """
 import dataclasses
 import json
 import logging
 import multiprocessing
+import re
 import time
 from typing import Callable, Dict, Iterator, Optional, Sequence, Tuple
 
@@ -41,9 +47,36 @@ class PreprocessStats:
     seconds: float = 0.0
 
 
-def output_prefix_for(output_prefix: str, key: str) -> str:
-    """Megatron's dataset name for one json key: ``{output_prefix}_{key}_document``."""
-    return f"{output_prefix}_{key}_document"
+def output_prefix_for(output_prefix: str, key: str, *, split_sentences: bool = False) -> str:
+    """Megatron's dataset name for one json key: ``{output_prefix}_{key}_document`` (``_sentence`` when
+    sentences are split)."""
+    return f"{output_prefix}_{key}_{'sentence' if split_sentences else 'document'}"
+
+
+_SENTENCE_END = re.compile(r"(?<=[.!?])(\s+)")
+
+
+def _punkt():
+    try:
+        import nltk
+        return nltk.data.load("tokenizers/punkt/english.pickle")
+    except Exception:  # noqa: BLE001 - nltk or its punkt data missing: the regex splitter
+        return None
+
+
+def split_into_sentences(text: str, *, keep_newlines: bool = False) -> list[str]:
+    """The sentences of ``text``: punkt's when available, else split after ``.``, ``!``, ``?`` + whitespace.
+    Without ``keep_newlines`` each sentence is stripped; with it the whitespace after a sentence (newlines
+    included) stays at its end. Empty pieces are dropped."""
+    punkt = _worker_state.get("punkt")
+    if punkt is not None and not keep_newlines:
+        pieces = [piece.strip() for piece in punkt.tokenize(text)]
+    else:
+        parts = _SENTENCE_END.split(text)  # [sentence, whitespace, sentence, whitespace, ..., sentence]
+        sentences, gaps = parts[0::2], parts[1::2] + [""]
+        pieces = ([s + gap for s, gap in zip(sentences, gaps)] if keep_newlines
+                  else [s.strip() for s in sentences])
+    return [piece for piece in pieces if piece.strip()]
 
 
 def _is_json(path: str) -> bool:
@@ -62,9 +95,11 @@ def _iter_items(paths: Sequence[str], document_per_file: bool) -> Iterator[Tuple
 
 
 def _init_worker(tokenizer_args: dict, json_keys: Sequence[str], append_eod: bool, dtype: type,
-                 document_per_file: bool) -> None:
+                 document_per_file: bool, split_sentences: bool = False, keep_newlines: bool = False) -> None:
     _worker_state.update(tokenizer=build_tokenizer(**tokenizer_args), json_keys=list(json_keys),
-                         append_eod=append_eod, dtype=dtype, document_per_file=document_per_file)
+                         append_eod=append_eod, dtype=dtype, document_per_file=document_per_file,
+                         split_sentences=split_sentences, keep_newlines=keep_newlines,
+                         punkt=_punkt() if split_sentences else None)
 
 
 def _encode(item: Tuple[str, int, bytes]):
@@ -94,17 +129,20 @@ def _encode(item: Tuple[str, int, bytes]):
         texts = {"text": text[:-1] if one_line else text}
     out = {}
     for key, value in texts.items():
-        ids = state["tokenizer"].encode(value)
-        if ids and state["append_eod"]:
-            ids.append(state["tokenizer"].eod)
-        out[key] = np.asarray(ids, dtype=state["dtype"]).tobytes()
+        pieces = (split_into_sentences(value, keep_newlines=state["keep_newlines"]) if state["split_sentences"]
+                  else [value])
+        sentences = [ids for ids in (state["tokenizer"].encode(piece) for piece in pieces) if ids]
+        if sentences and state["append_eod"]:
+            sentences[-1].append(state["tokenizer"].eod)  # the document's end, after its last sentence
+        out[key] = [np.asarray(ids, dtype=state["dtype"]).tobytes() for ids in sentences]
     return path, line_no, _OK, out, len(raw)
 
 
 def preprocess(inputs: Sequence[str], output_prefix: str, *, tokenizer_args: dict,
                json_keys: Sequence[str] = ("text",), append_eod: bool = False, workers: int = 1,
                skip_bad_lines: bool = False, document_per_file: bool = False, log_interval: int = 1000,
-               progress: Optional[Callable[[PreprocessStats], None]] = None) -> Dict[str, str]:
+               progress: Optional[Callable[[PreprocessStats], None]] = None, split_sentences: bool = False,
+               keep_newlines: bool = False) -> Dict[str, str]:
     """Tokenizes ``inputs`` and writes one Megatron dataset per key.
 
     Args:
@@ -118,6 +156,8 @@ def preprocess(inputs: Sequence[str], output_prefix: str, *, tokenizer_args: dic
         document_per_file: plain-text files are one document each instead of one per line.
         log_interval: call ``progress`` every this many documents (and once at the end).
         progress: callback receiving the running ``PreprocessStats``.
+        split_sentences: one sequence per sentence (datasets ``..._{key}_sentence``).
+        keep_newlines: with split_sentences, keep the newlines between sentences.
 
     Returns:
         ``{key: dataset prefix}`` of the datasets written.
@@ -134,11 +174,12 @@ def preprocess(inputs: Sequence[str], output_prefix: str, *, tokenizer_args: dic
     keys = list(json_keys) if any(_is_json(p) for p in inputs) else ["text"]
     if any(_is_json(p) for p in inputs) and not all(_is_json(p) for p in inputs):
         raise ValueError(f"mix of jsonl and plain-text inputs {list(inputs)}; preprocess them in separate runs")
-    prefixes = {key: output_prefix_for(output_prefix, key) for key in keys}
+    prefixes = {key: output_prefix_for(output_prefix, key, split_sentences=split_sentences) for key in keys}
     builders = {key: IndexedDatasetBuilder(prefix, dtype) for key, prefix in prefixes.items()}
     stats, start = PreprocessStats(), time.perf_counter()
     try:
-        for result in _results(inputs, tokenizer_args, keys, append_eod, dtype, workers, document_per_file):
+        options = (tokenizer_args, keys, append_eod, dtype, document_per_file, split_sentences, keep_newlines)
+        for result in _results(inputs, options, workers):
             _consume(result, builders, dtype, stats, skip_bad_lines)
             stats.seconds = time.perf_counter() - start
             if progress is not None and log_interval > 0 and stats.documents % log_interval == 0 and result[2] == _OK:
@@ -158,14 +199,14 @@ def preprocess(inputs: Sequence[str], output_prefix: str, *, tokenizer_args: dic
     return prefixes
 
 
-def _results(inputs, tokenizer_args, keys, append_eod, dtype, workers, document_per_file):
-    items = _iter_items(inputs, document_per_file)
+def _results(inputs, options: tuple, workers: int):
+    """``options``: the arguments of ``_init_worker``."""
+    items = _iter_items(inputs, options[4])
     if workers == 1:
-        _init_worker(tokenizer_args, keys, append_eod, dtype, document_per_file)
+        _init_worker(*options)
         yield from map(_encode, items)
         return
-    with multiprocessing.Pool(workers, _init_worker, (tokenizer_args, keys, append_eod, dtype,
-                                                          document_per_file)) as pool:
+    with multiprocessing.Pool(workers, _init_worker, options) as pool:
         yield from pool.imap(_encode, items, chunksize=64)
 
 
@@ -180,11 +221,11 @@ def _consume(result, builders: Dict[str, IndexedDatasetBuilder], dtype, stats: P
         return
     if not payload:
         return  # a blank jsonl line
-    arrays = {key: np.frombuffer(data, dtype=dtype) for key, data in payload.items()}
-    if any(len(a) == 0 for a in arrays.values()):
+    arrays = {key: [np.frombuffer(data, dtype=dtype) for data in pieces] for key, pieces in payload.items()}
+    if any(not pieces for pieces in arrays.values()):
         stats.empty_documents += 1  # Megatron writes no sequence for an empty document either
         return
-    for key, array in arrays.items():
-        builders[key].add_document(array)
+    for key, pieces in arrays.items():
+        builders[key].add_sentences(pieces)
     stats.documents += 1
-    stats.tokens += sum(len(a) for a in arrays.values())
+    stats.tokens += sum(len(a) for pieces in arrays.values() for a in pieces)

@@ -25,7 +25,7 @@ from typing import List, Optional, Sequence
 logger = logging.getLogger(__name__)
 
 TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPT2BPETokenizer", "NullTokenizer", "ByteTokenizer",
-                   "GPTSentencePieceTokenizer", "Llama2Tokenizer", "HuggingFaceTokenizer")
+                   "GPTSentencePieceTokenizer", "Llama2Tokenizer", "HuggingFaceTokenizer", "TikTokenizer")
 
 
 class Tokenizer:
@@ -223,16 +223,19 @@ class GPT2BPETokenizer(Tokenizer):
 
 def build_tokenizer(tokenizer_type: str, tokenizer_model: Optional[str] = None,
                     vocab_file: Optional[str] = None, merge_file: Optional[str] = None,
-                    vocab_size: Optional[int] = None) -> Tokenizer:
+                    vocab_size: Optional[int] = None, *, tiktoken_pattern: Optional[str] = None,
+                    tiktoken_num_special_tokens: int = 1000) -> Tokenizer:
     """Builds a tokenizer from Megatron's ``--tokenizer-type`` name and its files.
 
     Args:
         tokenizer_type: one of ``TOKENIZER_TYPES``.
         tokenizer_model: sentencepiece ``.model`` (SentencePieceTokenizer, GPTSentencePieceTokenizer,
-            Llama2Tokenizer) or a tokenizer folder (HuggingFaceTokenizer).
+            Llama2Tokenizer), a tokenizer folder (HuggingFaceTokenizer) or a tiktoken JSON vocab (TikTokenizer).
         vocab_file: vocab.json (GPT2BPETokenizer).
         merge_file: merges.txt (GPT2BPETokenizer).
-        vocab_size: ids before eod (NullTokenizer).
+        vocab_size: ids before eod (NullTokenizer); all ids, specials included (TikTokenizer, default 2**17).
+        tiktoken_pattern: TikTokenizer's split pattern, v1 or v2 (default v2).
+        tiktoken_num_special_tokens: TikTokenizer's special-token ids before the BPE ranks.
 
     Raises:
         ValueError: unknown type, or a file the type needs is missing.
@@ -247,6 +250,10 @@ def build_tokenizer(tokenizer_type: str, tokenizer_model: Optional[str] = None,
         return GPT2BPETokenizer(vocab_file, merge_file)
     if tokenizer_type == "NullTokenizer":
         return NullTokenizer(vocab_size)
+    if tokenizer_type == "TikTokenizer":
+        from megatron_core.data.tiktokenizer import TikTokenizer
+        return TikTokenizer(tokenizer_model, pattern=tiktoken_pattern, vocab_size=vocab_size,
+                            num_special_tokens=tiktoken_num_special_tokens)
     if tokenizer_type == "ByteTokenizer":
         return ByteTokenizer()
     raise ValueError(f"unknown tokenizer type {tokenizer_type!r}; use one of {', '.join(TOKENIZER_TYPES)}")

@@ -25,8 +25,8 @@ class DistributedDataParallelConfig:
 
     bucket_size: Optional[int] = None
     """Elements per gradient bucket (stages 0-2). None means Megatron's default max(40M, 1M * dp) at stages 0-1,
-    where the grad buffer is persistent anyway, and 4M at stage 2, where up to two full-size buckets exist
-    transiently during backward (one filling, one reduce-scattering). At stage 3 a bucket holds the parameters
+    where the grad buffer is persistent anyway, and 4M at stage 2, where a full-size bucket exists transiently
+    during backward; either capped at a quarter of the model (at least 1M), so small models overlap too. At stage 3 a bucket holds the parameters
     of one submodule instead."""
 
     overlap_grad_reduce: bool = True
@@ -69,8 +69,13 @@ class DistributedDataParallelConfig:
                              f"{sorted(SHARDING_STRATEGIES)}")
         return cls(zero_stage=SHARDING_STRATEGIES[strategy], **kwargs)
 
-    def resolved_bucket_size(self, dp_size: int) -> int:
-        """The bucket size in elements for a data-parallel group of ``dp_size`` ranks."""
+    def resolved_bucket_size(self, dp_size: int, *, total_numel: Optional[int] = None) -> int:
+        """The bucket size in elements for a data-parallel group of ``dp_size`` ranks; with ``total_numel`` (the
+        parameters to bucket) the default is capped at a quarter of them (at least 1M), so that a small model
+        still gets several buckets whose collectives overlap the rest of backward."""
         if self.bucket_size is not None:
             return self.bucket_size
-        return 4_000_000 if self.zero_stage >= 2 else max(40_000_000, 1_000_000 * dp_size)
+        default = 4_000_000 if self.zero_stage >= 2 else max(40_000_000, 1_000_000 * dp_size)
+        if total_numel is not None:
+            default = min(default, max(1_000_000, total_numel // 4))
+        return default

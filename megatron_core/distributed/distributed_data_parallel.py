@@ -130,8 +130,8 @@ class DistributedDataParallel(nn.Module):
                         by_kind.setdefault(key, []).append(param)
                 groups.extend((kind, group) for (kind, _, _), group in by_kind.items())
         else:
-            limit = self.config.resolved_bucket_size(self.dp_size)
             params = list(dict.fromkeys(p for p in self.module.parameters() if p.requires_grad))
+            limit = self.config.resolved_bucket_size(self.dp_size, total_numel=sum(p.numel() for p in params))
             open_groups: dict[BucketKind, list[nn.Parameter]] = {}
             for param in reversed(params):
                 kind = self._kind(param)

@@ -16,6 +16,7 @@ from megatron_core.config import TransformerConfig
 from megatron_core.models import GPTModel
 from megatron_core.parallel_state import ParallelState
 from megatron_core.training.arguments import build_parser, transformer_config
+from megatron_core.transformer.moe import moe_layer_spec
 
 
 def run_flags(flags: dict, **overrides) -> argparse.Namespace:
@@ -48,7 +49,7 @@ def config_from_flags(flags: dict, *, tensor_model_parallel_size: int, pipeline_
 
 def load_gpt_from_checkpoint(load_dir: str, state: ParallelState, *, parallel_output: bool = False,
                              iteration: Optional[int] = None) -> tuple[GPTModel, dict]:
-    """This rank's stage of the checkpoint's model at ``state``'s tp/pp (no sequence parallelism), weights
+    """This rank's stage of the checkpoint's model at ``state``'s tp/pp/ep (no sequence parallelism), weights
     loaded, in eval mode. Returns ``(model, metadata)``."""
     folder, metadata = read_metadata(load_dir, iteration)
     flags = metadata.get("config") or {}
@@ -59,7 +60,8 @@ def load_gpt_from_checkpoint(load_dir: str, state: ParallelState, *, parallel_ou
     model = GPTModel(config, parallel_state=state, vocab_size=metadata["true_vocab_size"],
                      max_sequence_length=args.seq_length, pre_process=state.is_pipeline_first_stage,
                      post_process=state.is_pipeline_last_stage, parallel_output=parallel_output,
-                     make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
+                     make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+                     **({"layer_spec": moe_layer_spec()} if config.moe is not None else {}))
     load_model_weights(folder, metadata, model_chunks=[model], config=config, state=state)
     return model.eval(), metadata
 

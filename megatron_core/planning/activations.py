@@ -13,6 +13,12 @@ Table 2 of the paper, per layer, 16-bit activations and 1-byte dropout masks (``
 or off, GQA, any ffn size and SwiGLU, plus the layernorms' fp32 statistics (which the paper omits);
 ``stage_activation_bytes`` adds the embedding, the output layer and the loss, full recompute, and the
 micro-batches a pipeline stage holds in flight.
+
+Context parallelism (``ActivationShape.cp``) splits the sequence: every per-token term counts the rank's
+``s / cp`` tokens. Ring (p2p) and allgather attention recompute the probabilities in backward, so instead of
+the ``a s^2`` softmax terms they save the attention output (``e s/cp b q_dim``), its fp32 log-sum-exp and, for
+allgather, the gathered K/V of the whole sequence; a2a (Ulysses) runs the ordinary attention over the whole
+sequence with ``a / cp`` heads (the softmax terms over cp).
 """
 from __future__ import annotations
 
@@ -54,6 +60,13 @@ class ActivationShape:
     """Bytes per activation element: 2 for bf16/fp16, 4 for fp32."""
     mask_bytes: int = 1
     """Bytes per dropout-mask element: 1 with CUDA's fused dropout, the activation's on the CPU."""
+    cp: int = 1
+    """Context-parallel size: each rank holds ``seq_length / cp`` tokens."""
+    cp_comm_type: str = "p2p"
+
+    @property
+    def local_seq_length(self) -> float:
+        return self.seq_length / self.cp
 
 
 def layer_activation_bytes(config: TransformerConfig, shape: ActivationShape, *, selective: bool = False) -> float:
@@ -64,7 +77,7 @@ def layer_activation_bytes(config: TransformerConfig, shape: ActivationShape, *,
     attention projection's input, the fc1 output and activation output, two hidden-dropout masks; plus the
     norms' fp32 mean and rstd. Selective recompute drops the core-attention terms.
     """
-    s, b, h, t, e = shape.seq_length, shape.micro_batch_size, config.hidden_size, shape.tp, shape.element_bytes
+    s, b, h, t, e = shape.local_seq_length, shape.micro_batch_size, config.hidden_size, shape.tp, shape.element_bytes
     a = config.num_attention_heads
     dropout_h, dropout_a = config.hidden_dropout > 0, config.attention_dropout > 0
     replicated_div = t if shape.sequence_parallel else 1
@@ -81,10 +94,15 @@ def layer_activation_bytes(config: TransformerConfig, shape: ActivationShape, *,
         partitioned += e * s * b * ffn * 4                          # [gate; up], silu(gate), fc2 input
     else:
         partitioned += e * s * b * ffn * 2                          # fc1 output (gelu input), fc2 input
-    if not selective:
-        core = e * a * s * s * b                                     # softmax output
+    if not selective and shape.cp > 1 and shape.cp_comm_type in ("p2p", "allgather"):
+        partitioned += e * s * b * q_dim + 4 * a * s * b             # the attention output and its fp32 lse
+        if shape.cp_comm_type == "allgather":
+            partitioned += 2 * e * shape.seq_length * b * kv_dim     # K, V of the whole sequence
+    elif not selective:
+        full = shape.seq_length                                      # a2a: all tokens, a / cp heads
+        core = e * a * s * full * b                                  # softmax output
         if dropout_a:
-            core += (shape.mask_bytes + e) * a * s * s * b           # dropout mask and output
+            core += (shape.mask_bytes + e) * a * s * full * b        # dropout mask and output
         partitioned += core
     return replicated / replicated_div + partitioned / t
 
@@ -102,14 +120,14 @@ def _recompute_layer_counts(config: TransformerConfig, layers: int) -> tuple[int
 
 def embedding_activation_bytes(config: TransformerConfig, shape: ActivationShape) -> float:
     """The first stage's embedding: token and position ids (int64) and the embedding-dropout mask."""
-    s, b, h, t = shape.seq_length, shape.micro_batch_size, config.hidden_size, shape.tp
+    s, b, h, t = shape.local_seq_length, shape.micro_batch_size, config.hidden_size, shape.tp
     mask = shape.mask_bytes * s * b * h / (t if shape.sequence_parallel else 1) if config.hidden_dropout > 0 else 0
     return 2 * 8 * s * b + mask
 
 
 def output_activation_bytes(config: TransformerConfig, shape: ActivationShape, padded_vocab_size: int) -> float:
     """The last stage's final norm (input and fp32 stats), output-layer input, logits shard and loss stats."""
-    s, b, h, t, e = shape.seq_length, shape.micro_batch_size, config.hidden_size, shape.tp, shape.element_bytes
+    s, b, h, t, e = shape.local_seq_length, shape.micro_batch_size, config.hidden_size, shape.tp, shape.element_bytes
     div = t if shape.sequence_parallel else 1
     norm = (e * s * b * h + 8 * s * b) / div
     logits = e * s * b * padded_vocab_size / t + (8 + 8) * s * b  # logits shard, int64 target, fp32 max and sum
@@ -126,7 +144,7 @@ def stage_activation_bytes(config: TransformerConfig, shape: ActivationShape, *,
     selective = config.recompute_granularity == "selective"
     full_layer = layer_activation_bytes(config, shape, selective=selective)
     held, segments, recomputed = _recompute_layer_counts(config, layers)
-    segment_input = shape.element_bytes * shape.seq_length * shape.micro_batch_size * config.hidden_size
+    segment_input = shape.element_bytes * shape.local_seq_length * shape.micro_batch_size * config.hidden_size
     segment_input /= shape.tp if shape.sequence_parallel else 1
     per_microbatch = held * full_layer + segments * segment_input
     if first:

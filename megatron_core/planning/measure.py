@@ -19,6 +19,7 @@ from torch import nn
 
 from megatron_core import destroy_model_parallel, initialize_model_parallel
 from megatron_core.config import TransformerConfig
+from megatron_core.context_parallel import split_batch
 from megatron_core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron_core.models import GPTModel
 from megatron_core.optimizer import OptimizerConfig, get_optimizer, memory_report
@@ -146,14 +147,16 @@ def _chunks(config: TransformerConfig, state, vocab_size: int, seq_length: int) 
 
 def measure_layout(config_kwargs: dict, *, tp: int, pp: int, zero_stage: int, vocab_size: int, seq_length: int,
                    micro_batch_size: int, num_microbatches: int, steps: int = 1,
-                   vpp: Optional[int] = None, track_live: bool = False) -> LayoutMeasurement:
-    """Builds the GPT at (tp, pp, dp = world / (tp pp)) with ZeRO ``zero_stage``, bf16 with fp32 grads and
-    fp32 Adam masters (the training loop's defaults), runs ``steps`` steps; returns the last step's numbers."""
+                   vpp: Optional[int] = None, track_live: bool = False, cp: int = 1) -> LayoutMeasurement:
+    """Builds the GPT at (tp, cp, pp, dp = world / (tp cp pp)) with ZeRO ``zero_stage`` (sharded over dp x cp),
+    bf16 with fp32 grads and fp32 Adam masters (the training loop's defaults), runs ``steps`` steps; returns
+    the last step's numbers. With cp > 1 each cp rank gets its ``split_batch`` tokens and the loss is
+    normalized as the training loop's ``forward_step`` (sum over the cp ranks' tokens, times cp)."""
     state = initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                      virtual_pipeline_model_parallel_size=vpp)
+                                      virtual_pipeline_model_parallel_size=vpp, context_parallel_size=cp)
     config = TransformerConfig(**config_kwargs, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                               virtual_pipeline_model_parallel_size=vpp, max_position_embeddings=seq_length,
-                               params_dtype=torch.bfloat16, bf16=True)
+                               virtual_pipeline_model_parallel_size=vpp, context_parallel_size=cp,
+                               max_position_embeddings=seq_length, params_dtype=torch.bfloat16, bf16=True)
     ddp_config = DistributedDataParallelConfig(zero_stage=zero_stage)
     chunks = [DistributedDataParallel(c, config=ddp_config, dp_group=state.dp_cp_group)
               for c in _chunks(config, state, vocab_size, seq_length)]
@@ -162,11 +165,23 @@ def measure_layout(config_kwargs: dict, *, tp: int, pp: int, zero_stage: int, vo
     g = torch.Generator().manual_seed(state.dp_rank)
     tokens = torch.randint(0, vocab_size, (num_microbatches, micro_batch_size, seq_length + 1), generator=g)
     positions = torch.arange(seq_length).expand(micro_batch_size, seq_length)
-    batches = [(t[:, :-1], t[:, 1:]) for t in tokens]
+    batches = [split_batch({"tokens": t[:, :-1], "labels": t[:, 1:], "position_ids": positions},
+                           cp_size=state.cp_size, cp_rank=state.cp_rank) for t in tokens]
 
     def forward_step(iterator, model):
-        inputs, labels = next(iterator)
-        return model(inputs, positions, labels=labels), lambda loss: (loss.mean(), {"lm loss": loss.mean().detach()})
+        batch = next(iterator)
+        output = model(batch["tokens"], batch["position_ids"], labels=batch["labels"])
+
+        def loss_func(per_token_loss):
+            # the loss-mask average over the whole sequence (all ones here: the token count of every cp
+            # rank), times cp because the gradient reduction averages over dp x cp (training/loop.py)
+            count = torch.tensor(float(per_token_loss.numel()))
+            if state.cp_size > 1:
+                dist.all_reduce(count, group=state.cp_group)
+            loss = per_token_loss.float().sum() * state.cp_size / count
+            return loss, {"lm loss": loss.detach()}
+
+        return output, loss_func
 
     schedule = get_forward_backward_func(state.pp_size, state.vpp_size)
     for _ in range(steps):

@@ -7,7 +7,10 @@ and recompute, times the micro-batches a 1F1B stage holds) + ZeRO's transients (
 parameters at stage 3, gradient buckets at stages 2-3, at their peak). Step time = compute (hardware FLOPs, recompute
 included, over ``peak x efficiency``) and tensor-parallel collectives, stretched by the pipeline bubble
 ``(p - 1) / (v m)``, plus pipeline sends and data-parallel collectives (ring volumes over the link bandwidth;
-nothing assumed overlapped). Ranks are ordered tp-cp-dp-pp (tp fastest), so a group stays inside a node when
+nothing assumed overlapped). Context parallelism (``Layout.cp``, the comm type from the base config's
+``cp_comm_type``) splits every sequence over cp ranks: activations per rank count ``s / cp`` tokens, ZeRO
+shards over dp x cp (the gradient reduction's ``dp_cp_group``), and its K/V ring, all-to-alls or all-gathers
+add their volume to the step time. Ranks are ordered tp-cp-dp-pp (tp fastest), so a group stays inside a node when
 its span of consecutive ranks does.
 """
 from __future__ import annotations
@@ -65,6 +68,13 @@ class Layout:
     zero_stage: int
     sequence_parallel: bool
     recompute: Optional[str]
+    cp: int = 1
+    """Context-parallel size (the sequence split over cp ranks); devices = tp x cp x dp x pp."""
+
+    @property
+    def dp_cp(self) -> int:
+        """The ranks replicated parameters are reduced (and ZeRO-sharded) over."""
+        return self.dp * self.cp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +112,7 @@ def layout_config(base: TransformerConfig, layout: Layout) -> TransformerConfig:
                          recompute_num_layers=base.recompute_num_layers)
     return dataclasses.replace(base, tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
                                virtual_pipeline_model_parallel_size=layout.vpp,
+                               context_parallel_size=layout.cp,
                                sequence_parallel=layout.sequence_parallel, **recompute)
 
 
@@ -169,7 +180,8 @@ def optimizer_state_bytes(config: TransformerConfig, workload: Workload, *, pp_r
 def _shape(config: TransformerConfig, workload: Workload) -> ActivationShape:
     return ActivationShape(seq_length=workload.seq_length, micro_batch_size=workload.micro_batch_size,
                            tp=config.tensor_model_parallel_size, sequence_parallel=config.sequence_parallel,
-                           element_bytes=2 if (config.bf16 or config.fp16) else 4, mask_bytes=workload.mask_bytes)
+                           element_bytes=2 if (config.bf16 or config.fp16) else 4, mask_bytes=workload.mask_bytes,
+                           cp=config.context_parallel_size, cp_comm_type=config.cp_comm_type)
 
 
 def rank_activation_bytes(config: TransformerConfig, workload: Workload, *, pp_rank: int, num_microbatches: int) -> float:
@@ -184,7 +196,8 @@ def rank_activation_bytes(config: TransformerConfig, workload: Workload, *, pp_r
 
 
 def rank_transient_bytes(config: TransformerConfig, workload: Workload, *, pp_rank: int, zero_stage: int) -> float:
-    """Peak bytes of ZeRO's gathered parameters and gradient buckets on a rank of stage ``pp_rank``."""
+    """Peak bytes of ZeRO's gathered parameters and gradient buckets on a rank of stage ``pp_rank`` (ZeRO
+    shards over dp x cp; the count does not depend on the shard count)."""
     params, full_grad = stage_parameters(config, workload, pp_rank=pp_rank)
     return zero_transient_bytes(config, vocab_size=workload.vocab_size,
                                 make_vocab_size_divisible_by=workload.make_vocab_size_divisible_by,
@@ -199,19 +212,20 @@ def _bandwidth(span: int, hardware: Hardware) -> float:
 
 def _comm_seconds(config: TransformerConfig, workload: Workload, layout: Layout, hardware: Hardware,
                   num_microbatches: int) -> tuple[float, float]:
-    """(tensor-parallel seconds, pipeline + data-parallel seconds) of one step on one rank."""
-    t, p, d, m = layout.tp, layout.pp, layout.dp, num_microbatches
+    """(tensor- and context-parallel seconds, pipeline + data-parallel seconds) of one step on one rank."""
+    t, p, d, m, c = layout.tp, layout.pp, layout.dp, num_microbatches, layout.cp
     e = 2 if (config.bf16 or config.fp16) else 4
-    activation = e * workload.seq_length * workload.micro_batch_size * config.hidden_size
+    activation = e * workload.seq_length / c * workload.micro_batch_size * config.hidden_size
     tp_ops = 4 + (2 if layout.recompute == "full" else 0)  # 2 all-reduces (or AG + RS) forward, 2 backward
     tp_s = tp_ops * (config.num_layers // p) * m * 2 * (t - 1) / t * activation / _bandwidth(t, hardware)
     pp_s = 0.0
     if p > 1:
-        pp_s = 2 * m * (layout.vpp or 1) * activation / (t if layout.sequence_parallel else 1) / _bandwidth(t * d * p, hardware)
+        pp_s = 2 * m * (layout.vpp or 1) * activation / (t if layout.sequence_parallel else 1) / _bandwidth(t * c * d * p, hardware)
+    tp_s += cp_comm_seconds(config, workload, layout, hardware, num_microbatches)
     params, _ = stage_parameters(config, workload, pp_rank=0)
     dp_s = 0.0
-    if d > 1:
-        ring, bw = (d - 1) / d, _bandwidth(t * d, hardware)
+    if d * c > 1:
+        ring, bw = (d * c - 1) / (d * c), _bandwidth(t * c * d, hardware)
         grads, weights = 4 * params, e * params
         volume = {0: 2 * ring * grads, 1: 2 * ring * grads + ring * weights, 2: m * ring * grads + ring * weights,
                   3: m * ring * grads + 2 * m * ring * weights}[layout.zero_stage]
@@ -219,11 +233,44 @@ def _comm_seconds(config: TransformerConfig, workload: Workload, layout: Layout,
     return tp_s, pp_s + dp_s
 
 
+def cp_comm_bytes(config: TransformerConfig, workload: Workload, layout: Layout) -> float:
+    """Bytes one rank sends over cp in one micro-batch's forward and backward of one layer.
+
+    p2p: cp - 1 hops of the ``[2, b, hk/t, s/cp, d]`` K/V block forward, again in backward plus cp hops of
+    its fp32 dK/dV; a2a: Q, K, V and the output forward and their grads backward, each ``(cp - 1) / cp`` of
+    the local tensor; allgather: K/V gathered forward, their grads reduce-scattered backward. Full recompute
+    runs the forward's traffic again."""
+    c, t = layout.cp, layout.tp
+    if c == 1:
+        return 0.0
+    e = 2 if (config.bf16 or config.fp16) else 4
+    tokens = workload.seq_length / c * workload.micro_batch_size
+    kv = 2 * tokens * config.kv_channels * config.num_query_groups / t  # K and V elements of the local block
+    q = tokens * config.kv_channels * config.num_attention_heads / t
+    forward_again = 1 if layout.recompute == "full" else 0
+    if config.cp_comm_type == "p2p":
+        forward = (c - 1) * e * kv
+        return (1 + forward_again) * forward + (c - 1) * e * kv + c * 4 * kv
+    ring = (c - 1) / c
+    if config.cp_comm_type == "a2a":
+        forward = ring * e * (2 * q + kv)
+        return (1 + forward_again) * forward + ring * e * (2 * q + kv)
+    forward = ring * e * kv * c  # all-gather: receive the other ranks' K/V
+    return (1 + forward_again) * forward + forward
+
+
+def cp_comm_seconds(config: TransformerConfig, workload: Workload, layout: Layout, hardware: Hardware,
+                    num_microbatches: int) -> float:
+    """Context-parallel seconds of one step (cp groups span ``tp x cp`` consecutive ranks)."""
+    per_layer = cp_comm_bytes(config, workload, layout)
+    return per_layer * (config.num_layers // layout.pp) * num_microbatches / _bandwidth(layout.tp * layout.cp, hardware)
+
+
 def plan_layout(base: TransformerConfig, workload: Workload, hardware: Hardware, layout: Layout) -> Plan:
     """Memory of the fullest rank and the step time of ``layout``."""
     config = layout_config(base, layout)
     m = workload.global_batch_size // (workload.micro_batch_size * layout.dp)
-    states = [model_state_bytes(config, workload, pp_rank=r, dp=layout.dp, zero_stage=layout.zero_stage)
+    states = [model_state_bytes(config, workload, pp_rank=r, dp=layout.dp_cp, zero_stage=layout.zero_stage)
               for r in range(layout.pp)]
     acts = [rank_activation_bytes(config, workload, pp_rank=r, num_microbatches=m) for r in range(layout.pp)]
     transients = [rank_transient_bytes(config, workload, pp_rank=r, zero_stage=layout.zero_stage)
@@ -239,7 +286,8 @@ def plan_layout(base: TransformerConfig, workload: Workload, hardware: Hardware,
     bubble = (layout.pp - 1) / ((layout.vpp or 1) * m)
     step = (compute + tp_s) * (1 + bubble) + other_s
     memory = states[fullest] + acts[fullest] + transients[fullest]
-    offloadable = optimizer_state_bytes(config, workload, pp_rank=fullest, dp=layout.dp, zero_stage=layout.zero_stage)
+    offloadable = optimizer_state_bytes(config, workload, pp_rank=fullest, dp=layout.dp_cp,
+                                        zero_stage=layout.zero_stage)
     budget = hardware.memory_per_device_gb * 2**30
     return Plan(layout=layout, model_state_bytes=states[fullest], activation_bytes=acts[fullest], step_seconds=step,
                 compute_seconds=compute, comm_seconds=tp_s + other_s, bubble=bubble, fits=memory <= budget,
@@ -248,21 +296,26 @@ def plan_layout(base: TransformerConfig, workload: Workload, hardware: Hardware,
 
 
 def valid_layouts(base: TransformerConfig, workload: Workload, num_devices: int) -> Iterator[Layout]:
-    """Every (tp, pp, dp, vpp, ZeRO stage, SP, recompute) the model and batch allow on ``num_devices``."""
-    for tp, pp in itertools.product(_divisors(num_devices), repeat=2):
-        if num_devices % (tp * pp):
+    """Every (tp, pp, dp, vpp, ZeRO stage, SP, recompute, cp) the model and batch allow on ``num_devices``:
+    cp where the sequence divides by 2 cp (the load-balanced split), and for ``cp_comm_type`` a2a where the
+    heads and query groups per tp rank divide by cp."""
+    for tp, pp, cp in itertools.product(_divisors(num_devices), repeat=3):
+        if num_devices % (tp * pp * cp):
             continue
-        dp = num_devices // (tp * pp)
+        dp = num_devices // (tp * pp * cp)
         if (base.num_attention_heads % tp or base.num_query_groups % tp or base.num_layers % pp
                 or workload.global_batch_size % (workload.micro_batch_size * dp)):
             continue
+        if cp > 1 and (workload.seq_length % (2 * cp) or (base.cp_comm_type == "a2a" and (
+                base.num_attention_heads // tp % cp or base.num_query_groups // tp % cp))):
+            continue
         m = workload.global_batch_size // (workload.micro_batch_size * dp)
         vpps = [None] + ([2] if pp > 1 and base.num_layers % (2 * pp) == 0 and m % pp == 0 else [])
-        for vpp, stage, sp, recompute in itertools.product(vpps, range(4) if dp > 1 else [0],
+        for vpp, stage, sp, recompute in itertools.product(vpps, range(4) if dp * cp > 1 else [0],
                                                            [False, True] if tp > 1 else [False], RECOMPUTE_CHOICES):
-            if sp and workload.seq_length % tp:
+            if sp and (workload.seq_length // cp) % tp:
                 continue
-            yield Layout(tp, pp, dp, vpp, stage, sp, recompute)
+            yield Layout(tp, pp, dp, vpp, stage, sp, recompute, cp)
 
 
 def rank_plans(base: TransformerConfig, workload: Workload, hardware: Hardware) -> list[Plan]:
@@ -282,6 +335,6 @@ def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-__all__ = ["Hardware", "Workload", "Layout", "Plan", "layout_config", "model_state_bytes", "optimizer_state_bytes",
-           "rank_activation_bytes", "rank_transient_bytes",
+__all__ = ["Hardware", "Workload", "Layout", "Plan", "cp_comm_bytes", "cp_comm_seconds", "layout_config",
+           "model_state_bytes", "optimizer_state_bytes", "rank_activation_bytes", "rank_transient_bytes",
            "stage_parameters", "plan_layout", "valid_layouts", "rank_plans"]

@@ -63,8 +63,8 @@ def zero_transient_bytes(config: TransformerConfig, *, vocab_size: int, make_voc
         transient += param_bytes * (2 * small + sum(largest[:2]))  # two units, this and the next layer's small
         transient += 4 * (largest[0] + small)  # a full-size fp32 grad bucket, and the layer's small one, which
         #                                         fills during the whole backward of the layer
-    elif zero_stage == 2:
-        transient += 4 * min(bucket_size, stage_params)
+    elif zero_stage == 2:  # DistributedDataParallelConfig's default: capped at a quarter of the model, >= 1M
+        transient += 4 * min(bucket_size, max(1_000_000, stage_params // 4), stage_params)
     return transient
 
 

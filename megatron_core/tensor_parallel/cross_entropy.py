@@ -20,6 +20,7 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from megatron_core.tensor_parallel.utils import check_ids_in_range, group_rank, group_size, vocab_range
 
@@ -95,4 +96,20 @@ def vocab_parallel_cross_entropy(
     if vocab_parallel_logits.shape[:-1] != target.shape:
         raise ValueError(f"logits shape {tuple(vocab_parallel_logits.shape)} does not match target shape "
                          f"{tuple(target.shape)}: expected logits [*target.shape, V/tp]")
+    if group_size(tp_group) == 1 and _native_is_faster(vocab_parallel_logits):
+        # one rank holds the whole vocab and the Triton kernel cannot run: torch's fused log-softmax + nll is
+        # the fastest path (its backward keeps the fp32 log-probabilities, as large as the fp32 logits)
+        check_ids_in_range(target, vocab_parallel_logits.shape[-1], "cross-entropy target")
+        logits = vocab_parallel_logits.reshape(-1, vocab_parallel_logits.shape[-1])
+        return F.cross_entropy(logits, target.reshape(-1), reduction="none",
+                               label_smoothing=label_smoothing).view(target.shape)
     return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, tp_group, label_smoothing)
+
+
+def _native_is_faster(logits: torch.Tensor) -> bool:
+    """fp32 logits where Triton does not run (recorded as the kernels' "torch" backend)."""
+    from kernels import _dispatch  # lazily: importing megatron_core never imports Triton
+    if logits.dtype != torch.float32 or _dispatch.would_run_triton(logits.device):
+        return False
+    _dispatch.select("cross_entropy_shard_stats", logits.device)
+    return True

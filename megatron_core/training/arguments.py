@@ -19,6 +19,7 @@ import torch
 from megatron_core.config import TransformerConfig
 from megatron_core.training import arguments_megatron as megatron_flags
 from megatron_core.training.arguments_moe import add_moe_flags, moe_config, validate_moe_flags
+from megatron_core.training.elastic import add_elastic_flags, validate_elastic_flags
 from megatron_core.training.schedule import validate_schedule_flags
 
 logger = logging.getLogger(__name__)
@@ -157,6 +158,8 @@ def _io_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--mock-data", action="store_true", help="synthetic documents, no files")
     g.add_argument("--split", default="969,30,1")
     g.add_argument("--data-cache-path", default=None, help="where sample indices are cached")
+    g.add_argument("--eod-mask-loss", action="store_true", help="no loss where the input token is eod")
+    g.add_argument("--reset-position-ids", action="store_true", help="position ids restart after each eod")
     g.add_argument("--tokenizer-type", default=None,
                    help="default: GPT2BPETokenizer with --vocab-file/--merge-file, else ByteTokenizer")
     g.add_argument("--tokenizer-model", default=None)
@@ -191,6 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
         add(parser)
     megatron_flags.add_megatron_flags(parser)
     add_moe_flags(parser)
+    add_elastic_flags(parser)
     return parser
 
 
@@ -298,6 +302,7 @@ def validate_args(args: argparse.Namespace) -> None:
         args.tokenizer_type = "GPT2BPETokenizer"  # Megatron's default tokenizer
     megatron_flags.validate_megatron_flags(args)
     validate_moe_flags(args)
+    validate_elastic_flags(args)
 
 
 def virtual_pipeline_size(args: argparse.Namespace) -> Optional[int]:

@@ -3,9 +3,11 @@ same samples; each replica its own share, resuming from ``consumed_samples``).""
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Iterator, Optional
 
 import torch
+import torch.distributed as dist
 
 from megatron_core.context_parallel import split_batch
 from megatron_core.data import (GPTDataConfig, MegatronPretrainingSampler, MockGPTDataset, build_gpt_datasets,
@@ -16,7 +18,9 @@ from megatron_core.parallel_state import ParallelState
 def build_run_tokenizer(args: argparse.Namespace):
     """The tokenizer the flags name (default: the byte tokenizer, which needs no file)."""
     return build_tokenizer(args.tokenizer_type or "ByteTokenizer", tokenizer_model=args.tokenizer_model,
-                           vocab_file=args.vocab_file, merge_file=args.merge_file, vocab_size=args.vocab_size)
+                           vocab_file=args.vocab_file, merge_file=args.merge_file, vocab_size=args.vocab_size,
+                           tiktoken_pattern=args.tiktoken_pattern,
+                           tiktoken_num_special_tokens=args.tiktoken_num_special_tokens)
 
 
 def build_datasets(args: argparse.Namespace, tokenizer, global_batch: int):
@@ -32,7 +36,42 @@ def build_datasets(args: argparse.Namespace, tokenizer, global_batch: int):
     return build_gpt_datasets(GPTDataConfig(
         seq_length=args.seq_length, data_path=args.data_path or None, split=args.split, seed=args.seed,
         tokenizer=tokenizer, train_samples=counts[0], valid_samples=counts[1], test_samples=counts[2],
+        eod_mask_loss=args.eod_mask_loss, reset_position_ids=args.reset_position_ids,
         index_cache_dir=args.data_cache_path))
+
+
+def build_datasets_once_per_node(args: argparse.Namespace, tokenizer, global_batch: int) -> tuple[tuple, int]:
+    """``build_datasets`` with the file work (default corpus, index caches) done once per job on a shared
+    file system and once per node on node-local ones; returns ``(datasets, ranks that built indices)``.
+
+    Three turns separated by barriers (collective over the default group): global rank 0 builds and writes
+    the caches; then local rank 0 of every other node (``LOCAL_RANK`` from torchrun), which finds the files on
+    a shared file system and builds them on a node-local one; then every other rank, which only loads them.
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        datasets = build_datasets(args, tokenizer, global_batch)
+        return datasets, int(_built_indices(datasets))
+    rank, local_rank = dist.get_rank(), int(os.environ.get("LOCAL_RANK", "0"))
+    turn = 0 if rank == 0 else 1 if local_rank == 0 else 2
+    datasets = None
+    for current in range(3):
+        if current == turn:
+            datasets = build_datasets(args, tokenizer, global_batch)
+        dist.barrier()
+    built = torch.tensor([float(_built_indices(datasets))])
+    dist.all_reduce(built)
+    return datasets, int(built.item())
+
+
+def _built_indices(datasets) -> bool:
+    """Whether any (sub-)dataset of ``datasets`` computed its indices rather than loading them from the cache."""
+    stack = [d for d in datasets if d is not None]
+    while stack:
+        dataset = stack.pop()
+        if getattr(dataset, "built_indices", False):
+            return True
+        stack.extend(getattr(dataset, "datasets", []))
+    return False
 
 
 def micro_batches(dataset, *, consumed_samples: int, micro_batch_size: int, state: ParallelState,

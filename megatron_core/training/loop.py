@@ -19,11 +19,15 @@ import torch.distributed as dist
 
 from megatron_core import destroy_model_parallel, initialize_model_parallel
 from megatron_core.checkpointing import load_model_weights, load_rng, read_metadata, save_checkpoint
+from megatron_core.checkpointing.async_save import AsyncCheckpointWriter
+from megatron_core.checkpointing.checkpoint import prepare_checkpoint
 from megatron_core.models import GPTModel
 from megatron_core.pipeline_parallel import PipelineError, get_forward_backward_func
 from megatron_core.tensor_parallel import model_parallel_seed
 from megatron_core.training.arguments import transformer_config
-from megatron_core.training.data import build_datasets, build_run_tokenizer, micro_batches, take
+from megatron_core.training.elastic import (check_elastic_world, exit_with_parent, layout_change_notice,
+                                            straggler_report)
+from megatron_core.training.data import build_datasets_once_per_node, build_run_tokenizer, micro_batches, take
 from megatron_core.training.metrics import MetricsWriter, format_log_line
 from megatron_core.training.optimizer_setup import build_optimizer, wrap_data_parallel
 from megatron_core.training.runtime import RuntimeHooks, WandbSink
@@ -42,14 +46,18 @@ def initialize_distributed(args: argparse.Namespace) -> None:
     backend = args.distributed_backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":  # CUDA-only path
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29517"))
-    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes))
+    timeout = datetime.timedelta(minutes=args.distributed_timeout_minutes)
+    if "RANK" not in os.environ:  # one process, no launcher: an in-memory store, no port to collide on
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        return
+    dist.init_process_group(backend, timeout=timeout)
 
 
 def build_run(args: argparse.Namespace) -> Run:
     """Everything a training run holds, from the flags (collective: every rank calls it)."""
     initialize_distributed(args)
+    if args.elastic_layout:
+        check_elastic_world(args, dist.get_world_size())
     config = transformer_config(args)
     state = initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                                       config.virtual_pipeline_model_parallel_size, args.context_parallel_size,
@@ -74,7 +82,10 @@ def build_run(args: argparse.Namespace) -> Run:
     model_parallel_seed(args.seed + 100 * state.pp_rank, tp_rank=state.tp_rank, device=state.device)
     chunks = wrap_data_parallel(args, chunks, state)
     optimizer = build_optimizer(args, chunks, state)
-    train, valid, _ = build_datasets(args, tokenizer, global_batch)
+    (train, valid, _), builders = build_datasets_once_per_node(args, tokenizer, global_batch)
+    if state.rank == 0 and builders:
+        print(f" dataset indices built by {builders} of {state.world_size} ranks, loaded from the cache by the "
+              "others", flush=True)
     run = Run(args=args, config=config, state=state, chunks=chunks, optimizer=optimizer,
               scheduler=build_lr_scheduler(args), tokenizer=tokenizer, train_dataset=train, valid_dataset=valid,
               global_batch=global_batch, num_microbatches=global_batch // micro_per_step)
@@ -225,12 +236,28 @@ def evaluate(run: Run, iteration: int, writer: MetricsWriter) -> Optional[float]
 
 
 def save(run: Run, iteration: int) -> None:
-    save_checkpoint(run.args.save, iteration=iteration, model_chunks=run.chunks, config=run.config,
-                    state=run.state, true_vocab_size=run.tokenizer.vocab_size, consumed_samples=run.consumed_samples,
-                    optimizer=run.optimizer, scheduler=run.scheduler, run_config=run.args_dict(),
-                    layout_extra={"zero_stage": run.args.zero_stage})
+    """Saves checkpoint ``iteration`` (collective); with ``--async-save`` only the host copy happens here and
+    a background thread writes the files (published by ``run.async_writer.poll()`` / ``finish()``)."""
+    begin = time.perf_counter()
+    kwargs = dict(iteration=iteration, model_chunks=run.chunks, config=run.config, state=run.state,
+                  true_vocab_size=run.tokenizer.vocab_size, consumed_samples=run.consumed_samples,
+                  optimizer=run.optimizer, scheduler=run.scheduler, run_config=_recorded_flags(run),
+                  layout_extra={"zero_stage": run.args.zero_stage})
+    if run.async_writer is not None:
+        run.async_writer.submit(lambda: prepare_checkpoint(run.args.save, **kwargs))
+    else:
+        save_checkpoint(run.args.save, **kwargs)
+    run.save_stalls.append(time.perf_counter() - begin)
     if run.is_logging_rank:
-        print(f" saved checkpoint at iteration {iteration} to {run.args.save}", flush=True)
+        how = "started saving (async)" if run.async_writer is not None else "saved"
+        print(f" {how} checkpoint at iteration {iteration} to {run.args.save} (the step loop waited "
+              f"{run.save_stalls[-1] * 1e3:.1f} ms)", flush=True)
+
+
+def _recorded_flags(run: Run) -> dict:
+    """The run flags metadata.json records; how the files were written (--async-save) is not among them, so
+    a sync and an async save of the same state give identical checkpoints."""
+    return {k: v for k, v in run.args_dict().items() if k != "async_save"}
 
 
 def load(run: Run) -> int:
@@ -256,11 +283,15 @@ def load(run: Run) -> int:
     run.consumed_samples = metadata["consumed_samples"]
     if run.is_logging_rank:
         print(f" loaded checkpoint {folder} (iteration {metadata['iteration']})", flush=True)
+        notice = layout_change_notice(metadata, run.state, run.num_microbatches)
+        if notice:
+            print(notice, flush=True)
     return metadata["iteration"]
 
 
 def pretrain(args: argparse.Namespace) -> list[float]:
     """Trains as the flags say; returns the training losses (the same on every rank)."""
+    exit_with_parent()
     run = build_run(args)
     try:
         return _train(run)
@@ -282,12 +313,15 @@ def _train(run: Run) -> list[float]:
                               micro_batch_size=args.micro_batch_size, device=run.state.device)
                 if run.train_dataset is not None else None)
     losses, iteration = [], start
+    run.async_writer = AsyncCheckpointWriter(run.state.device) if args.async_save else None
+    busy = 0.0  # this rank's compute time (main-thread CPU seconds) since the last log line, for --log-straggler
     try:
         while not args.skip_train and iteration < args.train_iters:
             run.set_global_batch(run.consumed_samples)
             hooks.before_step(iteration)
-            begin = time.perf_counter()
+            begin, begin_cpu = time.perf_counter(), time.thread_time()
             result = train_step(run, take(iterator, run.num_microbatches))
+            busy += time.thread_time() - begin_cpu
             iteration += 1
             run.consumed_samples += run.global_batch
             hooks.after_step(iteration)
@@ -298,6 +332,12 @@ def _train(run: Run) -> list[float]:
             if iteration % args.log_interval == 0 and run.is_logging_rank:
                 print(format_log_line(record, train_iters=args.train_iters, consumed_samples=run.consumed_samples,
                                       global_batch=run.global_batch), flush=True)
+            if args.log_straggler and iteration % args.log_interval == 0:
+                line, busy = straggler_report(busy / args.log_interval, run.state, iteration), 0.0
+                if line:
+                    print(line, flush=True)
+            if run.async_writer is not None:
+                run.async_writer.poll()
             if iteration % args.eval_interval == 0:
                 hooks.around_evaluation()
                 evaluate(run, iteration, writer)
@@ -306,6 +346,8 @@ def _train(run: Run) -> list[float]:
                 break
         if args.save and iteration > start:
             save(run, iteration)
+        if run.async_writer is not None:
+            run.async_writer.finish()
     finally:
         writer.close()
         hooks.close()

@@ -33,6 +33,8 @@ class Run:
     valid_consumed: int = 0
     consecutive_skips: int = 0
     start_time: float = dataclasses.field(default_factory=time.monotonic)
+    async_writer: Any = None  # --async-save: the AsyncCheckpointWriter of the run
+    save_stalls: list = dataclasses.field(default_factory=list)  # seconds the step loop waited per save
 
     def set_global_batch(self, consumed_samples: int) -> None:
         """The global batch (and micro-batches per step) of the next step: ``--step-batch-size-schedule`` at

@@ -132,7 +132,10 @@ def test_split_ranges_like_megatron():
     assert parse_split("949,50,1") == pytest.approx([0.949, 0.05, 0.001])
     assert split_document_ranges(1000, parse_split("949,50,1")) == [(0, 949), (949, 999), (999, 1000)]
     assert split_document_ranges(10, parse_split("98,2,0")) == [(0, 10), (10, 10), (10, 10)]
-    assert split_document_ranges(7, parse_split("1,1,1")) == [(0, 3), (3, 5), (5, 7)]
+    # megatron-core's book-ends: round(7/3) = 2, round(14/3) = 5 (the legacy running sum of rounded shares
+    # gave (0, 3), (3, 5), (5, 7))
+    assert split_document_ranges(7, parse_split("1,1,1")) == [(0, 2), (2, 5), (5, 7)]
+    assert split_document_ranges(230, parse_split("90,5,5")) == [(0, 207), (207, 219), (219, 230)]  # 0.9 + 0.05 > 0.95
     assert parse_split("100") == [1.0, 0.0, 0.0]
     for bad in ("a,b", "1,2,3,4", "0,0,0", "-1,2"):
         with pytest.raises(ValueError, match="split"):

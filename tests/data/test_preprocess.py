@@ -90,3 +90,22 @@ def test_int32_for_large_vocab(tmp_path):
                           tokenizer_args=dict(tokenizer_type="NullTokenizer", vocab_size=100000))
     ds = IndexedDataset(prefixes["text"])
     assert ds.dtype == np.int32 and ds[0].tolist() == [70000, 1, 2, 100000]
+
+
+def test_split_sentences_writes_one_sequence_per_sentence(tmp_path, spm_model):
+    """Megatron's --split-sentences: a ``_sentence`` dataset whose documents hold one sequence per sentence,
+    the eod after the last one; --keep-newlines keeps the newline between sentences."""
+    texts = ["First one. Second one!\nThird?", "Only a single sentence"]
+    data = write_jsonl(tmp_path / "in.jsonl", texts)
+    common = ["--input", data, "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", spm_model,
+              "--append-eod", "--no-progress", "--partitions", "2", "--keep-sequential-samples"]
+    assert run_cli(*common, "--output-prefix", tmp_path / "s", "--split-sentences") == 0
+    ds, tok = IndexedDataset(str(tmp_path / "s_text_sentence")), SentencePieceTokenizer(spm_model)
+    assert list(ds.document_indices) == [0, 3, 4]  # 3 sentences, then 1
+    assert [tok.decode(ds[i].tolist()[:-1] if i in (2, 3) else ds[i].tolist()) for i in range(4)] == [
+        "First one.", "Second one!", "Third?", "Only a single sentence"]
+    assert ds[2].tolist()[-1] == tok.eod and ds[3].tolist()[-1] == tok.eod and ds[0].tolist()[-1] != tok.eod
+    assert run_cli(*common, "--output-prefix", tmp_path / "k", "--split-sentences", "--keep-newlines") == 0
+    kept = IndexedDataset(str(tmp_path / "k_text_sentence"))
+    assert len(kept) == 4 and kept[1].tolist() != ds[1].tolist()  # "Second one!\n" keeps its newline
+    assert run_cli(*common[:-3], "--output-prefix", tmp_path / "x", "--keep-newlines") == 2

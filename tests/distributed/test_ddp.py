@@ -209,3 +209,11 @@ def test_overlap_param_gather_needs_the_distributed_optimizer():
     import pytest
     with pytest.raises(ValueError, match="overlap_param_gather=True needs the distributed optimizer"):
         DistributedDataParallelConfig(zero_stage=0, overlap_param_gather=True)
+
+
+def test_default_buckets_let_a_small_model_overlap():
+    """Megatron's 40M-element default would put a 4M-parameter model in one bucket (nothing to overlap)."""
+    model = nn.Sequential(*[nn.Linear(1000, 1000) for _ in range(4)])
+    for stage in (0, 1, 2):
+        ddp = DistributedDataParallel(model, config=DistributedDataParallelConfig(zero_stage=stage), dp_group=None)
+        assert len(ddp.buckets) >= 4, (stage, len(ddp.buckets))

@@ -34,6 +34,10 @@ LAYOUTS = [  # tp, pp, dp, vpp, zero stage, sequence parallel, recompute
     Layout(1, 1, 2, None, 3, False, None),
     Layout(2, 2, 1, None, 0, True, None),
     Layout(1, 2, 2, None, 2, False, None),
+    Layout(1, 1, 1, None, 0, False, None, 2),      # cp 2 (p2p ring)
+    Layout(1, 1, 2, None, 1, False, None, 2),      # cp 2 x dp 2, ZeRO-1 over dp x cp
+    Layout(2, 1, 1, None, 0, True, None, 2),       # cp 2 x tp 2 with SP
+    Layout(1, 2, 1, None, 0, False, None, 2),      # cp 2 x pp 2
 ]
 
 
@@ -41,7 +45,7 @@ def _measure(layout: Layout, model: dict, steps: int = 1, track_live: bool = Fal
     with kernels.use_backend("torch"):
         return measure_layout(model, tp=layout.tp, pp=layout.pp, zero_stage=layout.zero_stage, vocab_size=V,
                               seq_length=S, micro_batch_size=B, num_microbatches=M, vpp=layout.vpp, steps=steps,
-                              track_live=track_live)
+                              track_live=track_live, cp=layout.cp)
 
 
 def predicted_and_measured(distributed, layout: Layout, model: dict = MODEL) -> list[tuple[float, float]]:
@@ -51,10 +55,10 @@ def predicted_and_measured(distributed, layout: Layout, model: dict = MODEL) -> 
     workload = Workload(vocab_size=V, seq_length=S, micro_batch_size=B, global_batch_size=B * M * layout.dp,
                         make_vocab_size_divisible_by=8, mask_bytes=2)
     kwargs = {**model, "sequence_parallel": layout.sequence_parallel, "recompute_granularity": layout.recompute}
-    results = distributed(layout.tp * layout.pp * layout.dp, _measure, layout, kwargs)
+    results = distributed(layout.tp * layout.pp * layout.dp * layout.cp, _measure, layout, kwargs)
     pairs = []
     for result in results:
-        predicted = (model_state_bytes(config, workload, pp_rank=result.pp_rank, dp=layout.dp,
+        predicted = (model_state_bytes(config, workload, pp_rank=result.pp_rank, dp=layout.dp_cp,
                                        zero_stage=layout.zero_stage)
                      + rank_activation_bytes(config, workload, pp_rank=result.pp_rank, num_microbatches=M))
         pairs.append((predicted, result.model_state_bytes + result.activation_bytes))
@@ -80,7 +84,7 @@ def test_predicted_zero_transients_match_the_measured_peaks(distributed, layout)
     workload = Workload(vocab_size=V, seq_length=S, micro_batch_size=B, global_batch_size=B * M * layout.dp,
                         make_vocab_size_divisible_by=8, mask_bytes=2)
     kwargs = {**MODEL, "sequence_parallel": layout.sequence_parallel}
-    for result in distributed(layout.tp * layout.pp * layout.dp, _measure, layout, kwargs, 1, True):
+    for result in distributed(layout.tp * layout.pp * layout.dp * layout.cp, _measure, layout, kwargs, 1, True):
         predicted = rank_transient_bytes(config, workload, pp_rank=result.pp_rank, zero_stage=layout.zero_stage)
         assert result.transient_bytes > 0
         assert 0.9 < result.transient_bytes / predicted <= 1.0, (layout, result.transient_bytes, predicted)
@@ -93,7 +97,8 @@ def test_ranking_prefers_fitting_layouts_and_validates_inputs():
     plans = rank_plans(base, workload, Hardware(num_devices=8, memory_per_device_gb=0.05, peak_tflops=100.0))
     fits = [plan.fits for plan in plans]
     assert fits == sorted(fits, reverse=True) and any(fits) and not all(fits)
-    assert {(p.layout.tp * p.layout.pp * p.layout.dp) for p in plans} == {8}
+    assert {(p.layout.tp * p.layout.pp * p.layout.cp * p.layout.dp) for p in plans} == {8}
+    assert {p.layout.cp for p in plans} == {1, 2, 4, 8}  # 256 tokens divide by 2 cp for every cp
     with pytest.raises(ValueError, match="global batch 33"):
         rank_plans(base, Workload(vocab_size=1000, seq_length=256, micro_batch_size=2, global_batch_size=33),
                    Hardware(num_devices=8, memory_per_device_gb=80, peak_tflops=100.0))

@@ -189,3 +189,50 @@ def test_converted_optimizer_states_resume_with_the_same_losses(distributed, tra
     moved = distributed(4, _train, ["--load", str(tmp_path / "tp2pp2"), "--tensor-model-parallel-size", "2",
                                     "--pipeline-model-parallel-size", "2", *resume])[0]
     torch.testing.assert_close(torch.tensor(moved), torch.tensor(same), rtol=1e-5, atol=0)
+
+
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "1e-2",
+       "--moe-token-dispatcher-type", "alltoall"]
+
+
+def _moe_logits_at_layout(directory, tokens, ep=None):
+    """Logits (last stage, else None) of the checkpoint loaded at its recorded tp x pp (x ep, unless given)."""
+    from megatron_core import initialize_model_parallel
+    from megatron_core.checkpointing import read_metadata
+    from megatron_core.inference import load_gpt_from_checkpoint, pipeline_forward
+    _, metadata = read_metadata(directory)
+    layout = metadata["layout"]
+    state = initialize_model_parallel(layout["tp"], layout["pp"], expert_model_parallel_size=ep or layout.get("ep", 1))
+    with kernels.use_backend("torch"), torch.no_grad():
+        model, _ = load_gpt_from_checkpoint(directory, state)
+        return pipeline_forward(model, state, tokens)
+
+
+def test_moe_conversion_between_tp_pp_ep_keeps_expert_ids_and_logits(distributed, tmp_path):
+    """An MoE checkpoint saved at ep 2 converts to tp 2 x pp 2 x ep 2 (experts in their ep rank's file under
+    global ids) and back to tp 1 x pp 1 x ep 1: every tensor and the logits are unchanged; logits at
+    pp 2 x ep 2 equal those of the source at ep 1."""
+    source = tmp_path / "source"
+    distributed(2, _train, [*MOE, "--expert-model-parallel-size", "2", "--train-iters", "2", "--save", str(source)])
+    _convert(source, tmp_path / "tp2pp2ep2", 2, 2, extra=["--target-expert-parallel-size", "2"])
+    metadata = json.loads(open(_latest(tmp_path / "tp2pp2ep2")).read())
+    assert metadata["layout"]["ep"] == 2 and metadata["config"]["expert_model_parallel_size"] == 2
+    for layer, stage in ((0, 0), (1, 1)):
+        for expert in range(4):
+            name = f"decoder.layers.{layer}.mlp.experts.local_experts.{expert}.linear_fc1.weight"
+            assert metadata["tensors"][name]["shards"] == {"0": {
+                "file": f"experts_ep{expert // 2:03d}_pp{stage:03d}.safetensors",
+                "shape": metadata["tensors"][name]["global_shape"]}}
+    _, difference = _convert(tmp_path / "tp2pp2ep2", tmp_path / "back", 1, 1,
+                             extra=["--target-expert-parallel-size", "1", "--check"])
+    assert difference == 0.0
+    before, after = _tensors(source), _tensors(tmp_path / "back")
+    assert before.keys() == after.keys()
+    for name in before:
+        assert torch.equal(before[name], after[name]), name
+    assert metadata["config"]["sequence_parallel"]  # MoE at tp > 1 needs it
+    # logits at pp 2 x ep 2 (4 ranks: dp 2; inference runs without sequence parallelism, so tp 1)
+    _convert(source, tmp_path / "pp2ep2", 1, 2, extra=["--target-expert-parallel-size", "2"])
+    reference = distributed(1, _moe_logits_at_layout, str(source), TOKENS, 1)[0]
+    sharded = distributed(4, _moe_logits_at_layout, str(tmp_path / "pp2ep2"), TOKENS)
+    torch.testing.assert_close(sharded[-1], reference, rtol=0, atol=1e-5)

@@ -89,3 +89,25 @@ def test_bad_moe_input_exits_2_naming_the_values(argv, named):
                              f"parse_args({argv!r})"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 2, result.stderr
     assert named in result.stderr and "Traceback" not in result.stderr
+
+
+BIAS = ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+        "--moe-router-bias-update-rate", "0.05"]
+
+
+def test_expert_bias_is_checkpointed_and_resume_is_exact(distributed, tmp_path):
+    """--moe-router-enable-expert-bias: the bias (a buffer) is saved per layer and restored, so 3 iterations at
+    ep 2 then 5 resumed at ep 1 equal 8 uninterrupted ones."""
+    from safetensors import safe_open
+    reference = distributed(1, _train, BIAS)[0]
+    save = ["--save", str(tmp_path), "--exit-interval", "3"]  # odd: each step moves the bias by +-rate
+    first = distributed(2, _train, [*BIAS, *_ep(2), *A2A, *save])[0]
+    second = distributed(1, _train, [*BIAS, "--load", str(tmp_path)])[0]
+    torch.testing.assert_close(torch.tensor(first + second), torch.tensor(reference), rtol=1e-5, atol=0)
+    folder = next(tmp_path.glob("iter_*"))
+    entries = json.loads((folder / "metadata.json").read_text())["tensors"]
+    for layer in range(2):
+        entry = entries[f"decoder.layers.{layer}.mlp.router.expert_bias"]
+        with safe_open(str(folder / entry["shards"]["0"]["file"]), framework="pt") as handle:
+            bias = handle.get_tensor(f"decoder.layers.{layer}.mlp.router.expert_bias")
+        assert bias.shape == (4,) and bias.abs().sum() > 0  # updated during the 3 steps, not the initial zeros

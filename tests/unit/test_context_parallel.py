@@ -94,3 +94,36 @@ def test_block_backward_equals_autograd(dropout, tile_elements):
     grads = block_backward(q.detach(), k.detach(), v.detach(), dout, delta=(dout * out).sum(-1), lse=lse, **common)
     for grad, tensor in zip(grads, (q, k, v)):
         torch.testing.assert_close(grad, tensor.grad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("causal,offset,sq,sk", [(False, 0, 8, 16), (True, 0, 16, 16), (True, 8, 8, 16),
+                                                 (True, 4, 8, 32)])
+def test_fused_block_equals_tiled_math(monkeypatch, dtype, causal, offset, sq, sk):
+    """The fused CPU flash kernels (log-sum-exp out, final statistics in) give the tiled math's block
+    output, statistics and grads, GQA and causal offsets included (the offset cuts the block in two)."""
+    from megatron_core.context_parallel import blocks
+
+    generator = torch.Generator().manual_seed(0)
+    q, dout = (torch.randn(2, 4, sq, 8, generator=generator, dtype=dtype) for _ in range(2))
+    k, v = (torch.randn(2, 2, sk, 8, generator=generator, dtype=dtype) for _ in range(2))
+    results = []
+    for fused in (True, False):
+        monkeypatch.setattr(blocks, "FUSED", fused)
+        assert blocks.fused_ok(q, mask=None, dropout_p=0.0, dropout_seed=None) is fused
+        out, lse = block_forward(q, k, v, scale=0.3, causal=causal, causal_offset=offset)
+        grads = block_backward(q, k, v, dout, delta=(dout * out).sum(-1), lse=lse, scale=0.3, causal=causal,
+                               causal_offset=offset, out=out.to(dtype))
+        results.append((out, lse, *grads))
+    tolerance = 1e-12 if dtype == torch.float64 else 1e-5
+    for fused, tiled in zip(*results):
+        torch.testing.assert_close(fused, tiled, rtol=tolerance, atol=tolerance)
+
+
+def test_masks_and_dropout_keep_the_tiled_math():
+    from megatron_core.context_parallel.blocks import fused_ok
+
+    q = torch.zeros(1, 1, 4, 2)
+    assert not fused_ok(q, mask=torch.zeros(1, 1, 4, 4, dtype=torch.bool), dropout_p=0.0, dropout_seed=None)
+    assert not fused_ok(q, mask=None, dropout_p=0.1, dropout_seed=3)
+    assert fused_ok(q, mask=None, dropout_p=0.1, dropout_seed=None)

@@ -1,0 +1,226 @@
+"""Files of Megatron-LM checkpoints, read without executing anything from them.
+
+Megatron-LM writes two formats under ``<load>/iter_NNNNNNN`` (or ``<load>/release``), named by
+``latest_checkpointed_iteration.txt``:
+
+* ``torch`` (legacy): one ``mp_rank_{tp:02d}/model_optim_rng.pt`` per tensor-parallel rank, or
+  ``mp_rank_{tp:02d}_{pp:03d}/`` when pipeline-parallel; each a ``torch.save`` dict with ``args`` (an
+  ``argparse.Namespace``), ``iteration``, ``checkpoint_version`` and ``model`` (``model0``, ``model1``, ...
+  with virtual pipelining), local layer numbers per stage.
+* ``torch_dist``: PyTorch Distributed Checkpoint files (``.metadata``, ``__R_I.distcp``) holding every tensor at
+  its global shape, layers stacked along a leading axis; ``common.pt`` holds ``args`` and ``iteration``;
+  ``metadata.json`` says ``{"sharded_backend": "torch_dist", ...}``.
+
+``.pt`` files are read with ``torch.load(weights_only=True)``: a class the checkpoint names that torch does not
+allow by default (``argparse.Namespace`` aside) becomes an inert ``Opaque`` placeholder, so no code from the
+file runs. The DCP ``.metadata`` pickle, which torch itself unpickles with plain ``pickle``, is read here by
+an unpickler that only resolves the checkpoint-metadata classes of ``torch.distributed.checkpoint``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pickle
+import re
+from typing import Any, Optional
+
+import torch
+
+LATEST = "latest_checkpointed_iteration.txt"
+_RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(_\d{3})?$")
+
+
+class Opaque:
+    """Stands in for a class a checkpoint names but this reader does not trust (e.g. Megatron's enums).
+
+    Unpickling only stores the arguments and state; nothing of the original class runs.
+    """
+
+    qualified_name = "?"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.args, self.kwargs = args, kwargs
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+    def __repr__(self) -> str:
+        return f"Opaque({self.qualified_name}, args={self.args!r})"
+
+
+def _placeholder(qualified_name: str) -> type:
+    return type(qualified_name.rsplit(".", 1)[-1], (Opaque,), {"qualified_name": qualified_name})
+
+
+def load_pt(path: str) -> Any:
+    """``torch.load(path, weights_only=True, mmap=True)`` with ``argparse.Namespace`` allowed and every other
+    unknown class replaced by an ``Opaque`` placeholder (tensors stay memory-mapped until used)."""
+    unknown = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+    allowed: list = [(argparse.Namespace, "argparse.Namespace")]
+    allowed += [(_placeholder(name), name) for name in unknown if name != "argparse.Namespace"]
+    with torch.serialization.safe_globals(allowed):
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+
+
+_DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem",
+                "torch.distributed.checkpoint.planner")
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Resolves only the classes a DCP ``.metadata`` file is made of; anything else is refused."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module in _DCP_MODULES and not name.startswith("__"):
+            import importlib
+            value = getattr(importlib.import_module(module), name, None)
+            if isinstance(value, type):
+                return value
+        if module == "collections" and name == "OrderedDict":
+            import collections
+            return collections.OrderedDict
+        if module == "pathlib" and name in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"):
+            import pathlib
+            return getattr(pathlib, name)  # the checkpoint id torch records
+        if module == "torch.serialization" and name == "_get_layout":
+            return torch.serialization._get_layout
+        if module == "torch" and name == "Size":
+            return torch.Size
+        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout,
+                                                                          torch.memory_format)):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"distributed-checkpoint metadata names {module}.{name}, which is not part "
+                                     "of torch.distributed.checkpoint's metadata: refusing to load it")
+
+
+def read_dcp_metadata(folder: str):
+    """The ``torch.distributed.checkpoint`` ``Metadata`` of ``folder/.metadata``, read safely."""
+    path = os.path.join(folder, ".metadata")
+    with open(path, "rb") as handle:
+        try:
+            return _MetadataUnpickler(handle).load()
+        except (pickle.UnpicklingError, EOFError, AttributeError, ValueError) as error:
+            raise ValueError(f"{path} is not a readable distributed-checkpoint metadata file: {error}") from error
+
+
+class DcpTensorReader:
+    """Reads whole tensors of a torch_dist folder one key at a time (no process group)."""
+
+    def __init__(self, folder: str) -> None:
+        from torch.distributed.checkpoint import FileSystemReader
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        self.folder = folder
+        self.metadata = read_dcp_metadata(folder)
+        self.tensors = {key: (tuple(meta.size), meta.properties.dtype)
+                        for key, meta in self.metadata.state_dict_metadata.items()
+                        if isinstance(meta, TensorStorageMetadata)}
+        metadata = self.metadata
+
+        class _Reader(FileSystemReader):
+            def read_metadata(self, *args: Any, **kwargs: Any):  # the already (safely) read metadata
+                return metadata
+
+        self._reader = _Reader(folder)
+
+    def read(self, key: str) -> torch.Tensor:
+        """The full tensor stored under ``key``."""
+        import torch.distributed.checkpoint as dcp
+
+        if key not in self.tensors:
+            raise ValueError(f"torch_dist checkpoint {self.folder} has no tensor {key!r}")
+        shape, dtype = self.tensors[key]
+        target = {key: torch.empty(shape, dtype=dtype)}
+        dcp.load(target, storage_reader=self._reader, no_dist=True)
+        return target[key]
+
+
+def write_dcp(folder: str, tensors: dict[str, torch.Tensor], objects: dict[str, Any]) -> None:
+    """Writes ``tensors`` (full, global shapes) and ``objects`` (each stored as the ``torch.save`` bytes of a
+    one-item list, as megatron-core packs its sharded objects) as a distributed checkpoint in ``folder``."""
+    import torch.distributed.checkpoint as dcp
+
+    state: dict[str, Any] = dict(tensors)
+    state.update({key: [value] for key, value in objects.items()})  # DCP stores non-tensors as torch.save bytes
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(folder, thread_count=1), no_dist=True)
+
+
+def iteration_folder(load_dir: str) -> tuple[str, int]:
+    """``(folder, iteration)`` named by Megatron-LM's ``latest_checkpointed_iteration.txt`` in ``load_dir``
+    (``release`` is iteration 0); ``load_dir`` may also be an ``iter_N``/``release`` folder itself."""
+    base = os.path.basename(os.path.normpath(load_dir))
+    if re.fullmatch(r"iter_\d+", base) or base == "release":
+        return load_dir, 0 if base == "release" else int(base[5:])
+    pointer = os.path.join(load_dir, LATEST)
+    if not os.path.exists(pointer):
+        raise ValueError(f"{load_dir} is not a Megatron-LM checkpoint folder: {LATEST} is missing")
+    text = open(pointer, encoding="utf-8").read().strip()
+    if text == "release":
+        return os.path.join(load_dir, "release"), 0
+    if not text.isdigit():
+        raise ValueError(f"{pointer} holds {text[:40]!r}, not an iteration number or 'release'")
+    folder = os.path.join(load_dir, f"iter_{int(text):07d}")
+    if not os.path.isdir(folder):
+        raise ValueError(f"{pointer} names iteration {int(text)} but {folder} does not exist")
+    return folder, int(text)
+
+
+def detect_format(folder: str) -> Optional[str]:
+    """``"torch"``, ``"torch_dist"``, another Megatron-LM format name, or None if ``folder`` is none of them."""
+    entries = os.listdir(folder) if os.path.isdir(folder) else []
+    if any(_RANK_DIR.match(e) for e in entries):
+        return "torch"
+    path = os.path.join(folder, "metadata.json")
+    if os.path.exists(path):
+        try:
+            backend = json.load(open(path, encoding="utf-8")).get("sharded_backend")
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+            return None
+        return backend if isinstance(backend, str) else None
+    return None
+
+
+def describe_foreign(load_dir: str) -> Optional[str]:
+    """A sentence naming ``load_dir`` as a Megatron-LM checkpoint and how to convert it, else None."""
+    try:
+        folder, _ = iteration_folder(load_dir)
+    except ValueError:
+        return None
+    fmt = detect_format(folder)
+    if fmt is None:
+        return None
+    return (f"{load_dir} is a Megatron-LM checkpoint ({fmt} format), not a megatron_core one; convert it with "
+            f"tools/checkpoint_convert.py --model-type GPT --loader core --saver mcore --load-dir {load_dir} "
+            "--save-dir <new folder>")
+
+
+def legacy_rank_files(folder: str) -> dict[tuple[int, int], str]:
+    """``{(tp_rank, pp_rank): model_optim_rng.pt path}`` of a torch-format folder (every rank present)."""
+    files = {}
+    for entry in sorted(os.listdir(folder)):
+        match = _RANK_DIR.match(entry)
+        if not match:
+            continue
+        if match.group(3):
+            raise ValueError(f"{folder}/{entry}: expert-parallel checkpoints (mp_rank_TT_PPP_EEE) are not supported; "
+                             "mixture of experts is not built yet")
+        path = os.path.join(folder, entry, "model_optim_rng.pt")
+        if not os.path.exists(path):
+            raise ValueError(f"Megatron-LM checkpoint {folder}: {entry}/model_optim_rng.pt is missing")
+        files[(int(match.group(1)), int(match.group(2) or 0))] = path
+    tp = 1 + max(t for t, _ in files)
+    pp = 1 + max(p for _, p in files)
+    missing = [(t, p) for t in range(tp) for p in range(pp) if (t, p) not in files]
+    if missing:
+        raise ValueError(f"Megatron-LM checkpoint {folder} (tp {tp} x pp {pp}) lacks the files of (tp, pp) ranks "
+                         f"{missing}")
+    return files
+
+
+def legacy_rank_dir(tp_rank: int, pp_rank: int, pp_size: int) -> str:
+    """Megatron-LM's folder name of one rank's ``model_optim_rng.pt``."""
+    return f"mp_rank_{tp_rank:02d}" if pp_size == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+
+
+__all__ = ["Opaque", "load_pt", "read_dcp_metadata", "DcpTensorReader", "write_dcp", "iteration_folder",
+           "detect_format", "describe_foreign", "legacy_rank_files", "legacy_rank_dir", "LATEST"]

@@ -1,0 +1,81 @@
+"""Elastic restart under torchrun --nnodes 1:2 --max-restarts: two agents on loopback (one rank each) train
+dp 2 and save every iteration; the second "node" is SIGKILLed (agent and worker) at a random iteration; the
+survivor's worker fails at once, torchrun restarts it at world size 1, it resumes the newest complete
+checkpoint at dp 1 with the same global batch (twice the micro-batches) and finishes with the losses of a
+run started from that checkpoint at dp 1 (fp32, 1e-5 relative)."""
+import json
+import random
+import re
+import shutil
+import time
+
+from tests.integration.agents import TINY, Agents
+
+ITERS = 12
+ARGV = [*TINY, "--global-batch-size", "8", "--train-iters", str(ITERS), "--elastic-layout", "--zero-stage", "1",
+        "--distributed-timeout-minutes", "0.5"]
+
+
+def _train(argv):
+    import kernels
+    from megatron_core.training.arguments import parse_args
+    from megatron_core.training.loop import pretrain
+    with kernels.use_backend("torch"):
+        return pretrain(parse_args(list(argv)))
+
+
+def _records(path):
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if '"split"' not in line]
+
+
+def test_killing_a_node_restarts_the_survivor_at_dp1_from_the_newest_checkpoint(tmp_path, distributed):
+    ckpt, metrics = tmp_path / "ckpt", tmp_path / "metrics.jsonl"
+    kill_after = random.Random().randint(2, 6)
+    argv = [*ARGV, "--save", str(ckpt), "--save-interval", "1", "--load", str(ckpt), "--metrics-file", str(metrics)]
+    with Agents(argv, nproc_per_node=1, nnodes="1:2", torchrun_args=["--max-restarts", "2"],
+                out_dir=tmp_path) as agents:
+        assert agents.wait(90, until=lambda: len(_records(metrics)) >= kill_after), agents.log(0)[-3000:]
+        agents.kill_node(1)
+        killed_at = time.monotonic()
+        assert agents.wait(120, until=lambda: agents.procs[0].poll() is not None), agents.log(0)[-3000:]
+        log = agents.log(0)
+        assert agents.procs[0].returncode == 0, log[-4000:]
+    recovered_in = time.monotonic() - killed_at
+    resumed = re.search(r"loaded checkpoint \S+ \(iteration (\d+)\)", log)
+    assert resumed and "continuing at dp 1 (tp 1, pp 1 kept) with 4 micro-batches per rank" in log, log[-4000:]
+    start = int(resumed.group(1))
+    assert start >= kill_after - 1, (start, kill_after)
+    tail = _records(metrics)[-(ITERS - start):]
+    assert [r["iteration"] for r in tail] == list(range(start + 1, ITERS + 1)), _records(metrics)
+    # the reference: a fresh single-process run from that checkpoint at dp 1
+    ref_dir = tmp_path / "ref"
+    shutil.copytree(ckpt / f"iter_{start:07d}", ref_dir / f"iter_{start:07d}")
+    (ref_dir / "latest_checkpointed_iteration.txt").write_text(str(start))
+    reference = distributed(1, _train, [*ARGV, "--load", str(ref_dir)])[0]
+    assert len(reference) == ITERS - start
+    for got, want in zip([r["lm_loss"] for r in tail], reference):
+        assert abs(got - want) <= 1e-5 * abs(want), ([r["lm_loss"] for r in tail], reference)
+    assert recovered_in < 100, recovered_in
+
+
+def test_a_worker_whose_agent_is_killed_exits_at_once(tmp_path):
+    """SIGKILL of the torchrun agent alone: its worker (in a session of its own) notices and exits within
+    about a second instead of training on as an orphan."""
+    import os
+    import signal
+    metrics = tmp_path / "metrics.jsonl"
+    with Agents([*TINY, "--train-iters", "100000", "--metrics-file", str(metrics)], nproc_per_node=1, nnodes="1",
+                agents=1, out_dir=tmp_path) as agents:
+        assert agents.wait(90, until=lambda: len(_records(metrics)) >= 2), agents.log(0)[-3000:]
+        workers = [pid for pid in agents.workers(0) if "pretrain_gpt.py" in open(f"/proc/{pid}/cmdline").read()]
+        assert len(workers) == 1, workers
+        os.kill(agents.procs[0].pid, signal.SIGKILL)
+        killed = time.monotonic()
+        while os.path.exists(f"/proc/{workers[0]}") and time.monotonic() - killed < 10:
+            if open(f"/proc/{workers[0]}/stat").read().split()[2] == "Z":
+                break  # exited, not yet reaped
+            time.sleep(0.05)
+        lived = time.monotonic() - killed
+    assert lived < 3, f"the orphaned worker still ran {lived:.1f} s after its agent was killed"
