@@ -146,7 +146,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           f"{options.memory_per_device_gb:g} GiB; vocab {workload.vocab_size}, global batch {workload.global_batch_size}\n")
     print(format_table(plans, options.top))
     if not plans[0].fits:
-        print("\nno layout fits: lower --micro-batch-size or --seq-length, or add devices")
+        offloaded = sorted((p for p in plans if p.fits_with_offload), key=lambda p: p.step_seconds)
+        if not offloaded:
+            print("\nno layout fits, not even with optimizer offload: lower --micro-batch-size or --seq-length, "
+                  "or add devices")
+            return 1
+        best = offloaded[0]
+        print(f"\nno layout fits in device memory; {len(offloaded)} fit with the optimizer states offloaded "
+              f"(masters + states {best.offloadable_bytes / 2**30:.2f} GiB per rank to host or NVMe, "
+              f"{(best.memory_bytes - best.offloadable_bytes) / 2**30:.2f} GiB left on the device). Best, with "
+              "NVMe optimizer offload (host compute for the update: the step-time column does not include it):")
+        print(torchrun_command(best, model_argv + ["--optimizer-nvme-offload-dir", "/path/to/nvme"],
+                               num_devices=options.num_devices, devices_per_node=options.devices_per_node,
+                               num_layers=args.num_layers))
         return 1
     print("\nbest layout:\n" + torchrun_command(plans[0], model_argv, num_devices=options.num_devices,
                                                devices_per_node=options.devices_per_node, num_layers=args.num_layers))

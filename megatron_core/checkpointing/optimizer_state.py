@@ -21,10 +21,9 @@ INNER_STATES = ("exp_avg", "exp_avg_sq", "momentum_buffer")
 
 
 def _piece_states(optimizer: Any, piece: Any) -> dict[str, torch.Tensor]:
-    states = {} if piece.aliased else {"master": piece.master}
-    inner = optimizer.optimizer.state.get(piece.master, {}) if optimizer.optimizer is not None else {}
-    states.update({key: inner[key] for key in INNER_STATES if isinstance(inner.get(key), torch.Tensor)})
-    return {key: value.detach().reshape(-1).float().cpu() for key, value in states.items()}
+    states = optimizer.piece_states(piece)  # wherever they live: device, host or NVMe files
+    return {key: value.detach().reshape(-1).float().cpu() for key, value in states.items()
+            if key == "master" or key in INNER_STATES}
 
 
 def collect_optimizer_state(optimizer: Any, named: dict[str, Any],
@@ -76,10 +75,8 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 def _scalars(optimizer: Any) -> dict:
-    steps = [float(s["step"]) for s in (optimizer.optimizer.state.values() if optimizer.optimizer else [])
-             if "step" in s]
     scaler = optimizer.grad_scaler.state_dict() if optimizer.grad_scaler is not None else None
-    return {"step": max(steps) if steps else 0.0,
+    return {"step": optimizer.step_count(),
             "grad_scaler": {k: float(v) for k, v in scaler.items()} if scaler else None}
 
 
@@ -89,10 +86,12 @@ def restore_optimizer_state(optimizer: Any, names: dict[int, str], scalars: dict
     """Fills each piece's master and inner state from ``read(tensor name, parameter)`` (the tensor re-split
     for this rank's tp shard, or None when the checkpoint lacks it)."""
     cache: dict[str, Optional[torch.Tensor]] = {}
+    # masters that are copies start from the loaded weights: a checkpoint of a run whose masters were the
+    # model storage (fp32, no offload) has none to restore; the loop below overwrites those it has
+    optimizer.reload_model_params()
     for piece in optimizer.pieces:
         name = names[id(piece.param)]
         lo, hi = piece.param_range
-        inner = optimizer.optimizer.state[piece.master] if optimizer.optimizer is not None else {}
         for key in ("master",) + INNER_STATES:
             if key == "master" and piece.aliased:
                 continue
@@ -102,12 +101,6 @@ def restore_optimizer_state(optimizer: Any, names: dict[int, str], scalars: dict
             full = cache[full_name]
             if full is None:
                 continue
-            values = full.reshape(-1)[lo:hi].to(piece.master.device, torch.float32)
-            if key == "master":
-                piece.master.copy_(values)
-            else:
-                inner[key] = values.clone()
-        if optimizer.optimizer is not None and any(k in inner for k in INNER_STATES):
-            inner["step"] = torch.tensor(scalars.get("step", 0.0), dtype=torch.float32)
+            optimizer.set_piece_state(piece, key, full.reshape(-1)[lo:hi], step=scalars.get("step", 0.0))
     if optimizer.grad_scaler is not None and scalars.get("grad_scaler"):
         optimizer.grad_scaler.load_state_dict(scalars["grad_scaler"])

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -88,6 +88,7 @@ class DistributedDataParallel(nn.Module):
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_accumulated)
                        for p in self._param_to_bucket]
         self.gatherer: Optional[ParameterGatherer] = None
+        self.param_offload = "none"  # where stage-3 shards live between uses: see offload_param_shards
         if config.zero_stage == 3:
             units = {unit: list(dict.fromkeys(self._param_to_bucket[p] for p in params))
                      for unit, params in self._units.items()}
@@ -341,6 +342,29 @@ class DistributedDataParallel(nn.Module):
         finally:
             if self.gatherer is not None:
                 self.gatherer.release_all()
+
+    # ----------------------------------------------------------------------------------------------------------
+    # parameter offload (stage 3)
+    def offload_param_shards(self, make_home: Callable[[Bucket], Any], *, tier: str) -> None:
+        """Stage 3: moves each bucket's parameter shard to the home ``make_home(bucket)`` builds (host or NVMe;
+        use ``megatron_core.optimizer.offload.offload_parameters``) and frees the device copy; shards come back
+        for each gather and for the optimizer step. Call it before building the optimizer."""
+        if self.config.zero_stage != 3:
+            raise ValueError(f"parameter offload needs zero_stage 3, got {self.config.zero_stage}")
+        for bucket in self.buckets:
+            bucket.attach_home(make_home)
+        self.param_buffers = {}  # each shard has storage of its own now (freed between uses)
+        self.param_offload = tier
+
+    def fetch_param_shards(self) -> None:
+        """Brings every offloaded shard into device memory (the optimizer step updates them)."""
+        for bucket in self.buckets:
+            bucket.fetch_shard()
+
+    def evict_param_shards(self) -> None:
+        """Writes every offloaded shard home and frees its device copy."""
+        for bucket in self.buckets:
+            bucket.evict_shard(dirty=True)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """The wrapped module's state dict (no ``module.`` prefix) with full tensors at every stage."""

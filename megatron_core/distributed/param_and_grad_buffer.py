@@ -26,7 +26,7 @@ group: each such bucket is reduced, and sharded, over the ranks that hold the sa
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -103,6 +103,8 @@ class Bucket:
         self.launched = False
         self.gathered = not shard_params  # stage 3: the full parameters are in param_data
         self._grad_work = self._recv = self._param_work = self._gather_work = None
+        self.shard_home: Optional[Any] = None  # ZeRO-3 parameter offload: where the shard lives between uses
+        self._fetched_for_gather = False
 
     @property
     def param_bytes(self) -> int:
@@ -270,9 +272,11 @@ class Bucket:
             self.param_data = torch.empty(self.numel, dtype=self.kind.param_dtype, device=self.device)
         else:
             allocate_storage(self.param_data)
+        self._fetched_for_gather = self.fetch_shard()
         if self.dp_size == 1:
             self.param_data.copy_(self.param_shard)
             self._gather_work = _Done()
+            self._evict_after_gather()
         else:
             self._gather_work = dist.all_gather_single(self.param_data, self.param_shard,
                                                        group=self.dp_group, async_op=True)
@@ -284,6 +288,7 @@ class Bucket:
         self.start_gather()
         self._gather_work.wait()
         self._gather_work, self.gathered = None, True
+        self._evict_after_gather()
         self._point_params_at(self.param_data)
 
     def release_params(self) -> None:
@@ -293,6 +298,7 @@ class Bucket:
         if self._gather_work is not None:  # a prefetch nobody used: finish it to keep the collectives paired
             self._gather_work.wait()
             self._gather_work = None
+            self._evict_after_gather()
         if self.param_data is not None:
             free_storage(self.param_data)
         for param in self.params:
@@ -312,11 +318,45 @@ class Bucket:
         """Stage 3: writes this rank's shard of ``full`` (the whole parameter) into the shard storage."""
         lo, hi = self.ranges[param]
         flat = full.reshape(-1).to(self.kind.param_dtype)
+        fetched = self.fetch_shard()
         for piece_param, p_lo, p_hi, s_lo, s_hi in self.shard_pieces():
             if piece_param is param:
                 self.param_shard[s_lo:s_hi].copy_(flat[p_lo:p_hi])
+        if fetched:
+            self.evict_shard(dirty=True)
         if self.gathered:
             self.param_data[lo:hi].copy_(flat)
+
+
+    # ----------------------------------------------------------------------------------------------------------
+    # parameter offload (stage 3): the shard's home is the host or a file; the device copy exists while used
+    def attach_home(self, make_home: Callable[["Bucket"], Any]) -> None:
+        """Gives the shard storage of its own, hands it to ``make_home(self)`` (an object with ``load_into``
+        and ``store_from``, see ``optimizer.offload.param_offload``) and frees the device copy."""
+        self.param_shard = self.param_shard.clone()
+        self.shard_home = make_home(self)
+        free_storage(self.param_shard)
+
+    def fetch_shard(self) -> bool:
+        """Brings an offloaded shard into device memory; True if it was not there."""
+        if self.shard_home is None or self.param_shard.untyped_storage().nbytes() > 0:
+            return False
+        allocate_storage(self.param_shard)
+        self.shard_home.load_into(self.param_shard)
+        return True
+
+    def evict_shard(self, *, dirty: bool) -> None:
+        """Frees the device copy of an offloaded shard, first writing it home when ``dirty`` (updated)."""
+        if self.shard_home is None or self.param_shard.untyped_storage().nbytes() == 0:
+            return
+        if dirty:
+            self.shard_home.store_from(self.param_shard)
+        free_storage(self.param_shard)
+
+    def _evict_after_gather(self) -> None:
+        if self._fetched_for_gather:  # fetched just for this gather (unchanged): free it again
+            self._fetched_for_gather = False
+            self.evict_shard(dirty=False)
 
 
 class _Done:

@@ -9,16 +9,19 @@ import torch
 from torch import nn
 
 from megatron_core.distributed import DistributedDataParallel
+from megatron_core.optimizer.offload.nvme_adam import NvmeAdam
 from megatron_core.optimizer.optimizer import MegatronOptimizer
 from megatron_core.utils.live_memory import LiveMemoryTracker, peak_rss_bytes
 
 CATEGORIES = ("parameters", "gathered_parameters", "gradients", "grad_buckets", "master_weights",
-              "optimizer_states", "activations")
+              "optimizer_states", "offloaded_parameters", "activations")
 
 
 @dataclasses.dataclass(frozen=True)
 class MemoryReport:
-    """Bytes held by this rank. With CPU offload, master weights and optimizer states are on the host.
+    """Bytes held by this rank. With CPU offload, master weights and optimizer states are on the host; with
+    NVMe offload they are in files (``nvme_master_weights``, ``nvme_optimizer_states``) and count zero in
+    ``master_weights`` / ``optimizer_states`` (memory); ``tiers`` names where each state lives.
 
     ``parameters`` ... ``optimizer_states`` are the persistent model states (transient gathered parameters
     and gradient buckets excluded). ``measured_peak`` (when a tracker was given) is the largest live tensor
@@ -31,6 +34,9 @@ class MemoryReport:
     master_weights: int
     optimizer_states: int
     offloaded: bool = False
+    nvme_master_weights: int = 0
+    nvme_optimizer_states: int = 0
+    tiers: Optional[dict[str, str]] = None
     measured_peak: Optional[int] = None
     measured_breakdown: Optional[dict[str, int]] = None
     measured_peak_by_category: Optional[dict[str, int]] = None
@@ -68,6 +74,11 @@ def memory_categories(model: Union[nn.Module, Sequence[nn.Module]],
             yield from (("parameters", t) for t in chunk.param_buffers.values())
             yield from (("gradients", t) for t in chunk.grad_buffers.values())
             for bucket in chunk.buckets:
+                if bucket.shard_home is not None:  # parameter offload: the device copy (freed between uses)
+                    yield "parameters", bucket.param_shard
+                    home = getattr(bucket.shard_home, "home", None)
+                    if home is not None:  # --param-offload cpu: the host copy
+                        yield "offloaded_parameters", home
                 if bucket.shard_params and bucket.param_data is not None:
                     yield "gathered_parameters", bucket.param_data
                 if bucket.holds_transient_grads:
@@ -82,9 +93,12 @@ def memory_categories(model: Union[nn.Module, Sequence[nn.Module]],
                 yield "parameters", param
     if optimizer is not None:
         for piece in optimizer.pieces:
-            if not piece.aliased:
+            if not piece.aliased and piece.master is not None:
                 yield "master_weights", piece.master
-        if optimizer.optimizer is not None:
+        if isinstance(optimizer.optimizer, NvmeAdam):  # the ring buffers streaming the files, during step()
+            for name, buffer in optimizer.optimizer.live_buffers:
+                yield ("master_weights" if name == "master" else "optimizer_states"), buffer
+        elif optimizer.optimizer is not None:
             for state in optimizer.optimizer.state.values():
                 for key, value in state.items():
                     if isinstance(value, torch.Tensor) and key != "step":
@@ -104,6 +118,21 @@ def memory_report(model: Union[nn.Module, Sequence[nn.Module]], optimizer: Megat
     if tracker is not None:
         measured = dict(measured_peak=tracker.peak_total, measured_breakdown=dict(tracker.peak_breakdown),
                         measured_peak_by_category=dict(tracker.peak_by_category), peak_rss=peak_rss_bytes())
+    nvme = optimizer.nvme_bytes()
     return MemoryReport(parameters=params, gradients=grads, master_weights=optimizer.master_weight_bytes(),
                         optimizer_states=optimizer.optimizer_state_bytes(),
-                        offloaded=optimizer.config.optimizer_cpu_offload, **measured)
+                        offloaded=optimizer.config.optimizer_cpu_offload or bool(nvme),
+                        nvme_master_weights=nvme.get("master_weights", 0),
+                        nvme_optimizer_states=nvme.get("optimizer_states", 0), tiers=_tiers(model, optimizer),
+                        **measured)
+
+
+def _tiers(model: Union[nn.Module, Sequence[nn.Module]], optimizer: MegatronOptimizer) -> dict[str, str]:
+    """Where each model state lives: ``"cuda"`` / ``"cpu"`` (the device), ``"host"`` (CPU offload: a
+    separate host copy, which on a CPU-only machine is the same memory), ``"nvme"`` (files)."""
+    chunks = _chunks(model)
+    device = next((p.device.type for c in chunks for p in c.parameters() if p.device.type != "meta"), "cpu")
+    offload = next((c.param_offload for c in chunks if isinstance(c, DistributedDataParallel)), "none")
+    states = "nvme" if optimizer.nvme_bytes() else "host" if optimizer.config.optimizer_cpu_offload else device
+    return {"parameters": device if offload == "none" else offload, "gradients": device,
+            "master_weights": states, "optimizer_states": states}

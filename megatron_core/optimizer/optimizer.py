@@ -4,14 +4,17 @@
 The optimizer works on *pieces*: for a stage-0 or plain module, every parameter whole; for a stage 1-3
 ``DistributedDataParallel`` chunk, the part of each parameter inside this rank's shard of each bucket. Each
 piece has an fp32 master tensor: the model storage itself when that is already fp32 (and not offloaded),
-else an fp32 copy (on the host with offload). ``torch.optim.AdamW`` / ``SGD`` updates the masters; the
-updated values are copied back into the model storage and, at stages 1-2, all-gathered over dp.
+else an fp32 copy (on the host with offload), or, with ``optimizer_nvme_offload_dir``, none in memory: the
+masters and Adam states then live in files (``offload.NvmeAdam``). ``torch.optim.AdamW`` / ``SGD`` (or
+``NvmeAdam``) updates the masters; the updated values are copied back into the model storage and, at stages
+1-2, all-gathered over dp.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -19,6 +22,7 @@ from torch import nn
 from megatron_core.distributed import DistributedDataParallel
 from megatron_core.optimizer.clip_grads import clip_by_norm_, counts_once, found_inf_or_nan, global_norm_and_zeros
 from megatron_core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
+from megatron_core.optimizer.offload.nvme_adam import NvmeAdam
 from megatron_core.optimizer.optimizer_config import OptimizerConfig
 from megatron_core.parallel_state import ParallelState
 
@@ -30,13 +34,14 @@ class _Piece:
     param: nn.Parameter
     model: torch.Tensor                              # 1-D view of the model storage this piece updates
     grad: Callable[[], Optional[torch.Tensor]]       # 1-D grad of the same elements (dp-reduced)
-    master: torch.Tensor                             # fp32 1-D; ``model`` itself when aliased
+    master: Optional[torch.Tensor]                   # fp32 1-D; ``model`` itself when aliased; None: in files
     aliased: bool
     is_shard: bool                                   # a 1/dp shard (summed over dp in the norm)
     decay: bool
     param_range: tuple[int, int]                     # the flat elements [lo, hi) of the parameter it covers
     param_shape: tuple[int, ...]                     # the parameter's (tp-local) shape, even when freed (ZeRO-3)
     is_expert: bool = False                          # an MoE expert's: sharded over expert-dp, normed apart
+    master_grad: Optional[torch.Tensor] = None       # the fp32 grad on the master's device, during step()
 
 
 def _chunk_pieces(chunk: nn.Module) -> list[tuple]:
@@ -81,17 +86,12 @@ class MegatronOptimizer:
         self.mp_group = parallel_state.mp_group if parallel_state is not None else None
         self.expert_mp_group = parallel_state.expert_mp_group if parallel_state is not None else None
         self.device = parallel_state.device if parallel_state is not None else torch.device("cpu")
-        host = torch.device("cpu") if config.optimizer_cpu_offload else None
-        self.pieces: list[_Piece] = []
-        for chunk in self.chunks:
-            for param, model, grad_fn, is_shard, param_range, shape in _chunk_pieces(chunk):
-                aliased = model.dtype == torch.float32 and host is None
-                master = model if aliased else model.detach().to(host or model.device, torch.float32).clone()
-                self.pieces.append(_Piece(param, model, grad_fn, master, aliased, is_shard, decay=len(shape) >= 2,
-                                          param_range=param_range, param_shape=shape,
-                                          is_expert=bool(getattr(param, "is_expert", False))))
-        self.has_experts = self._any_rank_has_experts()
-        self.optimizer = self._build_inner() if self.pieces else None
+        self.nvme = config.optimizer_nvme_offload_dir is not None
+        host = torch.device("cpu") if config.optimizer_cpu_offload or self.nvme else None
+        with self._shards_resident():  # offloaded ZeRO-3 shards: the pieces are views of them, masters copies
+            self.pieces = self._build_pieces(host)
+            self.has_experts = self._any_rank_has_experts()
+            self.optimizer = self._build_inner() if self.pieces else None
         self.grad_scaler: Optional[ConstantGradScaler] = None
         if config.loss_scale is not None:
             self.grad_scaler = ConstantGradScaler(config.loss_scale)
@@ -99,6 +99,24 @@ class MegatronOptimizer:
             self.grad_scaler = DynamicGradScaler(
                 initial_scale=config.initial_loss_scale, min_scale=config.min_loss_scale,
                 growth_interval=config.loss_scale_window, hysteresis=config.hysteresis)
+
+    def params_norm(self) -> float:
+        """Global L2 norm of the fp32 masters (with NVMe offload, of the model values: the masters cast to the
+        model dtype, equal for fp32). Collectives: as ``global_norm``."""
+        with self._shards_resident():
+            return self.global_norm(lambda p: p.master if p.master is not None else p.model.float())[0]
+
+    def _build_pieces(self, host: Optional[torch.device]) -> list[_Piece]:
+        pieces = []
+        for chunk in self.chunks:
+            for param, model, grad_fn, is_shard, param_range, shape in _chunk_pieces(chunk):
+                aliased = model.dtype == torch.float32 and host is None
+                master = model if aliased else None if self.nvme else \
+                    model.detach().to(host or model.device, torch.float32).clone()
+                pieces.append(_Piece(param, model, grad_fn, master, aliased, is_shard, decay=len(shape) >= 2,
+                                     param_range=param_range, param_shape=shape,
+                                     is_expert=bool(getattr(param, "is_expert", False))))
+        return pieces
 
     def _any_rank_has_experts(self) -> bool:
         """Whether any rank holds expert parameters (then every rank runs the expert norm reductions).
@@ -120,14 +138,22 @@ class MegatronOptimizer:
                                      expert_grads=experts, expert_dp_group=self.expert_dp_group,
                                      expert_mp_group=self.expert_mp_group)
 
-    def _build_inner(self) -> torch.optim.Optimizer:
+    def _build_inner(self) -> Union[torch.optim.Optimizer, NvmeAdam]:
         config = self.config
+        if self.nvme:
+            rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+            return NvmeAdam(self.pieces, directory=config.optimizer_nvme_offload_dir, rank=rank,
+                            chunk_elements=config.optimizer_nvme_chunk_elements, lr=config.lr,
+                            betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
+                            weight_decay=config.weight_decay, pin_memory=self.device.type == "cuda",
+                            fused=config.optimizer_host_adam == "fused")
         groups = [{"params": [p.master for p in self.pieces if p.decay], "weight_decay": config.weight_decay},
                   {"params": [p.master for p in self.pieces if not p.decay], "weight_decay": 0.0}]
         groups = [g for g in groups if g["params"]]
         if config.optimizer == "adam":
+            fused = config.optimizer_cpu_offload and config.optimizer_host_adam == "fused"
             return torch.optim.AdamW(groups, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2),
-                                     eps=config.adam_eps)
+                                     eps=config.adam_eps, fused=fused or None)
         return torch.optim.SGD(groups, lr=config.lr, momentum=config.sgd_momentum)
 
     # ----------------------------------------------------------------------------------------------------------
@@ -146,16 +172,21 @@ class MegatronOptimizer:
         grads = []
         for piece in self.pieces:
             grad = piece.grad()
-            if grad is not None and (grad.dtype != torch.float32 or grad.device != piece.master.device):
-                grad = grad.to(piece.master.device, torch.float32)
-            piece.master.grad = grad
+            device = piece.master.device if piece.master is not None else torch.device("cpu")
+            if grad is not None and (grad.dtype != torch.float32 or grad.device != device):
+                grad = grad.to(device, torch.float32)
+            piece.master_grad = grad
+            if piece.master is not None:
+                piece.master.grad = grad
             if grad is not None:
                 grads.append(grad)
         return grads
 
     def _clear_master_grads(self) -> None:
         for piece in self.pieces:
-            piece.master.grad = None
+            piece.master_grad = None
+            if piece.master is not None:
+                piece.master.grad = None
 
     @torch.no_grad()
     def step(self) -> tuple[bool, Optional[float], Optional[int]]:
@@ -181,19 +212,31 @@ class MegatronOptimizer:
                 self._clear_master_grads()
                 logger.info("inf/nan in the grads: step skipped, loss scale now %g", self.grad_scaler.scale)
                 return False, None, None
-        grad_norm, num_zeros = self.global_norm(lambda p: p.master.grad,
+        grad_norm, num_zeros = self.global_norm(lambda p: p.master_grad,
                                                 count_zeros=self.config.log_num_zeros_in_grad)
         if self.config.clip_grad > 0:
             clip_by_norm_(grads, max_norm=self.config.clip_grad, total_norm=grad_norm)
-        if self.optimizer is not None:
-            self.optimizer.step()
-        self._clear_master_grads()
-        self._copy_masters_to_model()
+        with self._shards_resident():  # ZeRO-3 parameter offload: the shards come back for the update
+            if self.optimizer is not None:
+                self.optimizer.step()
+            self._clear_master_grads()
+            self._copy_masters_to_model()
         return True, grad_norm, num_zeros
+
+    @contextlib.contextmanager
+    def _shards_resident(self) -> Iterator[None]:
+        """Offloaded ZeRO-3 parameter shards in device memory inside the block, written home after it."""
+        for chunk in self.ddp_chunks:
+            chunk.fetch_param_shards()
+        try:
+            yield
+        finally:
+            for chunk in self.ddp_chunks:
+                chunk.evict_param_shards()
 
     def _copy_masters_to_model(self) -> None:
         for piece in self.pieces:
-            if not piece.aliased:
+            if piece.master is not None and not piece.aliased:  # NvmeAdam wrote the model chunk by chunk
                 piece.model.copy_(piece.master)
         for chunk in self.ddp_chunks:
             chunk.start_param_sync()
@@ -205,9 +248,10 @@ class MegatronOptimizer:
     def reload_model_params(self) -> None:
         """Copies the model's parameters into the fp32 master weights (after loading new weights into the
         model without the optimizer state, as Megatron's ``reload_model_params``)."""
-        for piece in self.pieces:
-            if not piece.aliased:
-                piece.master.copy_(piece.model)
+        with self._shards_resident():
+            for piece in self.pieces:
+                if not piece.aliased:
+                    self.set_piece_state(piece, "master", piece.model)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zeros the model grads (each DDP chunk's buffers; ``.grad`` of plain modules)."""
@@ -230,7 +274,7 @@ class MegatronOptimizer:
         the loss scaler's, as tensors."""
         scaler = {k: torch.tensor(v) for k, v in self.grad_scaler.state_dict().items()} if self.grad_scaler else {}
         return {"optimizer": self.optimizer.state_dict() if self.optimizer is not None else {},
-                "master_weights": [p.master.detach().clone() for p in self.pieces if not p.aliased],
+                "master_weights": [self.piece_states(p)["master"] for p in self.pieces if not p.aliased],
                 "grad_scaler": scaler}
 
     @torch.no_grad()
@@ -243,17 +287,60 @@ class MegatronOptimizer:
             raise ValueError(f"the state has {len(state['master_weights'])} master pieces, this optimizer "
                              f"{len(masters)}: load it into an optimizer of the same model, layout and config")
         for piece, saved in zip(masters, state["master_weights"]):
-            piece.master.copy_(saved)
+            self.set_piece_state(piece, "master", saved)
         if self.grad_scaler is not None and state["grad_scaler"]:
             self.grad_scaler.load_state_dict({k: v.item() for k, v in state["grad_scaler"].items()})
-        self._copy_masters_to_model()
+        with self._shards_resident():
+            self._copy_masters_to_model()
 
     def master_weight_bytes(self) -> int:
-        return sum(p.master.numel() * p.master.element_size() for p in self.pieces if not p.aliased)
+        """Bytes of fp32 master copies in memory (none with NVMe offload: see ``nvme_bytes``)."""
+        return sum(p.master.numel() * p.master.element_size() for p in self.pieces
+                   if not p.aliased and p.master is not None)
+
+    def nvme_bytes(self) -> dict[str, int]:
+        """Bytes of master weights and optimizer states held in NVMe files (empty without NVMe offload)."""
+        return self.optimizer.state_bytes() if isinstance(self.optimizer, NvmeAdam) else {}
 
     def optimizer_state_bytes(self) -> int:
         """Bytes of the inner optimizer's per-element states (``step`` counters excluded)."""
-        if self.optimizer is None:
+        if self.optimizer is None or isinstance(self.optimizer, NvmeAdam):
             return 0
         return sum(v.numel() * v.element_size() for s in self.optimizer.state.values() for k, v in s.items()
                    if isinstance(v, torch.Tensor) and k != "step")
+
+    # ----------------------------------------------------------------------------------------------------------
+    # per-piece states (the layout-independent checkpoints read and write these)
+    def piece_states(self, piece: _Piece) -> dict[str, torch.Tensor]:
+        """``{"master" (unless aliased), "exp_avg", "exp_avg_sq" / "momentum_buffer": fp32 1-D tensor}`` of
+        ``piece`` (new tensors with NVMe offload, read from the files; else the live ones)."""
+        if isinstance(self.optimizer, NvmeAdam):
+            index = next(i for i, p in enumerate(self.pieces) if p is piece)
+            names = ("master",) + (("exp_avg", "exp_avg_sq") if self.optimizer.steps[index] else ())
+            return {name: self.optimizer.read_piece_state(index, name) for name in names}
+        states = {} if piece.aliased else {"master": piece.master}
+        inner = self.optimizer.state.get(piece.master, {}) if self.optimizer is not None else {}
+        states.update({k: v for k, v in inner.items() if k != "step" and isinstance(v, torch.Tensor)})
+        return states
+
+    @torch.no_grad()
+    def set_piece_state(self, piece: _Piece, name: str, values: torch.Tensor, *, step: float = 0.0) -> None:
+        """Stores ``values`` as state ``name`` of ``piece``; an inner state (not ``master``) sets its step."""
+        if isinstance(self.optimizer, NvmeAdam):
+            index = next(i for i, p in enumerate(self.pieces) if p is piece)
+            self.optimizer.write_piece_state(index, name, values)
+            if name != "master":
+                self.optimizer.steps[index] = int(step)
+        elif name == "master":
+            piece.master.copy_(values)
+        elif self.optimizer is not None:
+            inner = self.optimizer.state[piece.master]
+            inner[name] = values.detach().reshape(-1).to(piece.master.device, torch.float32).clone()
+            inner["step"] = torch.tensor(float(step), dtype=torch.float32)
+
+    def step_count(self) -> float:
+        """The largest per-piece step count of the inner optimizer (0 before the first step)."""
+        if isinstance(self.optimizer, NvmeAdam):
+            return float(max(self.optimizer.steps, default=0))
+        steps = [float(s["step"]) for s in (self.optimizer.state.values() if self.optimizer else []) if "step" in s]
+        return max(steps, default=0.0)

@@ -5,6 +5,7 @@ import dataclasses
 from typing import Optional
 
 OPTIMIZERS = ("adam", "sgd")
+HOST_ADAMS = ("exact", "fused")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -39,6 +40,17 @@ class OptimizerConfig:
     optimizer_cpu_offload: bool = False
     """Keep master weights and optimizer states on the host and run the update there
     (``--optimizer-cpu-offload``)."""
+    optimizer_nvme_offload_dir: Optional[str] = None
+    """Keep this rank's fp32 master weights and Adam states in files under this folder (on an NVMe disk) and
+    stream them through the update in chunks (``--optimizer-nvme-offload-dir``; DeepSpeed's
+    ``offload_optimizer: {device: nvme}``). Adam only."""
+    optimizer_nvme_chunk_elements: int = 4 * 2 ** 20
+    """Elements per streamed chunk (``--optimizer-nvme-chunk-elements``): at most three chunks of masters and
+    moments (``3 * 12`` bytes per element) are in memory during a step, none between steps."""
+    optimizer_host_adam: str = "exact"
+    """The Adam kernel of the host update (CPU or NVMe offload; ``--optimizer-host-adam``): ``exact`` repeats
+    ``torch.optim.AdamW``'s op-by-op math (bit-identical to the in-memory run), ``fused`` uses torch's fused,
+    vectorized CPU kernel (one pass over memory, several times faster; within an ulp of ``exact``)."""
     log_num_zeros_in_grad: bool = False
     """Count zero grad elements (``--log-num-zeros-in-grad``); else ``step()`` returns None for it."""
 
@@ -53,6 +65,15 @@ class OptimizerConfig:
         for name in ("adam_beta1", "adam_beta2"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"{name} {getattr(self, name)} must be in [0, 1)")
+        if self.optimizer_host_adam not in HOST_ADAMS:
+            raise ValueError(f"optimizer_host_adam {self.optimizer_host_adam!r} is not one of {HOST_ADAMS}")
+        if self.optimizer_nvme_offload_dir is not None:
+            if self.optimizer != "adam" or self.optimizer_cpu_offload:
+                raise ValueError(f"optimizer_nvme_offload_dir {self.optimizer_nvme_offload_dir!r} needs "
+                                 f"optimizer='adam' (got {self.optimizer!r}) and optimizer_cpu_offload=False (got "
+                                 f"{self.optimizer_cpu_offload}): NVMe offload already updates on the host")
+            if self.optimizer_nvme_chunk_elements < 1:
+                raise ValueError(f"optimizer_nvme_chunk_elements {self.optimizer_nvme_chunk_elements} must be >= 1")
         if self.loss_scale is not None and self.loss_scale <= 0:
             raise ValueError(f"loss_scale {self.loss_scale} must be > 0 (or None for dynamic scaling)")
         if self.initial_loss_scale <= 0 or self.min_loss_scale <= 0:

@@ -91,6 +91,11 @@ class Plan:
     fits: bool
     transient_bytes: float = 0.0
     """ZeRO's gathered parameters and gradient buckets at their peak (``zero_memory``)."""
+    offloadable_bytes: float = 0.0
+    """The fp32 masters and optimizer states of the fullest rank: what ``--optimizer-nvme-offload-dir`` (or
+    ``--optimizer-cpu-offload`` on a GPU) moves off the device."""
+    fits_with_offload: bool = False
+    """Whether the layout fits once those are offloaded (the chunk ring of NVMe offload lives on the host)."""
 
     @property
     def memory_bytes(self) -> float:
@@ -161,6 +166,15 @@ def model_state_bytes(config: TransformerConfig, workload: Workload, *, pp_rank:
         grads = 4 * params
     states = master_and_states * (params / dp if zero_stage >= 1 else params)
     return param_bytes * sharded_params + grads + states
+
+
+def optimizer_state_bytes(config: TransformerConfig, workload: Workload, *, pp_rank: int, dp: int,
+                          zero_stage: int) -> float:
+    """The fp32 masters (16-bit models) and optimizer states inside ``model_state_bytes``: the part that
+    optimizer offload moves to the host or NVMe."""
+    params, _ = stage_parameters(config, workload, pp_rank=pp_rank)
+    master_and_states = (4 if (config.bf16 or config.fp16) else 0) + workload.optimizer_state_bytes
+    return master_and_states * (params / dp if zero_stage >= 1 else params)
 
 
 def _shape(config: TransformerConfig, workload: Workload) -> ActivationShape:
@@ -272,9 +286,13 @@ def plan_layout(base: TransformerConfig, workload: Workload, hardware: Hardware,
     bubble = (layout.pp - 1) / ((layout.vpp or 1) * m)
     step = (compute + tp_s) * (1 + bubble) + other_s
     memory = states[fullest] + acts[fullest] + transients[fullest]
+    offloadable = optimizer_state_bytes(config, workload, pp_rank=fullest, dp=layout.dp_cp,
+                                        zero_stage=layout.zero_stage)
+    budget = hardware.memory_per_device_gb * 2**30
     return Plan(layout=layout, model_state_bytes=states[fullest], activation_bytes=acts[fullest], step_seconds=step,
-                compute_seconds=compute, comm_seconds=tp_s + other_s, bubble=bubble,
-                fits=memory <= hardware.memory_per_device_gb * 2**30, transient_bytes=transients[fullest])
+                compute_seconds=compute, comm_seconds=tp_s + other_s, bubble=bubble, fits=memory <= budget,
+                transient_bytes=transients[fullest], offloadable_bytes=offloadable,
+                fits_with_offload=memory - offloadable <= budget)
 
 
 def valid_layouts(base: TransformerConfig, workload: Workload, num_devices: int) -> Iterator[Layout]:
@@ -317,6 +335,6 @@ def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-__all__ = ["Hardware", "Workload", "Layout", "Plan", "cp_comm_bytes", "cp_comm_seconds", "layout_config", "model_state_bytes", "rank_activation_bytes",
-           "rank_transient_bytes",
+__all__ = ["Hardware", "Workload", "Layout", "Plan", "cp_comm_bytes", "cp_comm_seconds", "layout_config",
+           "model_state_bytes", "optimizer_state_bytes", "rank_activation_bytes", "rank_transient_bytes",
            "stage_parameters", "plan_layout", "valid_layouts", "rank_plans"]

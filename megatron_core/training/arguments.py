@@ -129,6 +129,16 @@ def _training_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--calculate-per-token-loss", action="store_true",
                    help="average the loss over all tokens of the global batch, not per micro-batch")
     g.add_argument("--optimizer-cpu-offload", action="store_true")
+    g.add_argument("--optimizer-nvme-offload-dir", default=None, metavar="DIR",
+                   help="keep this rank's fp32 masters and Adam states in files under DIR, streamed in chunks")
+    g.add_argument("--optimizer-nvme-chunk-elements", type=int, default=4 * 2 ** 20,
+                   help="elements per streamed chunk of --optimizer-nvme-offload-dir")
+    g.add_argument("--optimizer-host-adam", choices=("exact", "fused"), default="exact",
+                   help="host Adam kernel with CPU/NVMe offload: torch AdamW's exact math or the fused CPU kernel")
+    g.add_argument("--param-offload", choices=("none", "cpu", "nvme"), default="none",
+                   help="ZeRO-3: keep parameter shards on the host or in NVMe files between uses")
+    g.add_argument("--param-nvme-offload-dir", default=None, metavar="DIR",
+                   help="folder of --param-offload nvme (default: --optimizer-nvme-offload-dir)")
     g.add_argument("--skip-train", action="store_true")
     g.add_argument("--exit-interval", type=int, default=None)
     g.add_argument("--exit-signal-handler", action="store_true")
@@ -274,6 +284,14 @@ def validate_args(args: argparse.Namespace) -> None:
     if args.init_model_with_meta_device and args.zero_stage != 3:
         raise ValueError(f"--init-model-with-meta-device needs ZeRO-3 (--use-megatron-fsdp or --zero-stage 3), got "
                          f"ZeRO stage {args.zero_stage}: only ZeRO-3 materializes each rank's shard alone")
+    if args.param_offload != "none" and args.zero_stage != 3:
+        raise ValueError(f"--param-offload {args.param_offload} needs ZeRO-3 (--zero-stage 3 or --use-megatron-fsdp), "
+                         f"got ZeRO stage {args.zero_stage}: only ZeRO-3 shards the parameters")
+    if args.param_offload == "nvme" and args.param_nvme_offload_dir is None:
+        if args.optimizer_nvme_offload_dir is None:
+            raise ValueError("--param-offload nvme needs a folder: pass --param-nvme-offload-dir DIR "
+                             "(or --optimizer-nvme-offload-dir DIR)")
+        args.param_nvme_offload_dir = args.optimizer_nvme_offload_dir
     if args.grad_reduce_in_bf16 and args.accumulate_allreduce_grads_in_fp32:
         raise ValueError("--grad-reduce-in-bf16 and --accumulate-allreduce-grads-in-fp32 disagree; give one of them")
     if args.min_lr > args.lr:

@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import argparse
 
+import torch.distributed as dist
 from torch import nn
 
 from megatron_core.checkpointing.layout import unwrap
 from megatron_core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron_core.optimizer import OptimizerConfig, get_optimizer
+from megatron_core.optimizer.offload import offload_parameters
 from megatron_core.parallel_state import ParallelState
 
 
@@ -26,8 +28,12 @@ def wrap_data_parallel(args: argparse.Namespace, chunks: list[nn.Module], state:
     """Each model chunk in DistributedDataParallel over the data(-and-context)-parallel group (expert
     parameters over the expert-data-parallel group)."""
     config = ddp_config(args)
-    return [DistributedDataParallel(chunk, config=config, dp_group=state.dp_cp_group,
-                                    expert_dp_group=state.expert_dp_group) for chunk in chunks]
+    wrapped = [DistributedDataParallel(chunk, config=config, dp_group=state.dp_cp_group,
+                                       expert_dp_group=state.expert_dp_group) for chunk in chunks]
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    for chunk in wrapped:  # --param-offload (ZeRO-3): before the optimizer, which keeps views of the shards
+        offload_parameters(chunk, args.param_offload, directory=args.param_nvme_offload_dir, rank=rank)
+    return wrapped
 
 
 def build_optimizer(args: argparse.Namespace, chunks: list[nn.Module], state: ParallelState):
@@ -35,7 +41,9 @@ def build_optimizer(args: argparse.Namespace, chunks: list[nn.Module], state: Pa
         optimizer=args.optimizer, lr=args.lr, weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
         adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, clip_grad=args.clip_grad, bf16=args.bf16,
         fp16=args.fp16, initial_loss_scale=args.initial_loss_scale, loss_scale=args.loss_scale,
-        optimizer_cpu_offload=args.optimizer_cpu_offload, log_num_zeros_in_grad=args.log_num_zeros_in_grad)
+        optimizer_cpu_offload=args.optimizer_cpu_offload, log_num_zeros_in_grad=args.log_num_zeros_in_grad,
+        optimizer_nvme_offload_dir=args.optimizer_nvme_offload_dir,
+        optimizer_nvme_chunk_elements=args.optimizer_nvme_chunk_elements, optimizer_host_adam=args.optimizer_host_adam)
     optimizer = get_optimizer(config, chunks, parallel_state=state)
     if args.decoupled_lr is not None:
         split_decoupled_groups(optimizer, chunks)
@@ -65,6 +73,8 @@ def split_decoupled_groups(optimizer, chunks: list[nn.Module]) -> None:
     inner = getattr(optimizer, "optimizer", None)
     if inner is None:
         return
+    if optimizer.config.optimizer_nvme_offload_dir is not None:
+        raise ValueError("--decoupled-lr is not supported with --optimizer-nvme-offload-dir yet: drop one of them")
     if inner.state:
         raise ValueError("--decoupled-lr groups must be split before the first optimizer step")
     targets = embedding_and_output_parameters(chunks)

@@ -99,7 +99,7 @@ def params_norm(optimizer: Any, state: ParallelState) -> float:
     """Global L2 norm of the parameters (``--log-params-norm``), from the optimizer's fp32 masters: each
     parameter counted once over tp replicas and tied copies, ZeRO shards summed over dp. Collective over the
     data-parallel and model-parallel groups, as the grad norm."""
-    return optimizer.global_norm(lambda piece: piece.master)[0]
+    return optimizer.params_norm()
 
 
 __all__ = ["Run", "reduce_losses", "step_record", "params_norm"]
