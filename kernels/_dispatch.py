@@ -34,6 +34,10 @@ except Exception as exc:  # noqa: BLE001 - any failure (missing, broken install)
     triton, tl = None, None
     TRITON_IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
 
+if triton is None and torch.cuda.is_available():  # a GPU without Triton: loud, never a silent slow path
+    logger.warning("kernels: triton could not be imported on a CUDA machine (%s); every fused op runs its torch "
+                   "fallback, slower: install triton==3.7.1", TRITON_IMPORT_ERROR)
+
 # Read once, when the kernels are defined: triton.jit makes interpreted functions only if it was set then.
 INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
 

@@ -39,6 +39,12 @@ from megatron_core.transformer.moe.tracking import moe_loss_report, set_aux_loss
 logger = logging.getLogger(__name__)
 
 
+def kernel_report() -> str:
+    """``op=backend`` for every fused op run so far (``kernels.backend_report``)."""
+    import kernels  # lazily: megatron_core imports Triton only where an op runs
+    return ", ".join(f"{op}={backend}" for op, backend in sorted(kernels.backend_report().items())) or "none"
+
+
 def initialize_distributed(args: argparse.Namespace) -> None:
     """Process group from torchrun's environment (or a single process); nccl with CUDA, gloo without."""
     if dist.is_initialized():
@@ -327,6 +333,8 @@ def _train(run: Run) -> list[float]:
             hooks.after_step(iteration)
             losses.append(result["lm_loss"])
             _check_numerics(run, iteration, result)
+            if len(losses) == 1 and run.is_logging_rank:  # which implementation ran each fused op, once
+                print(f" kernels used: {kernel_report()}", flush=True)
             record = step_record(run, iteration, result, time.perf_counter() - begin)
             writer.write(record)
             if iteration % args.log_interval == 0 and run.is_logging_rank:

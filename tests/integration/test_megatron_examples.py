@@ -189,6 +189,7 @@ def test_gpt3_example_trains(distributed, tmp_path, gpt2_files):
     assert "starting from scratch" in out and "tensorboard package is not installed" in err
     assert "global batch size:     2" in out and "global batch size:     4" in out  # the step schedule
     assert _iteration_lines(out) == 3 and os.path.exists(os.path.join(ckpt, "latest_checkpointed_iteration.txt"))
+    assert out.count(" kernels used: ") == 1 and "layer_norm=" in out  # which implementation ran, said once
 
 
 def test_llama_example_trains_on_mock_data(distributed, tmp_path):
