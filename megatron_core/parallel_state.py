@@ -154,6 +154,13 @@ class ParallelState:
         """Global rank of tp rank 0 in this rank's tp group (the source when broadcasting a batch)."""
         return self.tp_ranks[0]
 
+    def describe(self) -> str:
+        """The layout in one line, e.g. ``tp 2 x cp 1 x pp 2 (vpp 2) x dp 2, ep 1 (world 8)``."""
+        vpp = f" (vpp {self.vpp_size})" if self.vpp_size else ""
+        ep = f", ep {self.ep_size} x expert-dp {self.expert_dp_size}" if self.ep_size > 1 else ""
+        return (f"tp {self.tp_size} x cp {self.cp_size} x pp {self.pp_size}{vpp} x dp {self.dp_size}{ep} "
+                f"(world {self.world_size})")
+
 
 def _validate_sizes(world_size: int, tp: int, pp: int, cp: int, vpp: Optional[int], ep: int = 1) -> None:
     values = (

@@ -2,6 +2,10 @@
 # The README's main job: set up (.venv), then train a small GPT on the built-in corpus with 4 processes
 # (tensor parallel 2 x pipeline parallel 2) for about a minute on CPU; prints Megatron-style log lines and
 # writes the loss curve to outputs/quickstart_loss.png and metrics to outputs/quickstart_metrics.jsonl.
+# The optimizer settings keep the curve free of spikes: with lr 3e-3, 10 warmup iterations and Adam's default
+# beta2 0.999 the grad norm jumped to 15-60 at iterations 10-20 (loss 3.1 -> 4.3); a 3x lower peak lr reached over
+# 30 iterations, beta2 0.95 (GPT-3's; the second moment follows the shrinking grads faster) and clipping at 1.0
+# give a smooth curve that also ends lower (2.31 against 2.45 at iteration 150).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -10,7 +14,8 @@ rm -f outputs/quickstart_metrics.jsonl
 OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc-per-node 4 pretrain_gpt.py \
   --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 \
   --num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 128 \
-  --micro-batch-size 4 --global-batch-size 16 --train-iters 150 --lr 3e-3 --min-lr 3e-4 --lr-warmup-iters 10 \
+  --micro-batch-size 4 --global-batch-size 16 --train-iters 150 \
+  --lr 1e-3 --min-lr 1e-4 --lr-warmup-iters 30 --adam-beta2 0.95 --clip-grad 1.0 \
   --log-interval 10 --eval-interval 50 --eval-iters 2 \
   --metrics-file outputs/quickstart_metrics.jsonl --loss-curve-png outputs/quickstart_loss.png "$@"
 echo "loss curve: outputs/quickstart_loss.png; metrics: outputs/quickstart_metrics.jsonl"

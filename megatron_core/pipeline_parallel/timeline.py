@@ -1,5 +1,6 @@
 """What each pipeline rank did and when: forward, backward, send, recv and idle intervals; the measured bubble;
-a Chrome/Perfetto trace (open in ui.perfetto.dev or chrome://tracing) and a PNG picture of the schedule."""
+a Chrome/Perfetto trace (open in ui.perfetto.dev or chrome://tracing) and a PNG picture of the schedule
+(matplotlib)."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,10 +10,9 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from megatron_core.utils.png import atomic_write, encode_png
+from megatron_core.utils.files import atomic_write, new_figure, save_figure
 
-COLORS = {"forward": (66, 133, 244), "backward": (52, 168, 83), "send": (251, 188, 5), "recv": (234, 67, 53),
-          "idle": (235, 235, 235)}
+COLORS = {"forward": "#4285f4", "backward": "#34a853", "send": "#fbbc05", "recv": "#ea4335", "idle": "#ebebeb"}
 
 
 @dataclasses.dataclass
@@ -97,30 +97,52 @@ def write_chrome_trace(per_rank: list[list[dict]], path: str) -> None:
     atomic_write(path, json.dumps({"traceEvents": trace, "displayTimeUnit": "ms"}).encode())
 
 
-def write_png(per_rank: list[list[dict]], path: str, *, width: int = 1200, row_height: int = 28) -> None:
-    """A picture of the schedule: one row per rank, time left to right, colored by event kind
-    (forward blue, backward green, send yellow, recv red, idle grey)."""
-    total = max((e["end"] for events in per_rank for e in events), default=1.0) or 1.0
-    height = row_height * len(per_rank)
-    pixels = [[(255, 255, 255)] * width for _ in range(height)]
+def write_png(per_rank: list[list[dict]], path: str, *, formula: Optional[float] = None,
+              title: str = "pipeline schedule") -> None:
+    """A picture of the schedule: one labelled row per pipeline rank, time (ms) left to right; forward passes
+    blue and backward green, labelled with their micro-batch (``F3``, ``B3``; ``.c1`` for virtual chunk 1), sends
+    yellow, receives red, idle left blank. The title carries the measured bubble of each rank (and the formula's
+    ``(p-1)/(v*m)`` when ``formula`` is given)."""
+    figure = new_figure(11.0, 0.7 * len(per_rank) + 1.6)
+    ax = figure.add_subplot()
+    total_ms = max((e["end"] for events in per_rank for e in events), default=1.0) * 1e3
+    interleaved = any(e["chunk"] for events in per_rank for e in events)
     for rank, events in enumerate(per_rank):
         for e in sorted(events, key=lambda e: e["kind"] in ("forward", "backward")):  # compute drawn on top
-            x0, x1 = int(e["start"] / total * (width - 1)), max(int(e["end"] / total * (width - 1)), 0)
-            for y in range(rank * row_height + 2, (rank + 1) * row_height - 2):
-                for x in range(x0, x1 + 1):
-                    pixels[y][x] = COLORS[e["kind"]]
-            if e["kind"] in ("forward", "backward") and x1 - x0 > 2:  # a dark edge separates passes
-                for y in range(rank * row_height + 2, (rank + 1) * row_height - 2):
-                    pixels[y][x0] = (40, 40, 40)
-    atomic_write(path, encode_png(pixels))
+            if e["kind"] == "idle":
+                continue
+            start, width = e["start"] * 1e3, (e["end"] - e["start"]) * 1e3
+            ax.broken_barh([(start, width)], (rank - 0.38, 0.76), facecolors=COLORS[e["kind"]],
+                           edgecolors="#303030" if e["kind"] in ("forward", "backward") else "none", linewidth=0.5)
+            if e["kind"] in ("forward", "backward") and e["microbatch"] is not None and width > total_ms / 45:
+                label = f"{e['kind'][0].upper()}{e['microbatch']}" + (f".c{e['chunk']}" if interleaved else "")
+                ax.text(start + width / 2, rank, label, ha="center", va="center", fontsize=7, color="white")
+    ax.set_yticks(range(len(per_rank)), [f"pp rank {r}" for r in range(len(per_rank))])
+    ax.invert_yaxis()
+    ax.set_xlim(0, total_ms)
+    ax.set_xlabel("time (ms)")
+    bubbles = ", ".join(f"{b:.2f}" for b in measured_bubbles(per_rank))
+    ax.set_title(f"{title}: measured bubble per rank {bubbles}"
+                 + ("" if formula is None else f" (formula (p-1)/(v*m) = {formula:.3f})"), fontsize=10)
+    handles = [ax.barh(0, 0, color=COLORS[kind], label=kind) for kind in ("forward", "backward", "send", "recv")]
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.12 - 0.2 / len(per_rank)), ncol=4,
+              frameon=False)
+    save_figure(figure, path)
+
+
+def measured_bubbles(per_rank: list[list[dict]]) -> list[float]:
+    """Per rank: idle + communication time over compute time, from the rank's first to its last event."""
+    bubbles = []
+    for events in per_rank:
+        total = max((e["end"] for e in events), default=0.0) - min((e["start"] for e in events), default=0.0)
+        compute = sum(e["end"] - e["start"] for e in events if e["kind"] in ("forward", "backward"))
+        bubbles.append((total - compute) / max(compute, 1e-12))
+    return bubbles
 
 
 def summarize(per_rank: list[list[dict]], formula: float) -> str:
     """Per-rank measured bubble (idle + communication over compute, from the rank's first to its last
     event) next to the formula."""
     lines = [f"bubble formula (p-1)/(v*m) = {formula:.3f}"]
-    for rank, events in enumerate(per_rank):
-        total = max((e["end"] for e in events), default=0.0) - min((e["start"] for e in events), default=0.0)
-        compute = sum(e["end"] - e["start"] for e in events if e["kind"] in ("forward", "backward"))
-        lines.append(f"  pp rank {rank}: measured bubble {(total - compute) / max(compute, 1e-12):.3f}")
+    lines += [f"  pp rank {rank}: measured bubble {bubble:.3f}" for rank, bubble in enumerate(measured_bubbles(per_rank))]
     return "\n".join(lines)

@@ -25,6 +25,7 @@ from megatron_core.models import GPTModel
 from megatron_core.pipeline_parallel import PipelineError, get_forward_backward_func
 from megatron_core.tensor_parallel import model_parallel_seed
 from megatron_core.training.arguments import transformer_config
+from megatron_core.training.banner import end_report, memory_probe, start_banner
 from megatron_core.training.elastic import (check_elastic_world, exit_with_parent, layout_change_notice,
                                             straggler_report)
 from megatron_core.training.data import build_datasets_once_per_node, build_run_tokenizer, micro_batches, take
@@ -86,6 +87,7 @@ def build_run(args: argparse.Namespace) -> Run:
     for chunk in chunks:
         chunk.parallel_state = state  # the layout the model runs at (build_state only placed its parameters)
     model_parallel_seed(args.seed + 100 * state.pp_rank, tp_rank=state.tp_rank, device=state.device)
+    local_parameters = sum(p.numel() for chunk in chunks for p in chunk.parameters())  # before ZeRO-3 shards them
     chunks = wrap_data_parallel(args, chunks, state)
     optimizer = build_optimizer(args, chunks, state)
     (train, valid, _), builders = build_datasets_once_per_node(args, tokenizer, global_batch)
@@ -94,8 +96,12 @@ def build_run(args: argparse.Namespace) -> Run:
               "others", flush=True)
     run = Run(args=args, config=config, state=state, chunks=chunks, optimizer=optimizer,
               scheduler=build_lr_scheduler(args), tokenizer=tokenizer, train_dataset=train, valid_dataset=valid,
-              global_batch=global_batch, num_microbatches=global_batch // micro_per_step)
+              global_batch=global_batch, num_microbatches=global_batch // micro_per_step,
+              local_parameters=local_parameters)
     run.set_global_batch(0)
+    banner = start_banner(run)
+    if banner:
+        print(banner, flush=True)
     return run
 
 
@@ -318,7 +324,7 @@ def _train(run: Run) -> list[float]:
     iterator = (micro_batches(run.train_dataset, consumed_samples=run.consumed_samples, state=run.state,
                               micro_batch_size=args.micro_batch_size, device=run.state.device)
                 if run.train_dataset is not None else None)
-    losses, iteration = [], start
+    losses, lrs, valid, iteration = [], [], [], start
     run.async_writer = AsyncCheckpointWriter(run.state.device) if args.async_save else None
     busy = 0.0  # this rank's compute time (main-thread CPU seconds) since the last log line, for --log-straggler
     try:
@@ -326,12 +332,14 @@ def _train(run: Run) -> list[float]:
             run.set_global_batch(run.consumed_samples)
             hooks.before_step(iteration)
             begin, begin_cpu = time.perf_counter(), time.thread_time()
-            result = train_step(run, take(iterator, run.num_microbatches))
+            with memory_probe(run, iteration - start + 1):
+                result = train_step(run, take(iterator, run.num_microbatches))
             busy += time.thread_time() - begin_cpu
             iteration += 1
             run.consumed_samples += run.global_batch
             hooks.after_step(iteration)
             losses.append(result["lm_loss"])
+            lrs.append(result["lr"])
             _check_numerics(run, iteration, result)
             if len(losses) == 1 and run.is_logging_rank:  # which implementation ran each fused op, once
                 print(f" kernels used: {kernel_report()}", flush=True)
@@ -348,7 +356,9 @@ def _train(run: Run) -> list[float]:
                 run.async_writer.poll()
             if iteration % args.eval_interval == 0:
                 hooks.around_evaluation()
-                evaluate(run, iteration, writer)
+                loss = evaluate(run, iteration, writer)
+                if loss is not None:
+                    valid.append((iteration, loss))
                 hooks.around_evaluation()
             if _should_stop(run, iteration, stop_requested):
                 break
@@ -359,9 +369,13 @@ def _train(run: Run) -> list[float]:
     finally:
         writer.close()
         hooks.close()
+    report = end_report(run)
+    if report:
+        print(report, flush=True)
     if args.loss_curve_png and run.is_logging_rank and losses:
         from megatron_core.training.plots import write_loss_curve_png
-        write_loss_curve_png(losses, args.loss_curve_png, first_iteration=start + 1)
+        write_loss_curve_png(losses, args.loss_curve_png, first_iteration=start + 1, lrs=lrs, valid=valid,
+                             title=f"{run.state.describe()}: {len(losses)} iterations, global batch {run.global_batch}")
     return losses
 
 

@@ -1,36 +1,42 @@
-"""The loss curve as a PNG (no plotting library): grey axes, light grid lines at each tenth of the range,
-the loss as a blue polyline; iteration on x, loss on y (min at the bottom, max at the top)."""
+"""The loss curve of a run as a PNG (matplotlib, Agg canvas): training loss per iteration, validation points,
+the learning rate on a second axis, and the layout in the title."""
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
-from megatron_core.utils.png import atomic_write, encode_png
-
-WIDTH, HEIGHT, MARGIN = 800, 400, 20
+from megatron_core.utils.files import new_figure, save_figure
 
 
-def _line(pixels, x0: int, y0: int, x1: int, y1: int, color) -> None:
-    steps = max(abs(x1 - x0), abs(y1 - y0), 1)
-    for i in range(steps + 1):
-        x, y = round(x0 + (x1 - x0) * i / steps), round(y0 + (y1 - y0) * i / steps)
-        for dy in (0, 1):
-            if 0 <= y + dy < HEIGHT and 0 <= x < WIDTH:
-                pixels[y + dy][x] = color
+def write_loss_curve_png(losses: Sequence[float], path: str, *, first_iteration: int = 1,
+                         lrs: Optional[Sequence[float]] = None,
+                         valid: Sequence[tuple[int, float]] = (), title: str = "training loss") -> None:
+    """Draws the loss curve into a PNG at ``path``.
 
-
-def write_loss_curve_png(losses: Sequence[float], path: str, *, first_iteration: int = 1) -> None:
-    """Draws ``losses`` (one per iteration from ``first_iteration``) into an 800x400 PNG at ``path``."""
-    pixels = [[(255, 255, 255)] * WIDTH for _ in range(HEIGHT)]
-    low, high = min(losses), max(losses)
-    span = (high - low) or 1.0
-    for tenth in range(11):
-        y = MARGIN + round((HEIGHT - 2 * MARGIN) * tenth / 10)
-        _line(pixels, MARGIN, y, WIDTH - MARGIN, y, (235, 235, 235))
-    _line(pixels, MARGIN, MARGIN, MARGIN, HEIGHT - MARGIN, (120, 120, 120))
-    _line(pixels, MARGIN, HEIGHT - MARGIN, WIDTH - MARGIN, HEIGHT - MARGIN, (120, 120, 120))
-    count = max(len(losses) - 1, 1)
-    points = [(MARGIN + round((WIDTH - 2 * MARGIN) * i / count),
-               HEIGHT - MARGIN - round((HEIGHT - 2 * MARGIN) * (loss - low) / span)) for i, loss in enumerate(losses)]
-    for (x0, y0), (x1, y1) in zip(points, points[1:] or points):
-        _line(pixels, x0, y0, x1, y1, (66, 133, 244))
-    atomic_write(path, encode_png(pixels))
+    Args:
+        losses: training loss of each iteration, starting at ``first_iteration``.
+        lrs: learning rate of each iteration (same length as ``losses``), drawn on a right-hand axis.
+        valid: ``(iteration, validation loss)`` points.
+        title: e.g. the layout (``tp 2 x pp 2 x dp 1, 150 iterations``).
+    """
+    iterations = list(range(first_iteration, first_iteration + len(losses)))
+    figure = new_figure(8.0, 4.5)
+    ax = figure.add_subplot()
+    ax.plot(iterations, list(losses), color="tab:blue", linewidth=1.2, label="train loss")
+    if valid:
+        ax.plot([i for i, _ in valid], [v for _, v in valid], "o--", color="tab:orange", markersize=6,
+                label="validation loss")
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("lm loss")
+    ax.grid(True, alpha=0.3)
+    handles, labels = ax.get_legend_handles_labels()
+    if lrs is not None and len(lrs) == len(losses):
+        lr_axis = ax.twinx()
+        lr_axis.plot(iterations, list(lrs), color="tab:gray", linewidth=1.0, linestyle=":", label="learning rate")
+        lr_axis.set_ylabel("learning rate")
+        from matplotlib.ticker import FormatStrFormatter
+        lr_axis.yaxis.set_major_formatter(FormatStrFormatter("%.1e"))
+        more_handles, more_labels = lr_axis.get_legend_handles_labels()
+        handles, labels = handles + more_handles, labels + more_labels
+    ax.legend(handles, labels, loc="upper right")
+    ax.set_title(title)
+    save_figure(figure, path)

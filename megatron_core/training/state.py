@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import time
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -35,6 +35,8 @@ class Run:
     start_time: float = dataclasses.field(default_factory=time.monotonic)
     async_writer: Any = None  # --async-save: the AsyncCheckpointWriter of the run
     save_stalls: list = dataclasses.field(default_factory=list)  # seconds the step loop waited per save
+    local_parameters: int = 0  # elements of this rank's model chunks (full shapes, before ZeRO-3 sharding)
+    measured_peak_bytes: Optional[int] = None  # live tensor bytes of the probed step (banner.memory_probe)
 
     def set_global_batch(self, consumed_samples: int) -> None:
         """The global batch (and micro-batches per step) of the next step: ``--step-batch-size-schedule`` at

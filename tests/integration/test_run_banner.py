@@ -1,0 +1,41 @@
+"""A run introduces itself: the start banner (layout, groups, parameters per model-parallel rank, the planner's
+memory, the data) and the end report (measured peak live tensor bytes against the prediction), and the loss
+curve picture."""
+import contextlib
+import io
+import re
+
+import pytest
+
+from tests.integration.test_pretrain import BASE, _layout
+
+
+def _train_and_capture(argv, png):
+    import kernels
+    from megatron_core.training.arguments import parse_args
+    from megatron_core.training.loop import pretrain
+    out = io.StringIO()
+    with kernels.use_backend("torch"), contextlib.redirect_stdout(out):
+        pretrain(parse_args(BASE + ["--train-iters", "3", "--eval-interval", "3", "--eval-iters", "1",
+                                    "--loss-curve-png", png] + list(argv)))
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("world,argv,layout", [
+    (4, _layout(2, 2, 1), "tp 2 x cp 1 x pp 2 x dp 1 (world 4)"),
+    (2, _layout(1, 1, 2, ["--zero-stage", "3"]), "tp 1 x cp 1 x pp 1 x dp 2 (world 2)"),
+])
+def test_banner_and_measured_memory(distributed, tmp_path, world, argv, layout):
+    png = str(tmp_path / "loss.png")
+    text = distributed(world, _train_and_capture, argv, png)[0]
+    assert f"megatron_core: {layout} on 1 node(s)" in text
+    assert "groups of rank 0: tp [0" in text and "parameters per model-parallel rank: pp 0 tp 0:" in text
+    assert " 0.0 k" not in text  # ZeRO-3 counts full shapes, not its shards
+    assert "data: 3 iterations x global batch 8 x seq 32 = 768 training tokens" in text
+    pp = 2 if "pp 2" in layout else 1
+    assert len(re.findall(r"planner: pp stage \d predicted peak", text)) == pp
+    ratios = [float(r) for r in re.findall(r"measured / predicted ([0-9.]+)", text)]
+    assert len(ratios) == pp and all(0.8 <= r <= 1.2 for r in ratios), text
+    with open(png, "rb") as f:
+        data = f.read()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000  # axes, labels and legend drawn, not a bare line
