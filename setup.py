@@ -26,6 +26,11 @@ setup(
         "numpy",
         # Checkpoints: tensors without pickle (loading never executes code), memory-mapped partial reads.
         "safetensors",
+        # Pictures (loss curve, pipeline timeline, benchmark charts) on matplotlib's Agg canvas: axes, labels
+        # and legends that a hand-written PNG encoder did not have.
+        "matplotlib",
+        # Progress bars of the tools (preprocessing, tokenizer training, conversion, long evaluations).
+        "tqdm",
     ],
     extras_require={"test": [
         "pytest>=7",
@@ -38,7 +43,7 @@ setup(
         # TikTokenizer (tests compare with megatron-core's TikTokenTokenizer); at runtime imported lazily.
         "tiktoken",
     ],
-        # Benchmarks (scripts/bench_*.py) draw their charts with matplotlib; bench_memory.py also runs
-        # DeepSpeed's ZeRO-2/3 engines when deepspeed is installed (pure Python on CPU, gloo).
-        "bench": ["matplotlib", "deepspeed"]},
+        # bench_memory.py and benchmark.py also run DeepSpeed's ZeRO engines when deepspeed is installed
+        # (pure Python on CPU, gloo).
+        "bench": ["deepspeed"]},
 )

@@ -20,6 +20,7 @@ from typing import List, Optional
 
 from megatron_core.data.preprocess import PreprocessStats, preprocess
 from megatron_core.data.tokenizers import TOKENIZER_TYPES
+from megatron_core.utils.progress import progress_bar
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -58,28 +59,15 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 
 
 def _progress_printer(enabled: bool = True):
-    """Returns a callback that shows progress on stderr: a tqdm bar on a terminal, else one redrawn line."""
-    if not enabled:
-        return lambda stats: None
-    if sys.stderr.isatty():
-        try:
-            from tqdm import tqdm
-        except ImportError:
-            tqdm = None
-        if tqdm is not None:
-            bar = tqdm(unit=" docs", file=sys.stderr, dynamic_ncols=True)
+    """A callback that advances a tqdm bar on stderr (documents, tokens, MB/s); drawn only on a terminal and
+    without --no-progress."""
+    bar = progress_bar(desc="preprocessing", unit=" docs", enabled=enabled)
 
-            def advance(stats: PreprocessStats) -> None:
-                bar.update(stats.documents - bar.n)
-                bar.set_postfix(tokens=stats.tokens, MBps=f"{stats.bytes_read / max(stats.seconds, 1e-9) / 1e6:.1f}")
-            return advance
-
-    def show(stats: PreprocessStats) -> None:
-        seconds = max(stats.seconds, 1e-9)
-        print(f"\rprocessed {stats.documents} documents, {stats.tokens} tokens "
-              f"({stats.documents / seconds:.0f} docs/s, {stats.tokens / seconds:.0f} tokens/s, "
-              f"{stats.bytes_read / seconds / 1e6:.1f} MB/s)", end="", file=sys.stderr, flush=True)
-    return show
+    def advance(stats: PreprocessStats) -> None:
+        bar.update(stats.documents - bar.n)
+        bar.set_postfix(tokens=stats.tokens, MBps=f"{stats.bytes_read / max(stats.seconds, 1e-9) / 1e6:.1f}",
+                        refresh=False)
+    return advance
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -111,7 +99,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     except (ValueError, FileNotFoundError) as err:
         print(f"\nerror: {err}", file=sys.stderr)
         return 2
-    print(file=sys.stderr)
     for key, prefix in prefixes.items():
         print(f"{key}: {prefix}.bin / .idx")
     print(f"documents {stats.documents}, tokens {stats.tokens}, skipped bad lines {stats.skipped_bad_lines}, "

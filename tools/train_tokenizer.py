@@ -18,6 +18,8 @@ import sys
 import tempfile
 from typing import Iterator, List, Optional, Sequence
 
+from megatron_core.utils.progress import progress_bar
+
 logger = logging.getLogger("train_tokenizer")
 
 
@@ -48,7 +50,8 @@ def iter_sentences(paths: Sequence[str], json_keys: Sequence[str]) -> Iterator[s
 
 def train(inputs: Sequence[str], model_prefix: str, *, vocab_size: int, model_type: str = "bpe",
           json_keys: Sequence[str] = ("text",), lossless: bool = True, character_coverage: float = 1.0,
-          input_sentence_size: int = 2_000_000, num_threads: Optional[int] = None) -> str:
+          input_sentence_size: int = 2_000_000, num_threads: Optional[int] = None,
+          progress: bool = True) -> str:
     """Trains and writes ``{model_prefix}.model`` / ``.vocab`` atomically; returns the .model path.
 
     Args:
@@ -63,6 +66,7 @@ def train(inputs: Sequence[str], model_prefix: str, *, vocab_size: int, model_ty
         character_coverage: share of characters covered by pieces (the rest falls back to bytes).
         input_sentence_size: lines sampled for training (0: all).
         num_threads: trainer threads (default: CPU count).
+        progress: a tqdm bar of the lines read (on a terminal only).
     """
     import sentencepiece
 
@@ -84,7 +88,9 @@ def train(inputs: Sequence[str], model_prefix: str, *, vocab_size: int, model_ty
     os.makedirs(folder, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=folder) as tmp:
         tmp_prefix = os.path.join(tmp, "spm")
-        sentencepiece.SentencePieceTrainer.train(sentence_iterator=iter_sentences(inputs, json_keys),
+        sentencepiece.SentencePieceTrainer.train(sentence_iterator=iter(progress_bar(
+                                                     iter_sentences(inputs, json_keys), desc="reading lines",
+                                                     unit=" lines", enabled=progress)),
                                                  model_prefix=tmp_prefix, **options)
         for ext in (".model", ".vocab"):
             shutil.move(tmp_prefix + ext, model_prefix + ext + ".tmp")
@@ -105,6 +111,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--input-sentence-size", type=int, default=2_000_000,
                         help="lines sampled for training, 0 for all")
     parser.add_argument("--num-threads", type=int, default=None)
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser.parse_args(argv)
 
 
@@ -114,7 +121,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         path = train(args.input, args.model_prefix, vocab_size=args.vocab_size, model_type=args.model_type,
                      json_keys=args.json_keys, lossless=args.lossless, character_coverage=args.character_coverage,
-                     input_sentence_size=args.input_sentence_size, num_threads=args.num_threads)
+                     input_sentence_size=args.input_sentence_size, num_threads=args.num_threads,
+                     progress=not args.no_progress)
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

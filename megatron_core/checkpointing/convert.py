@@ -33,9 +33,10 @@ from megatron_core.checkpointing.checkpoint import (
 )
 from megatron_core.checkpointing.durable import publish_folder
 from megatron_core.checkpointing.layout import merge_shards, repad_vocab, take_shard
-from megatron_core.checkpointing.streaming import ProgressBar, StreamingSafetensorsWriter, parse_dtype
+from megatron_core.checkpointing.streaming import StreamingSafetensorsWriter, parse_dtype
 from megatron_core.config import TransformerConfig
 from megatron_core.tensor_parallel import vocab_size_with_padding
+from megatron_core.utils.progress import progress_bar
 
 FORMAT = "megatron_core/1"
 OPTIM_PREFIX = "optim/"
@@ -275,13 +276,12 @@ def _stream_tensors(folder: str, plan: list, *, tp: int, padded_vocab: int, true
         global_shape = [padded_vocab if is_vocab_tensor(name) and d == 0 else n for d, n in enumerate(tensor.shape)]
         records[name] = {"partition_dim": tensor.partition_dim, "stride": tensor.stride, "dtype": str(tensor.dtype),
                          "shards": shards, "global_shape": global_shape}
-    bar = ProgressBar(len(plan), "converting") if progress else None
     with contextlib.ExitStack() as stack:
         writers = {file: StreamingSafetensorsWriter(os.path.join(folder, file), tensors)
                    for file, tensors in declared.items()}
         for writer in writers.values():
             stack.callback(writer._file.close)
-        for name, tensor, stage, shard_shape in plan:
+        for name, tensor, stage, shard_shape in progress_bar(plan, desc="converting", unit=" tensors", enabled=progress):
             full = tensor.load()
             if tuple(full.shape) != tensor.shape:
                 raise ValueError(f"{name!r}: read shape {tuple(full.shape)}, expected {tensor.shape}")
@@ -290,8 +290,6 @@ def _stream_tensors(folder: str, plan: list, *, tp: int, padded_vocab: int, true
             for rank, shard_record in records[name]["shards"].items():
                 shard = take_shard(full, tensor.partition_dim, tensor.stride, int(rank), tp)
                 writers[shard_record["file"]].write(name, shard.to(tensor.dtype))
-            if bar:
-                bar.update(name)
         for writer in writers.values():
             writer.close()
     return records

@@ -17,7 +17,8 @@ import torch
 from safetensors import safe_open
 
 from megatron_core.checkpointing.convert import SourceCheckpoint, SourceTensor, fsync_write, parameter_name
-from megatron_core.checkpointing.streaming import ProgressBar, StreamingSafetensorsWriter
+from megatron_core.checkpointing.streaming import StreamingSafetensorsWriter
+from megatron_core.utils.progress import progress_bar
 
 # global name suffix -> (HF name suffix, tp partition dim, stride, transform kind)
 _LAYER_MAP = {
@@ -207,12 +208,9 @@ def write_hf_gpt2(source: SourceCheckpoint, save_dir: str, *, progress: bool = T
         declared.append((theirs, by_name[name].dtype, shape))
     os.makedirs(save_dir, exist_ok=True)
     writer = StreamingSafetensorsWriter(os.path.join(save_dir, "model.safetensors"), declared)
-    bar = ProgressBar(len(wanted), "exporting") if progress else None
-    for name in wanted:
+    for name in progress_bar(wanted, desc="exporting", unit=" tensors", enabled=progress):
         theirs, _, kind = mapping[name]
         writer.write(theirs, to_hf(kind, by_name[name].load(), flags["num_attention_heads"]))
-        if bar:
-            bar.update(theirs)
     writer.close()
     positions = by_name["embedding.position_embeddings.weight"].shape[0]
     config = hf_config_from_flags(flags, source.true_vocab_size, positions)

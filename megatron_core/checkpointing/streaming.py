@@ -6,8 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
-from typing import Optional, Sequence, TextIO
+from typing import Sequence
 
 import torch
 
@@ -69,21 +68,4 @@ class StreamingSafetensorsWriter:
         os.replace(f"{self.path}.tmp", self.path)
 
 
-class ProgressBar:
-    """A one-line progress bar redrawn on stderr: ``[#####.....] 12/148 decoder.layers.1...``."""
-
-    def __init__(self, total: int, label: str, stream: Optional[TextIO] = None, width: int = 30) -> None:
-        self.total, self.label, self.count, self.width = max(total, 1), label, 0, width
-        self.stream = stream or sys.stderr
-
-    def update(self, item: str) -> None:
-        self.count += 1
-        filled = self.width * self.count // self.total
-        line = f"\r{self.label} [{'#' * filled}{'.' * (self.width - filled)}] {self.count}/{self.total} {item[:60]:<60}"
-        self.stream.write(line)
-        if self.count >= self.total:
-            self.stream.write("\n")
-        self.stream.flush()
-
-
-__all__ = ["StreamingSafetensorsWriter", "ProgressBar", "parse_dtype"]
+__all__ = ["StreamingSafetensorsWriter", "parse_dtype"]

@@ -26,6 +26,7 @@ from megatron_core.pipeline_parallel import PipelineError, get_forward_backward_
 from megatron_core.tensor_parallel import model_parallel_seed
 from megatron_core.training.arguments import transformer_config
 from megatron_core.training.banner import end_report, memory_probe, start_banner
+from megatron_core.utils.progress import progress_bar
 from megatron_core.training.elastic import (check_elastic_world, exit_with_parent, layout_change_notice,
                                             straggler_report)
 from megatron_core.training.data import build_datasets_once_per_node, build_run_tokenizer, micro_batches, take
@@ -234,7 +235,8 @@ def evaluate(run: Run, iteration: int, writer: MetricsWriter) -> Optional[float]
                              micro_batch_size=run.args.micro_batch_size, device=run.state.device)
     total = 0.0
     with torch.no_grad():
-        for _ in range(run.args.eval_iters):
+        for _ in progress_bar(range(run.args.eval_iters), desc=f"evaluating at iteration {iteration}", leave=False,
+                              enabled=run.is_logging_rank and not run.args.no_progress and run.args.eval_iters >= 10):
             total += reduce_losses(run_schedule(run, take(iterator, run.num_microbatches), forward_only=True), run.state)
     run.valid_consumed += run.args.eval_iters * run.global_batch
     for chunk in run.chunks:
