@@ -42,6 +42,8 @@ setup(
         "megatron-core==0.16.1",
         # TikTokenizer (tests compare with megatron-core's TikTokenTokenizer); at runtime imported lazily.
         "tiktoken",
+        # Lint: scripts/test.sh runs `ruff check .` (ruff.toml) before the tests.
+        "ruff",
     ],
         # bench_memory.py and benchmark.py also run DeepSpeed's ZeRO engines when deepspeed is installed
         # (pure Python on CPU, gloo).

@@ -6,6 +6,7 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 start=$(date +%s)
 status=0
+.venv/bin/ruff check . || { echo "lint failed: run '.venv/bin/ruff check . --fix' and fix the rest by hand"; exit 1; }
 .venv/bin/python -m pytest "${@:-tests}" || status=$?
 echo "test suite wall time: $(( $(date +%s) - start )) s (exit status $status)"
 exit $status
