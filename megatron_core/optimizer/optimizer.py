@@ -78,7 +78,7 @@ class MegatronOptimizer:
 
     def __init__(self, config: OptimizerConfig, chunks: Sequence[nn.Module], *,
                  parallel_state: Optional[ParallelState]) -> None:
-        self.config, self.chunks, self.state = config, list(chunks), parallel_state
+        self.config, self.chunks, self.parallel_state = config, list(chunks), parallel_state
         self.ddp_chunks = [c for c in self.chunks if isinstance(c, DistributedDataParallel)]
         sharded = [c for c in self.ddp_chunks if c.config.zero_stage >= 1]
         self.dp_group = sharded[0].dp_group if sharded else None
@@ -131,7 +131,7 @@ class MegatronOptimizer:
         """L2 norm (and zeros) over all ranks of ``tensor_of(piece)`` (grads or masters), each element once.
         Collectives: see ``clip_grads.global_norm_and_zeros``."""
         counted = [(tensor_of(p), p.is_shard, p.is_expert) for p in self.pieces
-                   if tensor_of(p) is not None and counts_once(p.param, self.state)]
+                   if tensor_of(p) is not None and counts_once(p.param, self.parallel_state)]
         experts = [(t, s) for t, s, e in counted if e] if self.has_experts else None
         return global_norm_and_zeros([(t, s) for t, s, e in counted if not e], dp_group=self.dp_group,
                                      mp_group=self.mp_group, device=self.device, count_zeros=count_zeros,
