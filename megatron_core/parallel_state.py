@@ -38,7 +38,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import math
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -105,6 +105,14 @@ class ParallelState:
     expert_mp_group: Optional[ProcessGroup] = None
     """ep x pp ranks holding one copy of every expert (expert grad norms are summed over it)."""
     expert_mp_ranks: tuple[int, ...] = (0,)
+    rng_tracker: Any = dataclasses.field(default=None, compare=False, repr=False)
+    """This layout's ``RNGStatesTracker`` (the tensor-parallel dropout stream; seeded by ``model_parallel_seed``).
+    Modules built with the state use it; created with the state, on its device."""
+
+    def __post_init__(self) -> None:
+        if self.rng_tracker is None:
+            from megatron_core.tensor_parallel.random import RNGStatesTracker
+            object.__setattr__(self, "rng_tracker", RNGStatesTracker(self.device))
 
     @property
     def dp_cp_size(self) -> int:

@@ -46,7 +46,7 @@ def measure_layer_bytes(s: int, b: int, h: int, a: int, sp: bool, selective: boo
                                bf16=True, hidden_dropout=0.1, attention_dropout=0.1,
                                recompute_granularity="selective" if selective else None)
     layer = TransformerLayer(config, layer_number=1, parallel_state=state, spec=gpt_layer_spec())
-    model_parallel_seed(0, tp_rank=state.tp_rank)
+    model_parallel_seed(0, tp_rank=state.tp_rank, tracker=state.rng_tracker)
     params = {p.data_ptr() for p in layer.parameters()}
     hidden = torch.randn(s // tp if sp else s, b, h, dtype=torch.bfloat16, requires_grad=True)
     saved: dict[tuple[int, int], int] = {}

@@ -43,7 +43,6 @@ from megatron_core.checkpointing.megatron_lm_io import describe_foreign
 from megatron_core.checkpointing.optimizer_state import collect_optimizer_state, restore_optimizer_state
 from megatron_core.config import TransformerConfig
 from megatron_core.parallel_state import ParallelState
-from megatron_core.tensor_parallel import get_rng_tracker
 
 LATEST = "latest_checkpointed_iteration.txt"
 logger = logging.getLogger(__name__)
@@ -142,7 +141,7 @@ def prepare_checkpoint(directory: str, *, iteration: int, model_chunks: Sequence
         tensors.update({n: (t.clone(), p) for n, (t, p) in optim_tensors.items()})
     records, writes = _shard_files(partial, tensors, state)
     writes.append((os.path.join(partial, f"rng_rank{rank:05d}.safetensors"),
-                   {n: t.clone() for n, t in _rng_tensors(state.device).items()}))
+                   {n: t.clone() for n, t in _rng_tensors(state).items()}))
     gathered = [records]
     if dist.is_initialized():
         gathered = [None] * dist.get_world_size()
@@ -216,11 +215,11 @@ def _write_metadata(folder: str, gathered: list[dict], **info) -> None:
     fsync_write(os.path.join(folder, "metadata.json"), json.dumps(metadata, indent=1).encode())  # fsyncs folder
 
 
-def _rng_tensors(device: torch.device) -> dict[str, torch.Tensor]:
+def _rng_tensors(state: ParallelState) -> dict[str, torch.Tensor]:
     tensors = {"cpu": torch.get_rng_state()}
-    if device.type == "cuda":  # CUDA-only path
-        tensors["cuda"] = torch.cuda.get_rng_state(device)
-    tensors.update({f"tracker/{name}": t for name, t in get_rng_tracker(device).get_states().items()})
+    if state.device.type == "cuda":  # CUDA-only path
+        tensors["cuda"] = torch.cuda.get_rng_state(state.device)
+    tensors.update({f"tracker/{name}": t for name, t in state.rng_tracker.get_states().items()})
     return tensors
 
 
@@ -404,5 +403,5 @@ def load_rng(folder: str, metadata: dict, *, state: ParallelState, layout_extra:
             torch.cuda.set_rng_state(handle.get_tensor("cuda"), state.device)
         tracker = {k.split("/", 1)[1]: handle.get_tensor(k) for k in handle.keys() if k.startswith("tracker/")}
         if tracker:
-            get_rng_tracker(state.device).set_states(tracker)
+            state.rng_tracker.set_states(tracker)
     return True

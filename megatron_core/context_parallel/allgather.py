@@ -11,7 +11,7 @@ import torch
 
 from megatron_core.context_parallel.blocks import block_backward, block_forward
 from megatron_core.context_parallel.split import chunk_ids, to_natural_order
-from megatron_core.tensor_parallel import gather_from_sequence_parallel_region, get_rng_tracker
+from megatron_core.tensor_parallel import gather_from_sequence_parallel_region
 
 
 class _ChunkAttention(torch.autograd.Function):
@@ -36,7 +36,7 @@ class _ChunkAttention(torch.autograd.Function):
 
 def allgather_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                         attention_mask: Optional[torch.Tensor], *, cp_group, cp_size: int, cp_rank: int,
-                        scale: float, dropout_p: float = 0.0) -> torch.Tensor:
+                        scale: float, dropout_p: float = 0.0, rng_tracker=None) -> torch.Tensor:
     """Causal attention of this rank's queries over the all-gathered keys and values.
 
     Args:
@@ -46,7 +46,8 @@ def allgather_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
             (combined with the causal mask).
         cp_group: the context-parallel group; cp_size, cp_rank: its size and this rank's index.
         scale: multiplies the scores. dropout_p: attention dropout (0 in eval), masks drawn per tile from
-            a seed taken from the RNG tracker's model-parallel state (mixed with the cp rank).
+            a seed taken from the RNG tracker's model-parallel state (mixed with the cp rank). rng_tracker:
+            the layout's ``RNGStatesTracker`` (needed when dropout_p > 0).
 
     Returns:
         ``[s/cp, b, hq * d]`` in local order.
@@ -58,7 +59,7 @@ def allgather_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     chunk = s_local // 2
     seed = None
     if dropout_p > 0.0:
-        with get_rng_tracker(query.device).fork():
+        with rng_tracker.fork():
             seed = int(torch.randint(0, 2**40, (1,)).item()) + (cp_rank << 41)
     kv = gather_from_sequence_parallel_region(torch.stack([key, value], dim=1), cp_group)  # [s, 2, b, hk, d]
     kv = to_natural_order(kv, dim=0, cp_size=cp_size).permute(1, 2, 3, 0, 4)  # [2, b, hk, s, d]

@@ -57,12 +57,13 @@ def context_parallel_attention(query: torch.Tensor, key: torch.Tensor, value: to
     _check_inputs(query, key, attention_mask, state.cp_size)
     if cp_comm_type == "p2p":
         return ring_attention(query, key, value, attention_mask, cp_group=state.cp_group, cp_ranks=state.cp_ranks,
-                              cp_rank=state.cp_rank, scale=scale, dropout_p=dropout_p)
+                              cp_rank=state.cp_rank, scale=scale, dropout_p=dropout_p, rng_tracker=state.rng_tracker)
     if cp_comm_type == "a2a":
         return ulysses_attention(query, key, value, attention_mask, cp_group=state.cp_group, cp_size=state.cp_size,
                                  local_attention=local_attention)
     return allgather_attention(query, key, value, attention_mask, cp_group=state.cp_group, cp_size=state.cp_size,
-                               cp_rank=state.cp_rank, scale=scale, dropout_p=dropout_p)
+                               cp_rank=state.cp_rank, scale=scale, dropout_p=dropout_p,
+                               rng_tracker=state.rng_tracker)
 
 
 __all__ = ["CP_COMM_TYPES", "check_cp_comm_type", "context_parallel_attention"]

@@ -22,7 +22,6 @@ import torch.distributed as dist
 
 from megatron_core.context_parallel.blocks import accumulation_dtype, block_backward, block_forward, merge_
 from megatron_core.context_parallel.split import local_positions
-from megatron_core.tensor_parallel import get_rng_tracker
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,7 +166,7 @@ def _backward_block(q, kv, dout, out, delta, lse, mask, dq, spec: RingSpec, step
 
 def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                    attention_mask: Optional[torch.Tensor], *, cp_group, cp_ranks: tuple[int, ...], cp_rank: int,
-                   scale: float, dropout_p: float = 0.0) -> torch.Tensor:
+                   scale: float, dropout_p: float = 0.0, rng_tracker=None) -> torch.Tensor:
     """Causal ring attention of this rank's two chunks (load-balanced split).
 
     Args:
@@ -176,7 +175,8 @@ def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         cp_group, cp_ranks, cp_rank: the context-parallel group, its global ranks and this rank's index.
         scale: multiplies the scores. dropout_p: attention dropout (0 in eval); the masks are drawn from
             per-step generators seeded from the RNG tracker's model-parallel state (different per tp and
-            cp rank) and drawn again identically in backward.
+            cp rank) and drawn again identically in backward. rng_tracker: the layout's ``RNGStatesTracker``
+            (needed when dropout_p > 0).
 
     Returns:
         ``[s/cp, b, hq * d]`` in local order.
@@ -187,7 +187,7 @@ def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     """
     seed = 0
     if dropout_p > 0.0:
-        with get_rng_tracker(query.device).fork():
+        with rng_tracker.fork():
             base = int(torch.randint(0, 2**40, (1,)).item())
         seed = base + (cp_rank << 41)  # distinct masks on each cp rank and step
     spec = RingSpec(cp_group=cp_group, cp_ranks=tuple(cp_ranks), cp_rank=cp_rank, scale=scale,

@@ -9,7 +9,6 @@ from megatron_core.config import TransformerConfig
 from megatron_core.parallel_state import ParallelState
 from megatron_core.tensor_parallel import (
     VocabParallelEmbedding,
-    get_rng_tracker,
     init_method_normal,
     scatter_to_sequence_parallel_region,
     set_tensor_model_parallel_attributes,
@@ -35,6 +34,7 @@ class LanguageModelEmbedding(nn.Module):
                  padded_vocab_size: int, max_sequence_length: int, base_seed: int) -> None:
         super().__init__()
         self.config, self.tp_group = config, parallel_state.tp_group
+        self.rng_tracker = parallel_state.rng_tracker  # sequence-parallel dropout: a different mask per tp rank
         with seeded_init(base_seed, WORD_EMBEDDING_SEED_OFFSET):
             self.word_embeddings = VocabParallelEmbedding(
                 padded_vocab_size, config.hidden_size, tp_group=parallel_state.tp_group,
@@ -61,7 +61,7 @@ class LanguageModelEmbedding(nn.Module):
             hidden = hidden + positions
         if self.training and self.config.hidden_dropout > 0:
             if sequence_parallel:  # each rank holds a different chunk: different masks
-                with get_rng_tracker(hidden.device).fork():
+                with self.rng_tracker.fork():
                     return F.dropout(hidden, self.config.hidden_dropout)
             return F.dropout(hidden, self.config.hidden_dropout)
         return hidden.contiguous()

@@ -160,7 +160,7 @@ def measure_layout(config_kwargs: dict, *, tp: int, pp: int, zero_stage: int, vo
     ddp_config = DistributedDataParallelConfig(zero_stage=zero_stage)
     chunks = [DistributedDataParallel(c, config=ddp_config, dp_group=state.dp_cp_group)
               for c in _chunks(config, state, vocab_size, seq_length)]
-    model_parallel_seed(1 + state.pp_rank, tp_rank=state.tp_rank)
+    model_parallel_seed(1 + state.pp_rank, tp_rank=state.tp_rank, tracker=state.rng_tracker)
     optimizer = get_optimizer(OptimizerConfig(bf16=True), chunks, parallel_state=state)
     g = torch.Generator().manual_seed(state.dp_rank)
     tokens = torch.randint(0, vocab_size, (num_microbatches, micro_batch_size, seq_length + 1), generator=g)

@@ -21,7 +21,6 @@ from megatron_core.tensor_parallel.random import (
     MODEL_PARALLEL_RNG,
     RNGStatesTracker,
     checkpoint,
-    get_rng_tracker,
     model_parallel_seed,
 )
 from megatron_core.tensor_parallel.utils import check_ids_in_range, divide, vocab_range, vocab_size_with_padding
@@ -31,7 +30,7 @@ __all__ = [
     "copy_to_tensor_model_parallel_region", "reduce_from_tensor_model_parallel_region",
     "scatter_to_tensor_model_parallel_region", "gather_from_tensor_model_parallel_region",
     "scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region",
-    "reduce_scatter_to_sequence_parallel_region", "RNGStatesTracker", "get_rng_tracker", "model_parallel_seed",
+    "reduce_scatter_to_sequence_parallel_region", "RNGStatesTracker", "model_parallel_seed",
     "checkpoint", "MODEL_PARALLEL_RNG", "init_method_normal", "scaled_init_method_normal",
     "set_tensor_model_parallel_attributes", "divide", "vocab_range", "vocab_size_with_padding", "check_ids_in_range",
 ]

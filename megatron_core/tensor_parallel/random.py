@@ -5,7 +5,8 @@ mask on every tp rank; dropout on a *partitioned* activation (attention probabil
 must draw a different mask per tp rank. Megatron keeps two streams: the default generator, seeded the same
 on every tp rank, and a named "model-parallel" state seeded per tp rank, entered with
 ``tracker.fork()``. The tracker here is device-agnostic: it swaps the default generator state of the
-device it was built for (CPU, or the current CUDA device on CUDA).
+device it was built for (CPU, or the current CUDA device on CUDA). There is no process-wide tracker: each
+``ParallelState`` holds one (``state.rng_tracker``), and the modules built with that state use it.
 """
 from __future__ import annotations
 
@@ -76,28 +77,18 @@ class RNGStatesTracker:
             _set_rng_state(outer, self.device)
 
 
-_DEFAULT_TRACKERS: dict[torch.device, RNGStatesTracker] = {}
-
-
-def get_rng_tracker(device: torch.device | str = "cpu") -> RNGStatesTracker:
-    """The process-wide tracker of ``device``'s default generator (the generator itself is process-wide)."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:  # CUDA-only path.
-        device = torch.device("cuda", torch.cuda.current_device())
-    return _DEFAULT_TRACKERS.setdefault(device, RNGStatesTracker(device))
-
-
-def model_parallel_seed(seed: int, *, tp_rank: int, device: torch.device | str = "cpu") -> RNGStatesTracker:
+def model_parallel_seed(seed: int, *, tp_rank: int, device: torch.device | str = "cpu",
+                        tracker: Optional[RNGStatesTracker] = None) -> RNGStatesTracker:
     """Seeds the default generator with ``seed`` (same on all tp ranks: replicated-region dropout) and the
     tracker's model-parallel state with ``seed + 2718 + tp_rank`` (partitioned-region dropout).
 
     Megatron's ``model_parallel_cuda_manual_seed``. Callers offset ``seed`` by pipeline (and, for
     data-parallel random init, data-parallel) rank before calling, as Megatron's training loop does.
-    Returns the reset tracker of ``device``.
+    ``tracker`` is the layout's (``state.rng_tracker``), reset and reseeded; a new one for ``device`` when
+    None. Returns it.
     """
-    device = torch.device(device)
     torch.manual_seed(seed)  # Seeds the CPU generator and every CUDA device's.
-    tracker = get_rng_tracker(device)
+    tracker = tracker if tracker is not None else RNGStatesTracker(device)
     tracker.reset()
     tracker.add(MODEL_PARALLEL_RNG, seed + _TP_SEED_OFFSET + tp_rank)
     return tracker
@@ -135,16 +126,11 @@ def checkpoint(
     gradients equal those of running ``function`` without checkpointing. Built on PyTorch's non-reentrant
     checkpoint, so it composes with ``torch.autograd.grad`` and keyword arguments.
     """
-    tracker = rng_tracker or _tracker_for_args(args)
-    replay = _ReplayTrackerStates(tracker)
+    if rng_tracker is None:  # only the default generator's state is replayed (torch's preserve_rng_state)
+        return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, preserve_rng_state=True,
+                                                 **kwargs)
+    replay = _ReplayTrackerStates(rng_tracker)
     return torch.utils.checkpoint.checkpoint(
         function, *args, use_reentrant=False, preserve_rng_state=True,
         context_fn=lambda: (replay.forward(), replay.recompute()), **kwargs,
     )
-
-
-def _tracker_for_args(args: tuple) -> RNGStatesTracker:
-    for arg in args:
-        if isinstance(arg, torch.Tensor):
-            return get_rng_tracker(arg.device)
-    return get_rng_tracker("cpu")

@@ -87,7 +87,8 @@ def build_run(args: argparse.Namespace) -> Run:
     chunks = [_build_chunk(args, config, build_state, tokenizer.vocab_size, vp) for vp in range(state.vpp_size or 1)]
     for chunk in chunks:
         chunk.parallel_state = state  # the layout the model runs at (build_state only placed its parameters)
-    model_parallel_seed(args.seed + 100 * state.pp_rank, tp_rank=state.tp_rank, device=state.device)
+    model_parallel_seed(args.seed + 100 * state.pp_rank, tp_rank=state.tp_rank, device=state.device,
+                        tracker=state.rng_tracker)
     local_parameters = sum(p.numel() for chunk in chunks for p in chunk.parameters())  # before ZeRO-3 shards them
     chunks = wrap_data_parallel(args, chunks, state)
     optimizer = build_optimizer(args, chunks, state)

@@ -22,7 +22,6 @@ from megatron_core.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
     checkpoint,
-    get_rng_tracker,
     init_method_normal,
     scaled_init_method_normal,
 )
@@ -31,11 +30,11 @@ from megatron_core.transformer.norms import Norm
 from megatron_core.transformer.rope import apply_rotary_pos_emb
 
 
-def dropout_in_partitioned_region(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
-    """Dropout whose mask differs across tp ranks (the tracker's model-parallel RNG state)."""
+def dropout_in_partitioned_region(x: torch.Tensor, p: float, training: bool, *, rng_tracker) -> torch.Tensor:
+    """Dropout whose mask differs across tp ranks (the layout tracker's model-parallel RNG state)."""
     if not training or p == 0.0:
         return x
-    with get_rng_tracker(x.device).fork():
+    with rng_tracker.fork():
         return F.dropout(x, p)
 
 
@@ -98,7 +97,8 @@ class DotProductAttention(nn.Module):
         else:
             probs = kernels.scaled_masked_softmax(scores.view(b, heads, sq, sk), attention_mask, self.scale)
             probs = probs.view(b * heads, sq, sk)
-        probs = dropout_in_partitioned_region(probs, self.attention_dropout, self.training)
+        probs = dropout_in_partitioned_region(probs, self.attention_dropout, self.training,
+                                             rng_tracker=self.parallel_state.rng_tracker)
         context = torch.bmm(probs, v)  # [b*heads, sq, d]
         return context.view(b, heads, sq, d).permute(2, 0, 1, 3).reshape(sq, b, heads * d)
 
@@ -119,6 +119,7 @@ class SelfAttention(nn.Module):
         super().__init__()
         tp_group, device = parallel_state.tp_group, parallel_state.device
         self.config, self.layer_number = config, layer_number
+        self.rng_tracker = parallel_state.rng_tracker  # replayed by selective recompute of the core attention
         self.groups_per_rank = config.num_query_groups // config.tensor_model_parallel_size
         self.heads_per_group = config.num_heads_per_group
         qkv_size = (config.num_attention_heads + 2 * config.num_query_groups) * config.kv_channels
@@ -164,7 +165,7 @@ class SelfAttention(nn.Module):
             key, value = inference_cache.update(self.layer_number, key, value)  # [offset + s, b, groups/tp, d]
         if self.config.recomputes("core_attn"):
             context = checkpoint(self.core_attention, query, key, value, attention_mask,
-                                 rng_tracker=get_rng_tracker(query.device))
+                                 rng_tracker=self.rng_tracker)
         else:
             context = self.core_attention(query, key, value, attention_mask)  # [s, b, heads/tp * d]
         return self.linear_proj(context)

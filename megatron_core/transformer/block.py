@@ -9,7 +9,7 @@ from torch import nn
 
 from megatron_core.config import TransformerConfig
 from megatron_core.parallel_state import ParallelState
-from megatron_core.tensor_parallel import checkpoint, get_rng_tracker
+from megatron_core.tensor_parallel import checkpoint
 from megatron_core.transformer.spec import TransformerLayerSpec
 
 LAYER_SEED_OFFSET = 1000  # layer n is initialized from base_seed + 1000 + n (embeddings use smaller offsets)
@@ -44,6 +44,7 @@ class TransformerBlock(nn.Module):
                  vp_stage: Optional[int] = None) -> None:
         super().__init__()
         self.config, self.pre_process, self.post_process = config, pre_process, post_process
+        self.rng_tracker = parallel_state.rng_tracker  # replayed by full recompute
         offset, count = config.pipeline_layer_range(parallel_state.pp_rank, vp_stage)
         layers = []
         for number in range(offset + 1, offset + count + 1):  # global, 1-based
@@ -73,7 +74,7 @@ class TransformerBlock(nn.Module):
         for layers, recompute in self._segments():
             if recompute:
                 hidden = checkpoint(self._run_layers, layers, hidden, attention_mask, rotary_pos_emb,
-                                    rng_tracker=get_rng_tracker(hidden.device))
+                                    rng_tracker=self.rng_tracker)
             else:
                 hidden = self._run_layers(layers, hidden, attention_mask, rotary_pos_emb)
         if self.final_layernorm is not None:

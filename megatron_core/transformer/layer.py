@@ -10,7 +10,7 @@ from torch import nn
 
 from megatron_core.config import TransformerConfig
 from megatron_core.parallel_state import ParallelState
-from megatron_core.tensor_parallel import checkpoint, get_rng_tracker
+from megatron_core.tensor_parallel import checkpoint
 
 if TYPE_CHECKING:
     from megatron_core.transformer.spec import TransformerLayerSpec
@@ -34,6 +34,7 @@ class TransformerLayer(nn.Module):
                  spec: "TransformerLayerSpec") -> None:
         super().__init__()
         self.config, self.layer_number = config, layer_number
+        self.rng_tracker = parallel_state.rng_tracker  # recompute replay; sequence-parallel dropout
         device = parallel_state.device
         self.input_layernorm = spec.input_norm(config, config.hidden_size, device=device)
         self.self_attention = spec.self_attention(config, layer_number=layer_number, parallel_state=parallel_state,
@@ -54,14 +55,14 @@ class TransformerLayer(nn.Module):
     def _run(self, module: str, function, hidden: torch.Tensor):
         """``function(hidden)``, checkpointed when selective recompute covers ``module`` ("mlp", "layernorm")."""
         if self.training and self.config.recomputes(module) and torch.is_grad_enabled():
-            return checkpoint(function, hidden, rng_tracker=get_rng_tracker(hidden.device))
+            return checkpoint(function, hidden, rng_tracker=self.rng_tracker)
         return function(hidden)
 
     def bias_dropout_add(self, x: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tensor) -> torch.Tensor:
         if bias is not None:
             x = x + bias
         if self.training and self.config.hidden_dropout > 0:
-            rng = get_rng_tracker(x.device).fork() if self.config.sequence_parallel else contextlib.nullcontext()
+            rng = self.rng_tracker.fork() if self.config.sequence_parallel else contextlib.nullcontext()
             with rng:
                 x = F.dropout(x, self.config.hidden_dropout)
         return residual + x

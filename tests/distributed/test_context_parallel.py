@@ -95,7 +95,7 @@ def _dropout_is_consistent(kind: str, p: float) -> dict:
     from megatron_core.tensor_parallel import model_parallel_seed
     state = initialize_model_parallel(context_parallel_size=2)
     try:
-        tracker = model_parallel_seed(5, tp_rank=0)
+        tracker = model_parallel_seed(5, tp_rank=0, tracker=state.rng_tracker)
         snapshot = tracker.get_states()
         g = torch.Generator().manual_seed(10 + state.rank)
         shapes = [(8, 1, 4, 3), (8, 1, 2, 3), (8, 1, 2, 3)]  # GQA: 4 query heads, 2 key/value groups
@@ -105,7 +105,8 @@ def _dropout_is_consistent(kind: str, p: float) -> dict:
 
         def total(tensors, dropout):
             tracker.set_states(snapshot)
-            common = dict(cp_group=state.cp_group, cp_rank=state.cp_rank, scale=0.5, dropout_p=dropout)
+            common = dict(cp_group=state.cp_group, cp_rank=state.cp_rank, scale=0.5, dropout_p=dropout,
+                          rng_tracker=tracker)
             if kind == "p2p":
                 out = ring_attention(*tensors, None, cp_ranks=state.cp_ranks, **common)
             else:

@@ -81,7 +81,7 @@ def _recompute_grads(recompute):
         config = tiny_config(num_layers=4, tensor_model_parallel_size=state.tp_size, hidden_dropout=0.2,
                              attention_dropout=0.2, sequence_parallel=True, **recompute)
         model = build_model(config, state)
-        model_parallel_seed(7, tp_rank=state.tp_rank)
+        model_parallel_seed(7, tp_rank=state.tp_rank, tracker=state.rng_tracker)
         return loss_and_grads(model, state)
 
 
@@ -105,7 +105,7 @@ def _hidden_dropout_outputs():
         state = initialize_model_parallel(tensor_model_parallel_size=tp)
         model = build_model(tiny_config(tensor_model_parallel_size=tp, hidden_dropout=0.3), state,
                             parallel_output=False)
-        model_parallel_seed(11, tp_rank=state.tp_rank)
+        model_parallel_seed(11, tp_rank=state.tp_rank, tracker=state.rng_tracker)
         input_ids, positions, _ = make_batch()
         return model(input_ids, positions).detach()
 
