@@ -4,19 +4,15 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest
 import torch
 
-from megatron_core.testing import close_all_pools, run_distributed
+from megatron_core.testing import PoolCache
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _close_pools_at_session_end():
-    yield
-    close_all_pools()
-
-
-@pytest.fixture
+@pytest.fixture(scope="session")
 def distributed():
-    """``distributed(world_size, fn, *args, **kwargs)`` runs fn on that many gloo ranks; results by rank."""
-    return run_distributed
+    """``distributed(world_size, fn, *args, **kwargs)`` runs fn on that many gloo ranks; results by rank.
+    The ranks are forked once per world size and reused by every test of the session."""
+    with PoolCache() as pools:
+        yield pools.run
 
 
 @pytest.fixture(autouse=True)

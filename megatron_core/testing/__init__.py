@@ -2,9 +2,8 @@
 from megatron_core.testing.multiprocess import (
     DistributedPool,
     DistributedRunError,
-    close_all_pools,
-    get_pool,
+    PoolCache,
     run_distributed,
 )
 
-__all__ = ["DistributedPool", "DistributedRunError", "close_all_pools", "get_pool", "run_distributed"]
+__all__ = ["DistributedPool", "DistributedRunError", "PoolCache", "run_distributed"]

@@ -63,9 +63,8 @@ def _train_body(ep, zero_stage, steps=3):
 
 
 @pytest.fixture(scope="module")
-def reference():
-    from megatron_core.testing import run_distributed
-    return run_distributed(1, _train_body, 1, 0)[0]
+def reference(distributed):
+    return distributed(1, _train_body, 1, 0)[0]
 
 
 @pytest.mark.parametrize("zero_stage", [0, 1, 2])

@@ -77,9 +77,8 @@ def _train_tracked(stage: int, *, steps: int = 2, micro: int = 2, reshard: bool 
 
 
 @pytest.fixture(scope="module")
-def stage0(request):
-    from megatron_core.testing import run_distributed
-    return run_distributed(2, _train_tracked, 0)
+def stage0(request, distributed):
+    return distributed(2, _train_tracked, 0)
 
 
 def _assert_same_weights(results, reference):

@@ -55,10 +55,9 @@ def _logits_at_layout(directory, tokens, max_new_tokens):
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    from megatron_core.testing import run_distributed
+def trained(tmp_path_factory, distributed):
     directory = tmp_path_factory.mktemp("trained")
-    run_distributed(1, _train, ["--train-iters", "3", "--save", str(directory)])
+    distributed(1, _train, ["--train-iters", "3", "--save", str(directory)])
     return directory
 
 

@@ -22,9 +22,8 @@ def _train(argv):
 
 
 @pytest.fixture(scope="module")
-def references():
-    from megatron_core.testing import run_distributed
-    return {"learned": run_distributed(1, _train, [])[0], "rope-gqa": run_distributed(1, _train, ROPE_GQA)[0]}
+def references(distributed):
+    return {"learned": distributed(1, _train, [])[0], "rope-gqa": distributed(1, _train, ROPE_GQA)[0]}
 
 
 def _cp(size, *extra):

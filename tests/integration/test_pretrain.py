@@ -24,9 +24,8 @@ def _train(argv):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    from megatron_core.testing import run_distributed
-    return run_distributed(1, _train, [])[0]
+def reference(tmp_path_factory, distributed):
+    return distributed(1, _train, [])[0]
 
 
 def _layout(tp, pp, dp, extra=()):

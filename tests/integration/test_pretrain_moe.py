@@ -31,10 +31,9 @@ def _records(path):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    from megatron_core.testing import run_distributed
+def reference(tmp_path_factory, distributed):
     metrics = tmp_path_factory.mktemp("moe_ref") / "metrics.jsonl"
-    losses = run_distributed(1, _train, ["--metrics-file", str(metrics)])[0]
+    losses = distributed(1, _train, ["--metrics-file", str(metrics)])[0]
     return losses, _records(metrics)
 
 

@@ -9,7 +9,6 @@ optimizer's per-piece state accessors), never these files.
 """
 from __future__ import annotations
 
-import itertools
 import os
 import shutil
 import tempfile
@@ -17,7 +16,7 @@ import weakref
 import torch
 
 FP32_BYTES = 4
-_counter = itertools.count()
+
 
 
 def check_offload_dir(directory: str, needed_bytes: int, *, flag: str = "--optimizer-nvme-offload-dir") -> None:
@@ -54,7 +53,7 @@ class StateFiles:
                  flag: str = "--optimizer-nvme-offload-dir") -> None:
         _remove_stale(directory, rank)
         check_offload_dir(directory, needed_bytes=sum(sizes.values()), flag=flag)
-        self.folder = tempfile.mkdtemp(prefix=f"rank{rank}-{os.getpid()}-{next(_counter)}-", dir=directory)
+        self.folder = tempfile.mkdtemp(prefix=f"rank{rank}-{os.getpid()}-", dir=directory)
         self.sizes = dict(sizes)
         self.paths = {name: os.path.join(self.folder, f"{name}.bin") for name in self.sizes}
         self.fds: dict[str, int] = {}
