@@ -21,12 +21,18 @@ if TYPE_CHECKING:
 
 @dataclasses.dataclass(kw_only=True)
 class ModelParallelConfig:
-    """Sizes of the parallel layout the model is built for, and the numeric formats."""
+    """Options of the parallel layout the model is built for, and the numeric formats.
 
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
+    The layout's sizes come from the ``ParallelState`` a model is built with: leave the four ``*_size`` fields
+    at None and the model fills them in (``bind_layout``). They are still accepted, as in Megatron, and then
+    checked against the state (a mismatch is a ValueError naming both values); tools that reason about a layout
+    without processes (the planner, the converter) set them.
+    """
+
+    tensor_model_parallel_size: Optional[int] = None
+    pipeline_model_parallel_size: Optional[int] = None
     virtual_pipeline_model_parallel_size: Optional[int] = None
-    context_parallel_size: int = 1
+    context_parallel_size: Optional[int] = None
     """Ranks the sequence is split over (load-balanced causal split; see ``megatron_core.context_parallel``)."""
     cp_comm_type: str = "p2p"
     """How attention communicates over cp: "p2p" (ring attention), "a2a" (Ulysses) or "allgather"."""
@@ -39,15 +45,31 @@ class ModelParallelConfig:
 
     def __post_init__(self) -> None:
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.cp_comm_type not in CP_COMM_TYPES:
             raise ValueError(f"cp_comm_type must be one of {CP_COMM_TYPES}, got {self.cp_comm_type!r}")
         if self.bf16 and self.fp16:
             raise ValueError("bf16=True and fp16=True are mutually exclusive: choose one precision")
-        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
+        if self.sequence_parallel and self.tensor_model_parallel_size == 1:  # None: checked when bound
             raise ValueError("sequence_parallel=True needs tensor_model_parallel_size > 1 (got 1): "
                              "sequence parallelism splits the tensor-parallel regions' activations")
+
+    def bind_layout(self, state) -> "ModelParallelConfig":
+        """This config with the layout sizes of ``state`` (a ``ParallelState``): fields left at None take the
+        state's value; a field that was given must equal it (ValueError otherwise). Re-validates (heads,
+        query groups and ffn divisible by tp, layers by pp x vpp, a2a heads by cp)."""
+        sizes = {"tensor_model_parallel_size": state.tp_size, "pipeline_model_parallel_size": state.pp_size,
+                 "context_parallel_size": state.cp_size, "virtual_pipeline_model_parallel_size": state.vpp_size}
+        for name, in_state in sizes.items():
+            given = getattr(self, name)
+            if given is not None and given != in_state:
+                raise ValueError(f"config.{name}={given} does not match the parallel state's {in_state}; "
+                                 "leave it unset (the model takes the sizes from the state) or build the config "
+                                 "with the sizes given to initialize_model_parallel")
+        if all(getattr(self, name) == value for name, value in sizes.items()):
+            return self
+        return dataclasses.replace(self, **sizes)
 
 
 RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm")
@@ -140,7 +162,7 @@ class TransformerConfig(ModelParallelConfig):
                      "kv_channels"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        tp = self.tensor_model_parallel_size
+        tp, cp = self.tensor_model_parallel_size or 1, self.context_parallel_size or 1  # unbound: checked when bound
         heads, groups = self.num_attention_heads, self.num_query_groups
         if heads % tp != 0:
             raise ValueError(f"num_attention_heads {heads} is not divisible by tensor_model_parallel_size {tp}")
@@ -149,7 +171,6 @@ class TransformerConfig(ModelParallelConfig):
         if groups % tp != 0:
             raise ValueError(f"num_query_groups {groups} is not divisible by tensor_model_parallel_size {tp}: "
                              "tensor parallelism splits whole key/value groups")
-        cp = self.context_parallel_size
         if cp > 1 and self.cp_comm_type == "a2a" and (heads // tp % cp or groups // tp % cp):
             raise ValueError(f"cp_comm_type 'a2a' splits attention heads over context_parallel_size {cp}, but each "
                              f"tensor-parallel rank has {heads // tp} query heads and {groups // tp} key/value groups "
@@ -200,7 +221,7 @@ class TransformerConfig(ModelParallelConfig):
             raise ValueError(f"recompute_modules {unknown} are not among {RECOMPUTE_MODULES}")
 
     def _validate_pipeline_split(self) -> None:
-        pp, vpp = self.pipeline_model_parallel_size, self.virtual_pipeline_model_parallel_size or 1
+        pp, vpp = self.pipeline_model_parallel_size or 1, self.virtual_pipeline_model_parallel_size or 1
         first, last = self.first_pipeline_num_layers, self.last_pipeline_num_layers
         values = (f"num_layers={self.num_layers}, pipeline_model_parallel_size={pp}, "
                   f"virtual_pipeline_model_parallel_size={self.virtual_pipeline_model_parallel_size}, "
@@ -228,7 +249,7 @@ class TransformerConfig(ModelParallelConfig):
         ``(v * pp + r) * per_chunk``. Uneven split: the first/last stage hold the given counts and the other
         stages share the rest evenly.
         """
-        pp, vpp = self.pipeline_model_parallel_size, self.virtual_pipeline_model_parallel_size or 1
+        pp, vpp = self.pipeline_model_parallel_size or 1, self.virtual_pipeline_model_parallel_size or 1
         first, last = self.first_pipeline_num_layers, self.last_pipeline_num_layers
         if first is None and last is None:
             per_chunk = self.num_layers // (pp * vpp)
@@ -237,7 +258,7 @@ class TransformerConfig(ModelParallelConfig):
         return sum(counts[:pp_rank]), counts[pp_rank]
 
     def _uneven_stage_counts(self) -> list[int]:
-        pp, first, last = self.pipeline_model_parallel_size, self.first_pipeline_num_layers, self.last_pipeline_num_layers
+        pp, first, last = self.pipeline_model_parallel_size or 1, self.first_pipeline_num_layers, self.last_pipeline_num_layers
         middle_stages = pp - (first is not None) - (last is not None)
         middle_layers = self.num_layers - (first or 0) - (last or 0)
         per_middle = middle_layers // middle_stages if middle_stages else 0

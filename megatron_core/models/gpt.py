@@ -54,7 +54,7 @@ class GPTModel(nn.Module):
                  layer_spec: Optional[TransformerLayerSpec] = None, vp_stage: Optional[int] = None,
                  make_vocab_size_divisible_by: int = 128) -> None:
         super().__init__()
-        _check_layout(config, parallel_state)
+        config = config.bind_layout(parallel_state)  # the layout sizes come from the state
         self.config, self.parallel_state = config, parallel_state
         self.pre_process, self.post_process, self.parallel_output = pre_process, post_process, parallel_output
         self.vocab_size = vocab_size
@@ -156,14 +156,3 @@ class GPTModel(nn.Module):
         if first_padded >= end - start:
             return logits
         return torch.cat([logits[..., :first_padded], torch.full_like(logits[..., first_padded:], float("-inf"))], -1)
-
-
-def _check_layout(config: TransformerConfig, state: ParallelState) -> None:
-    pairs = {"tensor_model_parallel_size": (config.tensor_model_parallel_size, state.tp_size),
-             "pipeline_model_parallel_size": (config.pipeline_model_parallel_size, state.pp_size),
-             "context_parallel_size": (config.context_parallel_size, state.cp_size),
-             "virtual_pipeline_model_parallel_size": (config.virtual_pipeline_model_parallel_size, state.vpp_size)}
-    for name, (in_config, in_state) in pairs.items():
-        if in_config != in_state:
-            raise ValueError(f"config.{name}={in_config} does not match the parallel state's {in_state}; "
-                             "build the config with the sizes given to initialize_model_parallel")

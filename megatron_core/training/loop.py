@@ -71,6 +71,7 @@ def build_run(args: argparse.Namespace) -> Run:
                                       config.virtual_pipeline_model_parallel_size, args.context_parallel_size,
                                       expert_model_parallel_size=args.expert_model_parallel_size,
                                       timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes))
+    config = config.bind_layout(state)
     micro_per_step = args.micro_batch_size * state.dp_size
     schedule = args.batch_schedule
     global_batch = args.global_batch_size or (schedule.largest if schedule else micro_per_step)

@@ -120,7 +120,8 @@ class SelfAttention(nn.Module):
         tp_group, device = parallel_state.tp_group, parallel_state.device
         self.config, self.layer_number = config, layer_number
         self.rng_tracker = parallel_state.rng_tracker  # replayed by selective recompute of the core attention
-        self.groups_per_rank = config.num_query_groups // config.tensor_model_parallel_size
+        self.cp_size = parallel_state.cp_size
+        self.groups_per_rank = config.num_query_groups // parallel_state.tp_size
         self.heads_per_group = config.num_heads_per_group
         qkv_size = (config.num_attention_heads + 2 * config.num_query_groups) * config.kv_channels
         common = dict(tp_group=tp_group, sequence_parallel=config.sequence_parallel,
@@ -134,7 +135,7 @@ class SelfAttention(nn.Module):
             self.q_layernorm = Norm(config, config.kv_channels, device=device)
             self.k_layernorm = Norm(config, config.kv_channels, device=device)
             for param in (*self.q_layernorm.parameters(), *self.k_layernorm.parameters()):
-                param.sequence_parallel = config.tensor_model_parallel_size > 1
+                param.sequence_parallel = parallel_state.tp_size > 1
         self.linear_proj = RowParallelLinear(
             config.num_attention_heads * config.kv_channels, config.hidden_size, bias=config.add_bias_linear,
             input_is_parallel=True, skip_bias_add=True,
@@ -158,7 +159,7 @@ class SelfAttention(nn.Module):
             query = apply_rotary_pos_emb(query, rotary_pos_emb)
             key = apply_rotary_pos_emb(key, rotary_pos_emb)
         if inference_cache is not None:
-            if attention_mask is not None or self.config.sequence_parallel or self.config.context_parallel_size > 1:
+            if attention_mask is not None or self.config.sequence_parallel or self.cp_size > 1:
                 raise ValueError("an inference cache works with the causal mask (attention_mask=None) and "
                                  "without sequence or context parallelism")
             attention_mask = inference_cache.attention_mask(query.shape[0], query.device)

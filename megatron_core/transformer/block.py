@@ -43,6 +43,7 @@ class TransformerBlock(nn.Module):
                  base_seed: int, pre_process: bool = True, post_process: bool = True,
                  vp_stage: Optional[int] = None) -> None:
         super().__init__()
+        config = config.bind_layout(parallel_state)  # the layout sizes come from the state
         self.config, self.pre_process, self.post_process = config, pre_process, post_process
         self.rng_tracker = parallel_state.rng_tracker  # replayed by full recompute
         offset, count = config.pipeline_layer_range(parallel_state.pp_rank, vp_stage)

@@ -21,7 +21,7 @@ def test_derived_defaults():
     (dict(activation="relu"), "activation must be one of"),
     (dict(recompute_granularity="full"), "recompute_granularity='full' needs recompute_method"),
     (dict(recompute_method="uniform"), "only apply to recompute_granularity='full'"),
-    (dict(sequence_parallel=True), "sequence_parallel=True needs tensor_model_parallel_size > 1"),
+    (dict(sequence_parallel=True, tensor_model_parallel_size=1), "sequence_parallel=True needs tensor_model_parallel_size > 1"),
     (dict(bf16=True, fp16=True), "mutually exclusive"),
     (dict(pipeline_model_parallel_size=3), "num_layers 4 is not divisible by pipeline_model_parallel_size 3"),
     (dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=4), "x virtual_pipeline_model_parallel_size 4"),
@@ -50,3 +50,21 @@ def test_interleaved_layer_ranges():
                                   "virtual_pipeline_model_parallel_size": 2})
     # chunk v of rank r holds layers (v * pp + r) * 2 ...: rank 0 -> 0-1 and 4-5, rank 1 -> 2-3 and 6-7
     assert [config.pipeline_layer_range(r, v) for r in range(2) for v in range(2)] == [(0, 2), (4, 2), (2, 2), (6, 2)]
+
+
+def test_layout_sizes_come_from_the_parallel_state():
+    """One source for the layout: a config without sizes takes the state's; a given size must match it."""
+    from megatron_core import initialize_model_parallel
+    state = initialize_model_parallel()
+    config = TransformerConfig(num_layers=2, hidden_size=8, num_attention_heads=2, max_position_embeddings=8)
+    assert config.tensor_model_parallel_size is None
+    bound = config.bind_layout(state)
+    assert (bound.tensor_model_parallel_size, bound.pipeline_model_parallel_size, bound.context_parallel_size,
+            bound.virtual_pipeline_model_parallel_size) == (1, 1, 1, None)
+    assert TransformerConfig(num_layers=2, hidden_size=8, num_attention_heads=2, max_position_embeddings=8,
+                             tensor_model_parallel_size=1).bind_layout(state).tensor_model_parallel_size == 1
+    with pytest.raises(ValueError, match="config.pipeline_model_parallel_size=2 does not match the parallel state's 1"):
+        TransformerConfig(num_layers=2, hidden_size=8, num_attention_heads=2, max_position_embeddings=8,
+                          pipeline_model_parallel_size=2).bind_layout(state)
+    with pytest.raises(ValueError, match="sequence_parallel=True needs tensor_model_parallel_size > 1"):
+        TransformerConfig(num_layers=2, hidden_size=8, num_attention_heads=2, max_position_embeddings=8, sequence_parallel=True).bind_layout(state)
