@@ -32,7 +32,7 @@ from megatron_core.data.tokenizers import build_tokenizer
 logger = logging.getLogger(__name__)
 
 _OK, _BAD = 0, 1
-_worker_state: dict = {}
+_BATCH = 256  # documents per task sent to a worker process
 
 
 @dataclasses.dataclass
@@ -64,11 +64,10 @@ def _punkt():
         return None
 
 
-def split_into_sentences(text: str, *, keep_newlines: bool = False) -> list[str]:
-    """The sentences of ``text``: punkt's when available, else split after ``.``, ``!``, ``?`` + whitespace.
-    Without ``keep_newlines`` each sentence is stripped; with it the whitespace after a sentence (newlines
-    included) stays at its end. Empty pieces are dropped."""
-    punkt = _worker_state.get("punkt")
+def split_into_sentences(text: str, *, keep_newlines: bool = False, punkt=None) -> list[str]:
+    """The sentences of ``text``: ``punkt``'s (nltk's splitter) when given, else split after ``.``, ``!``, ``?``
+    + whitespace. Without ``keep_newlines`` each sentence is stripped; with it the whitespace after a sentence
+    (newlines included) stays at its end. Empty pieces are dropped."""
     if punkt is not None and not keep_newlines:
         pieces = [piece.strip() for piece in punkt.tokenize(text)]
     else:
@@ -94,48 +93,49 @@ def _iter_items(paths: Sequence[str], document_per_file: bool) -> Iterator[Tuple
                 yield path, line_no, line
 
 
-def _init_worker(tokenizer_args: dict, json_keys: Sequence[str], append_eod: bool, dtype: type,
+class _Encoder:
+    """Parses and tokenizes one document: ``(path, line, raw bytes) -> (path, line, status, {key: token bytes}
+    or error text, byte count)``. Built once in each worker process (it holds the tokenizer)."""
+
+    def __init__(self, tokenizer_args: dict, json_keys: Sequence[str], append_eod: bool, dtype: type,
                  document_per_file: bool, split_sentences: bool = False, keep_newlines: bool = False) -> None:
-    _worker_state.update(tokenizer=build_tokenizer(**tokenizer_args), json_keys=list(json_keys),
-                         append_eod=append_eod, dtype=dtype, document_per_file=document_per_file,
-                         split_sentences=split_sentences, keep_newlines=keep_newlines,
-                         punkt=_punkt() if split_sentences else None)
+        self.tokenizer, self.json_keys, self.append_eod = build_tokenizer(**tokenizer_args), list(json_keys), append_eod
+        self.dtype, self.document_per_file = dtype, document_per_file
+        self.split_sentences, self.keep_newlines = split_sentences, keep_newlines
+        self.punkt = _punkt() if split_sentences else None
 
-
-def _encode(item: Tuple[str, int, bytes]):
-    """Worker: (path, line, raw) -> (path, line, status, {key: token bytes} or error text, byte count)."""
-    path, line_no, raw = item
-    state = _worker_state
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as err:
-        return path, line_no, _BAD, f"invalid UTF-8 ({err.reason} at byte {err.start})", len(raw)
-    if _is_json(path):
-        if not text.strip():
-            return path, line_no, _OK, {}, len(raw)
+    def __call__(self, item: Tuple[str, int, bytes]):
+        path, line_no, raw = item
         try:
-            record = json.loads(text)
-        except json.JSONDecodeError as err:
-            return path, line_no, _BAD, f"malformed JSON ({err.msg} at column {err.colno})", len(raw)
-        if not isinstance(record, dict):
-            return path, line_no, _BAD, f"expected a JSON object, got {type(record).__name__}", len(raw)
-        missing = [k for k in state["json_keys"] if not isinstance(record.get(k), str)]
-        if missing:
-            return path, line_no, _BAD, (f"missing or non-string key(s) {missing}; the line has keys "
-                                         f"{sorted(record)[:10]} (choose with --json-keys)"), len(raw)
-        texts = {k: record[k] for k in state["json_keys"]}
-    else:
-        one_line = not state["document_per_file"] and text.endswith("\n")
-        texts = {"text": text[:-1] if one_line else text}
-    out = {}
-    for key, value in texts.items():
-        pieces = (split_into_sentences(value, keep_newlines=state["keep_newlines"]) if state["split_sentences"]
-                  else [value])
-        sentences = [ids for ids in (state["tokenizer"].encode(piece) for piece in pieces) if ids]
-        if sentences and state["append_eod"]:
-            sentences[-1].append(state["tokenizer"].eod)  # the document's end, after its last sentence
-        out[key] = [np.asarray(ids, dtype=state["dtype"]).tobytes() for ids in sentences]
-    return path, line_no, _OK, out, len(raw)
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as err:
+            return path, line_no, _BAD, f"invalid UTF-8 ({err.reason} at byte {err.start})", len(raw)
+        if _is_json(path):
+            if not text.strip():
+                return path, line_no, _OK, {}, len(raw)
+            try:
+                record = json.loads(text)
+            except json.JSONDecodeError as err:
+                return path, line_no, _BAD, f"malformed JSON ({err.msg} at column {err.colno})", len(raw)
+            if not isinstance(record, dict):
+                return path, line_no, _BAD, f"expected a JSON object, got {type(record).__name__}", len(raw)
+            missing = [k for k in self.json_keys if not isinstance(record.get(k), str)]
+            if missing:
+                return path, line_no, _BAD, (f"missing or non-string key(s) {missing}; the line has keys "
+                                             f"{sorted(record)[:10]} (choose with --json-keys)"), len(raw)
+            texts = {k: record[k] for k in self.json_keys}
+        else:
+            one_line = not self.document_per_file and text.endswith("\n")
+            texts = {"text": text[:-1] if one_line else text}
+        out = {}
+        for key, value in texts.items():
+            pieces = (split_into_sentences(value, keep_newlines=self.keep_newlines, punkt=self.punkt)
+                      if self.split_sentences else [value])
+            sentences = [ids for ids in (self.tokenizer.encode(piece) for piece in pieces) if ids]
+            if sentences and self.append_eod:
+                sentences[-1].append(self.tokenizer.eod)  # the document's end, after its last sentence
+            out[key] = [np.asarray(ids, dtype=self.dtype).tobytes() for ids in sentences]
+        return path, line_no, _OK, out, len(raw)
 
 
 def preprocess(inputs: Sequence[str], output_prefix: str, *, tokenizer_args: dict,
@@ -199,15 +199,84 @@ def preprocess(inputs: Sequence[str], output_prefix: str, *, tokenizer_args: dic
     return prefixes
 
 
+def _batches(items: Iterator, size: int) -> Iterator[list]:
+    batch = []
+    for item in items:
+        batch.append(item)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def _encode_worker(options: tuple, tasks, results) -> None:
+    """A worker process: builds its ``_Encoder`` and answers ``(index, batch)`` tasks with ``(index, encoded)``
+    until it receives None; an exception is sent back as ``(index, None, traceback text)``."""
+    import traceback
+    try:
+        encoder = _Encoder(*options)
+    except Exception:  # noqa: BLE001 - reported to the parent, which raises it
+        results.put((-1, None, traceback.format_exc()))
+        return
+    for index, batch in iter(tasks.get, None):
+        try:
+            results.put((index, [encoder(item) for item in batch], None))
+        except Exception:  # noqa: BLE001
+            results.put((index, None, traceback.format_exc()))
+
+
 def _results(inputs, options: tuple, workers: int):
-    """``options``: the arguments of ``_init_worker``."""
+    """Encoded documents in input order. ``options``: the arguments of ``_Encoder``. With several workers, batches
+    of documents go to worker processes (at most two in flight per worker) and come back reordered."""
     items = _iter_items(inputs, options[4])
     if workers == 1:
-        _init_worker(*options)
-        yield from map(_encode, items)
+        yield from map(_Encoder(*options), items)
         return
-    with multiprocessing.Pool(workers, _init_worker, options) as pool:
-        yield from pool.imap(_encode, items, chunksize=64)
+    _Encoder(*options)  # bad tokenizer arguments raise here, in the parent, as they do with one worker
+    context = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
+    tasks, results = context.Queue(), context.Queue()
+    processes = [context.Process(target=_encode_worker, args=(options, tasks, results), daemon=True)
+                 for _ in range(workers)]
+    for process in processes:
+        process.start()
+    try:
+        pending, sent, next_index = {}, 0, 0
+        for batch in _batches(items, _BATCH):
+            tasks.put((sent, batch))
+            sent += 1
+            while sent - next_index >= 2 * workers:
+                next_index = yield from _drain(results, pending, next_index, processes)
+        while next_index < sent:
+            next_index = yield from _drain(results, pending, next_index, processes)
+    finally:
+        for _ in processes:
+            tasks.put(None)
+        for process in processes:
+            process.join(timeout=5)
+            if process.is_alive():
+                process.terminate()
+
+
+def _drain(results, pending: dict, next_index: int, processes) -> Iterator:
+    """Waits for one worker answer, then yields every document that is next in order; returns the next index."""
+    import queue
+    while True:
+        try:
+            index, encoded, error = results.get(timeout=5)
+            break
+        except queue.Empty:
+            dead = [p.pid for p in processes if not p.is_alive()]
+            if dead:
+                raise RuntimeError(f"preprocessing worker processes {dead} died (out of memory?); "
+                                   "rerun with fewer --workers") from None
+    if error is not None:
+        raise RuntimeError(f"a preprocessing worker failed:\n{error}")
+    pending[index] = encoded
+    while next_index in pending:
+        yield from pending.pop(next_index)
+        next_index += 1
+    return next_index
 
 
 def _consume(result, builders: Dict[str, IndexedDatasetBuilder], dtype, stats: PreprocessStats,
