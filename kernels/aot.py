@@ -14,14 +14,15 @@ from __future__ import annotations
 
 import itertools
 import sys
+from types import MappingProxyType
 from typing import Any, Iterable, Sequence
 
 import torch
 
 from kernels import _dispatch
 
-_POINTER = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.int64: "*i64",
-            torch.int32: "*i32", torch.uint8: "*u8", torch.bool: "*i1"}
+_POINTER = MappingProxyType({torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.int64: "*i64",
+            torch.int32: "*i32", torch.uint8: "*u8", torch.bool: "*i1"})
 
 Launch = tuple[Any, tuple, dict]
 

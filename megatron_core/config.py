@@ -7,6 +7,7 @@ Derived defaults (``num_query_groups``, ``ffn_hidden_size``, ``kv_channels``) ar
 from __future__ import annotations
 
 import dataclasses
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -73,13 +74,13 @@ class ModelParallelConfig:
 
 
 RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm")
-_CHOICES = {
+_CHOICES = MappingProxyType({
     "normalization": ("LayerNorm", "RMSNorm"),
     "activation": ("gelu", "swiglu"),
     "position_embedding_type": ("learned_absolute", "rope", "none"),
     "recompute_granularity": (None, "full", "selective"),
     "recompute_method": (None, "uniform", "block"),
-}
+})
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from types import MappingProxyType
 from typing import Callable
 
 import torch
@@ -21,7 +22,7 @@ from megatron_core.checkpointing.streaming import StreamingSafetensorsWriter
 from megatron_core.utils.progress import progress_bar
 
 # global name suffix -> (HF name suffix, tp partition dim, stride, transform kind)
-_LAYER_MAP = {
+_LAYER_MAP = MappingProxyType({
     "input_layernorm.weight": ("ln_1.weight", None, "copy"),
     "input_layernorm.bias": ("ln_1.bias", None, "copy"),
     "self_attention.linear_qkv.weight": ("attn.c_attn.weight", 0, "qkv_weight"),
@@ -34,14 +35,14 @@ _LAYER_MAP = {
     "mlp.linear_fc1.bias": ("mlp.c_fc.bias", 0, "copy"),
     "mlp.linear_fc2.weight": ("mlp.c_proj.weight", 1, "conv1d"),
     "mlp.linear_fc2.bias": ("mlp.c_proj.bias", None, "copy"),
-}
-_TOP_MAP = {
+})
+_TOP_MAP = MappingProxyType({
     "embedding.word_embeddings.weight": ("transformer.wte.weight", 0, "copy"),
     "embedding.position_embeddings.weight": ("transformer.wpe.weight", None, "copy"),
     "decoder.final_layernorm.weight": ("transformer.ln_f.weight", None, "copy"),
     "decoder.final_layernorm.bias": ("transformer.ln_f.bias", None, "copy"),
     "output_layer.weight": ("lm_head.weight", 0, "copy"),
-}
+})
 _TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+from types import MappingProxyType
 from typing import Any, Callable, Optional
 
 import torch
@@ -28,11 +29,11 @@ from megatron_core.checkpointing.convert import SourceCheckpoint, SourceTensor, 
 from megatron_core.checkpointing.layout import merge_shards, repad_vocab, take_shard
 from megatron_core.tensor_parallel import vocab_size_with_padding
 
-_TE_NAMES = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+_TE_NAMES = MappingProxyType({"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
              "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
              "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
-             "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias"}
-_TO_TE = {ours: theirs for theirs, ours in _TE_NAMES.items()}
+             "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias"})
+_TO_TE = MappingProxyType({ours: theirs for theirs, ours in _TE_NAMES.items()})
 _EXTRA_STATE_MODULES = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1",
                         "mlp.linear_fc2")
 _LAYERS = "decoder.layers."

@@ -6,13 +6,14 @@ from __future__ import annotations
 import json
 import math
 import os
+from types import MappingProxyType
 from typing import Sequence
 
 import torch
 
-_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+_DTYPES = MappingProxyType({torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
            torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-           torch.bool: "BOOL"}
+           torch.bool: "BOOL"})
 
 
 def parse_dtype(text: str) -> torch.dtype:

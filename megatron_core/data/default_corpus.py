@@ -15,8 +15,7 @@ import sysconfig
 import time
 from typing import List, Optional
 
-from megatron_core.data.indexed_dataset import (IndexedDatasetBuilder, data_file_path, index_file_path,
-                                                 optimal_dtype)
+from megatron_core.data.indexed_dataset import IndexedDatasetBuilder, data_file_path, index_file_path, optimal_dtype
 from megatron_core.data.io_utils import atomic_write_text
 from megatron_core.data.tokenizers import ByteTokenizer, Tokenizer
 
@@ -25,7 +24,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_BYTES = 3_000_000
 CACHE_ENV_VAR = "MEGATRON_CORE_CACHE"
 _FORMAT_VERSION = 1
-_EXCLUDED_DIRS = {"site-packages", "dist-packages", "test", "tests", "__pycache__", "idle_test"}
+_EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "__pycache__", "idle_test"})
 
 
 def default_cache_dir() -> str:

@@ -18,6 +18,7 @@ Layout of ``{prefix}.idx`` (all little-endian), byte-compatible with Megatron-LM
 import logging
 import os
 import struct
+from types import MappingProxyType
 from typing import Dict, Iterable, Optional, Sequence
 
 import numpy as np
@@ -29,10 +30,10 @@ logger = logging.getLogger(__name__)
 INDEX_MAGIC = b"MMIDIDX\x00\x00"
 INDEX_VERSION = 1
 HEADER_SIZE = 9 + 8 + 1 + 8 + 8  # magic, version, dtype code, sequence count, document count
-DTYPE_CODES: Dict[int, type] = {
+DTYPE_CODES: Dict[int, type] = MappingProxyType({
     1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32,
     5: np.int64, 6: np.float64, 7: np.float32, 8: np.uint16,
-}
+})
 _CHUNK = 1 << 20  # elements per chunk when validating large index arrays
 
 

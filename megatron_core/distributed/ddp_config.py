@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import dataclasses
+from types import MappingProxyType
 from typing import Optional
 
 ZERO_STAGES = (0, 1, 2, 3)
 # Megatron's --data-parallel-sharding-strategy names for each ZeRO stage.
-SHARDING_STRATEGIES = {"no_shard": 0, "optim": 1, "optim_grads": 2, "optim_grads_params": 3}
+SHARDING_STRATEGIES = MappingProxyType({"no_shard": 0, "optim": 1, "optim_grads": 2, "optim_grads_params": 3})
 
 
 @dataclasses.dataclass(kw_only=True)

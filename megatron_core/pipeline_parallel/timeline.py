@@ -6,13 +6,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+from types import MappingProxyType
 from typing import Optional
 
 import torch.distributed as dist
 
 from megatron_core.utils.files import atomic_write, new_figure, save_figure
 
-COLORS = {"forward": "#4285f4", "backward": "#34a853", "send": "#fbbc05", "recv": "#ea4335", "idle": "#ebebeb"}
+COLORS = MappingProxyType({"forward": "#4285f4", "backward": "#34a853", "send": "#fbbc05", "recv": "#ea4335", "idle": "#ebebeb"})
 
 
 @dataclasses.dataclass

@@ -11,12 +11,13 @@ import argparse
 import difflib
 import logging
 import os
+from types import MappingProxyType
 from typing import Optional, Sequence
 
 logger = logging.getLogger(__name__)
 
 _FUSION = "fusion switch: the kernels in kernels/ pick their own fused or reference path, with the same numerics"
-ACCEPTED_NO_OPS: dict[str, str] = {
+ACCEPTED_NO_OPS: dict[str, str] = MappingProxyType({
     "--use-mcore-models": "the models are always megatron-core style",
     "--transformer-impl": "one implementation (this framework's own modules, no Transformer Engine)",
     "--attention-backend": "attention runs the fused Triton softmax or PyTorch SDPA, chosen per device",
@@ -46,15 +47,15 @@ ACCEPTED_NO_OPS: dict[str, str] = {
     "--log-l2-norm-grad-to-tensorboard": "TensorBoard gets grad_norm anyway",
     "--disable-bf16-reduced-precision-matmul": "acts on CUDA only (bf16 matmuls reduce in fp32)",
     "--rampup-batch-size": "deprecated and ignored by Megatron-LM too: use --step-batch-size-schedule",
-}
-_VALUE_NO_OPS = {"--transformer-impl": ["local", "transformer_engine", "inference_optimized"],
+})
+_VALUE_NO_OPS = MappingProxyType({"--transformer-impl": ["local", "transformer_engine", "inference_optimized"],
                  "--attention-backend": ["auto", "flash", "fused", "unfused", "local"],
                  "--cross-entropy-fusion-impl": ["native", "te"],
                  "--ckpt-format": ["torch", "torch_dist", "zarr", "torch_dcp", "fsdp_dtensor"],
                  "--dist-ckpt-strictness": ["assume_ok_unexpected", "log_unexpected", "log_all", "raise_unexpected",
                                             "raise_all", "return_unexpected", "return_all", "ignore_all"],
                  "--num-workers": int, "--timing-log-level": int, "--timing-log-option": ["max", "minmax", "all"],
-                 "--tensorboard-log-interval": int, "--tensorboard-queue-size": int, "--rampup-batch-size": 3}
+                 "--tensorboard-log-interval": int, "--tensorboard-queue-size": int, "--rampup-batch-size": 3})
 
 _MOE = ("this mixture-of-experts option is not built (the --moe-* flags of pretrain_gpt.py --help are); drop "
         "it")
@@ -67,9 +68,9 @@ _MTP = "multi-token prediction is not built; drop these flags"
 _GPT_OSS = ("gpt-oss's layer variants (windowed attention, learnable softmax, clamped GeGLU) are not built; "
             "drop these flags")
 _CUDA_GRAPH = "CUDA graphs are not built; drop these flags"
-REFUSED_PREFIXES: dict[str, str] = {"--moe-": _MOE, "--fp8": _FP8, "--fp4": _FP8, "--mtp-": _MTP,
-                                    "--cuda-graph": _CUDA_GRAPH}
-REFUSED_FLAGS: dict[str, str] = {
+REFUSED_PREFIXES: dict[str, str] = MappingProxyType({"--moe-": _MOE, "--fp8": _FP8, "--fp4": _FP8, "--mtp-": _MTP,
+                                    "--cuda-graph": _CUDA_GRAPH})
+REFUSED_FLAGS: dict[str, str] = MappingProxyType({
     "--expert-tensor-parallel-size": _ETP,
     "--multi-latent-attention": _MLA, "--q-lora-rank": _MLA, "--kv-lora-rank": _MLA, "--qk-head-dim": _MLA,
     "--qk-pos-emb-head-dim": _MLA, "--v-head-dim": _MLA, "--mscale": _MLA, "--mscale-all-dim": _MLA,
@@ -81,7 +82,7 @@ REFUSED_FLAGS: dict[str, str] = {
     "--cp-comm-type p2p, a2a or allgather",
     "--recompute-modules": "selective recompute of MoE or MLA modules needs those modules; use core_attn, mlp, "
     "layernorm",
-}
+})
 _SELECTIVE_MODULES = ("core_attn", "mlp", "layernorm")
 
 

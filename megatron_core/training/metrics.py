@@ -6,6 +6,7 @@ import logging
 import os
 import resource
 import time
+from types import MappingProxyType
 from typing import Optional, Sequence
 
 import torch
@@ -13,7 +14,7 @@ import torch
 from megatron_core.config import TransformerConfig
 
 logger = logging.getLogger(__name__)
-PEAK_TFLOPS_BF16 = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0}
+PEAK_TFLOPS_BF16 = MappingProxyType({"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0})
 
 
 def gpt_flops_per_iteration(config: TransformerConfig, *, batch_size: int, seq_length: int,

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from types import MappingProxyType
 from typing import Optional
 
 from megatron_core.training.lr_scheduler import LRScheduler
 
-_SUFFIXES = {"K": 10**3, "M": 10**6, "B": 10**9, "T": 10**12}
+_SUFFIXES = MappingProxyType({"K": 10**3, "M": 10**6, "B": 10**9, "T": 10**12})
 DEFAULT_TRAIN_ITERS = 100
 
 
