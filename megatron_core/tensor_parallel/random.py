@@ -135,6 +135,9 @@ def checkpoint(
     gradients equal those of running ``function`` without checkpointing. Built on PyTorch's non-reentrant
     checkpoint, so it composes with ``torch.autograd.grad`` and keyword arguments.
     """
+    if torch.compiler.is_compiling():  # inside a compiled layer: dynamo traces the plain checkpoint (a higher-
+        # order op) and inductor recomputes the region in backward; it cannot trace the tracker replay below
+        return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, **kwargs)
     tracker = rng_tracker or _tracker_for_args(args)
     replay = _ReplayTrackerStates(tracker)
     return torch.utils.checkpoint.checkpoint(
