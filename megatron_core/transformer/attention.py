@@ -7,6 +7,7 @@ chunks of whole groups (``num_query_groups % tp == 0``), so each rank holds the 
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Optional
 
@@ -59,13 +60,15 @@ class DotProductAttention(nn.Module):
         self.attention_dropout = config.attention_dropout
         self.parallel_state, self.cp_comm_type = parallel_state, config.cp_comm_type
 
-    def _use_sdpa(self, device: torch.device, attention_mask: Optional[torch.Tensor], sq: int, sk: int) -> bool:
-        """PyTorch's fused attention where the Triton softmax cannot run (its plain-torch reference would be
-        the unfused path): causal, no explicit mask, and no attention dropout (which must draw from the
-        tracker's tensor-parallel RNG state)."""
-        dropout_active = self.training and self.attention_dropout > 0
-        no_triton = kernels.get_backend() == "torch" or kernels.triton_unavailable_reason(device) is not None
-        return attention_mask is None and sq == sk and not dropout_active and no_triton
+    @staticmethod
+    def implementation(attention_mask: Optional[torch.Tensor], sq: int, sk: int) -> str:
+        """Which path ``local_attention`` takes, on every device: ``"sdpa"`` (PyTorch's fused
+        ``scaled_dot_product_attention(is_causal=True)``: flash or memory-efficient attention on CUDA, the
+        flash CPU kernel on CPU) for causal attention without an explicit mask; ``"softmax"`` (scores, the
+        fused masked softmax of ``kernels``, Triton where it runs, then ``probs @ v``) for an explicit mask or
+        a causal block with sq != sk. The choice is recorded as the ``attention`` entry of
+        ``kernels.backend_report()`` (pretrain_gpt's "kernels used:" line)."""
+        return "sdpa" if attention_mask is None and sq == sk else "softmax"
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -84,10 +87,17 @@ class DotProductAttention(nn.Module):
         if heads != groups:  # GQA: each group's k/v serves its heads_per_group consecutive query heads
             key = key.repeat_interleave(heads // groups, dim=2)
             value = value.repeat_interleave(heads // groups, dim=2)
-        if self._use_sdpa(query.device, attention_mask, sq, sk):
-            context = F.scaled_dot_product_attention(  # [b, heads, sq, d]
-                query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3), is_causal=True,
-                scale=self.scale)
+        implementation = self.implementation(attention_mask, sq, sk)
+        kernels.record("attention", implementation)
+        if implementation == "sdpa":
+            dropout_p = self.attention_dropout if self.training else 0.0
+            # SDPA's dropout draws from the device's default generator: inside the tracker's fork that is the
+            # model-parallel state, so masks differ across tp ranks and replay under activation recompute
+            rng = get_rng_tracker(query.device).fork() if dropout_p > 0 else contextlib.nullcontext()
+            with rng:
+                context = F.scaled_dot_product_attention(  # [b, heads, sq, d]
+                    query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3),
+                    dropout_p=dropout_p, is_causal=True, scale=self.scale)
             return context.permute(2, 0, 1, 3).reshape(sq, b, heads * d)
         q = query.permute(1, 2, 0, 3).reshape(b * heads, sq, d)
         k = key.permute(1, 2, 0, 3).reshape(b * heads, sk, d)
