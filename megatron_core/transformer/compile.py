@@ -12,7 +12,8 @@ generates its own fused kernels from them (C++ on CPU, Triton on CUDA). What a l
 trace (tensor-parallel collectives on some backends, RNG-tracker forks for dropout, selective-recompute
 checkpoints) runs eagerly between compiled graphs ("graph breaks"), so results equal the eager layer's.
 Inductor draws dropout masks from its own RNG, so with dropout > 0 the compiled masks differ from eager's
-(set ``torch._inductor.config.fallback_random = True`` to draw them from torch's generators).
+(set ``torch._inductor.config.fallback_random = True`` to draw them from torch's generators). Incremental
+decoding (a call with an ``inference_cache``) runs the eager forward: its shapes change every step.
 """
 from __future__ import annotations
 
@@ -33,10 +34,13 @@ def compile_layer(layer: nn.Module, **compile_kwargs: Any) -> nn.Module:
 
     if getattr(layer, "compiled_forward", None) is not None:
         return layer
-    compiled = torch.compile(layer.forward, **compile_kwargs)
+    eager = layer.forward
+    compiled = torch.compile(eager, **compile_kwargs)
 
-    @functools.wraps(layer.forward)
+    @functools.wraps(eager)
     def forward(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("inference_cache") is not None:  # incremental decoding: a new shape every step, eager
+            return eager(*args, **kwargs)
         with kernels.use_backend("torch"):  # inductor fuses the torch ops; a Triton launch would break the graph
             return compiled(*args, **kwargs)
 
