@@ -1,8 +1,8 @@
 """--compile (regional torch.compile of each transformer layer, inductor's C++ backend on CPU) against the eager
 run of the same layout: fp32 losses of 4 AdamW iterations to 1e-5 relative, at tp 2 with sequence parallelism
-and selective recompute, pp 2 (1F1B with full recompute, and interleaved), and dp 2 with ZeRO-3 (the gather
-hooks stay outside the compiled layers). The kernels' Triton paths are tested in tests/kernels; here every op
-runs its torch path, which is what a compiled layer runs inside."""
+and selective recompute, pp 2 (1F1B with full recompute, and interleaved), dp 2 with ZeRO-2 (overlapped grad
+reduction) and ZeRO-3 (the gather hooks stay outside the compiled layers). The kernels' Triton paths are
+tested in tests/kernels; here every op runs its torch path, which is what a compiled layer runs inside."""
 import os
 import tempfile
 
@@ -18,6 +18,7 @@ LAYOUTS = {
     "pp2-1f1b-full-recompute": ["--pipeline-model-parallel-size", "2", "--recompute-granularity", "full",
                                 "--recompute-method", "uniform", "--recompute-num-layers", "1"],
     "pp2-interleaved": ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"],
+    "dp2-zero2-overlap": ["--zero-stage", "2", "--overlap-grad-reduce"],
     "dp2-zero3": ["--zero-stage", "3"],
 }
 
