@@ -167,7 +167,10 @@ def train(extra: Sequence[str], *, dry_run: bool, out_dir: str, tag: str, timeou
     records = [json.loads(line) for line in open(metrics, encoding="utf-8")]
     records = [r for r in records if r.get("split", "train") == "train" and "mfu" in r]
     steady = records[len(records) // 3:] or records  # the first third: compilation, allocator warm-up
-    median = lambda key: statistics.median(r[key] for r in steady) if steady and steady[0].get(key) is not None else None  # noqa: E731
+    def median(key: str) -> Optional[float]:
+        values = [r[key] for r in steady if r.get(key) is not None]
+        return statistics.median(values) if values else None
+
     result.update(iterations=len(records), mfu=median("mfu"), tokens_per_sec=median("tokens_per_sec"),
                   ms_per_iter=median("ms_per_iter"),
                   mem_gib=max(r.get("mem_bytes", 0) for r in records) / 2**30,
@@ -183,13 +186,17 @@ def _fmt(value, spec: str, missing: str = "n/a") -> str:
 
 def summarize(report: dict) -> str:
     """The compact text summary of ``report`` (what is printed and written to outputs/)."""
-    lines = [f"gpu_check {report['when']} on {report['device']} ({'DRY RUN: tiny shapes, numbers meaningless' if report['dry_run'] else 'full'})",
-             f"torch {report['torch']}, triton {report['triton']}, total {report['wall_s']:.0f} s"]
+    mode = "DRY RUN: tiny shapes, numbers meaningless" if report["dry_run"] else "full"
+    lines = [f"gpu_check {report['when']} on {report['device']} ({mode})",
+             f"torch {report['torch']}, triton {report['triton']}, total {report['wall_s']:.0f} s"
+             + (" (INTERRUPTED by the time limit: the parts below are what finished)" if report["interrupted"] else "")]
     checks = report["correctness"]
     failed = [c for c in checks if not c["ok"]]
-    lines.append(f"[1] correctness: {len(checks) - len(failed)}/{len(checks)} cases pass (fp32, bf16; fwd + bwd vs torch)")
+    lines.append(f"[1] correctness: {len(checks) - len(failed)}/{len(checks)} cases pass "
+                 "(fp32, bf16; fwd + bwd vs torch)")
     for case in failed:
-        lines.append(f"    FAIL {case['case']} {case['dtype']}: max err {case['max_abs_error']:.3g} {case.get('error', '')}")
+        lines.append(f"    FAIL {case['case']} {case['dtype']}: max err {case['max_abs_error']:.3g} "
+                     f"{case.get('error', '')}")
     peak = report["peak_bandwidth"]
     lines.append(f"[2] bandwidth, bf16 fwd+bwd (peak {_fmt(peak and peak / 1e9, '.0f')} GB/s; target >= 80%):")
     for row in report["bandwidth"]:
@@ -234,11 +241,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     report = {"when": when, "dry_run": args.dry_run, "torch": torch.__version__,
               "triton": getattr(kernels._dispatch.triton, "__version__", None),
               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter)"}
-    report["correctness"] = check_kernels(device, TINY if args.dry_run else FULL)
-    report["bandwidth"], report["peak_bandwidth"] = measure_bandwidth(device, dry_run=args.dry_run, iters=args.iters)
-    runs = [("eager", [])] + ([] if args.skip_compile_run else [("compile", ["--compile"])])
-    report["training"] = [train(extra, dry_run=args.dry_run, out_dir=args.out_dir, tag=tag,
-                                timeout_s=args.train_timeout) for tag, extra in runs]
+    report.update(correctness=[], bandwidth=[], peak_bandwidth=None, training=[], interrupted=False)
+    try:  # gpu_check.sh's time limit interrupts with SIGINT: what finished is still summarized
+        report["correctness"] = check_kernels(device, TINY if args.dry_run else FULL)
+        report["bandwidth"], report["peak_bandwidth"] = measure_bandwidth(device, dry_run=args.dry_run,
+                                                                          iters=args.iters)
+        runs = [("eager", [])] + ([] if args.skip_compile_run else [("compile", ["--compile"])])
+        for tag, extra in runs:
+            report["training"].append(train(extra, dry_run=args.dry_run, out_dir=args.out_dir, tag=tag,
+                                            timeout_s=args.train_timeout))
+    except KeyboardInterrupt:
+        report["interrupted"] = True
     report["wall_s"] = time.perf_counter() - begin
     text = summarize(report)
     print(text)
@@ -248,7 +261,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     with open(stem + ".json", "w", encoding="utf-8") as f:
         json.dump(report, f, indent=1)
     print(f"summary written to {stem}.txt (full report: {stem}.json)")
-    ok = all(c["ok"] for c in report["correctness"]) and all(r["ok"] for r in report["training"])
+    ok = (not report["interrupted"] and all(c["ok"] for c in report["correctness"])
+          and all(r["ok"] for r in report["training"]))
     return 0 if ok else 1
 
 

@@ -19,4 +19,4 @@ export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-${TMPDIR:-/tmp}/megatron_core_trito
 for arg in "$@"; do
   if [[ "$arg" == "--dry-run" ]]; then export TRITON_INTERPRET=1; fi
 done
-exec timeout --signal=INT 480 "$PYTHON" scripts/gpu_check.py "$@"
+exec timeout --signal=INT --kill-after=20 480 "$PYTHON" scripts/gpu_check.py "$@"
