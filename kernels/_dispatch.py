@@ -176,8 +176,15 @@ def select(op: str, device: torch.device, unsupported: Optional[str] = None) -> 
             backend = "torch"
         else:
             backend = "triton"
-    _last[op] = backend
+    record(op, backend)
     return backend
+
+
+def record(op: str, implementation: str) -> None:
+    """Notes that ``op`` ran ``implementation`` (what ``last_backend`` / ``backend_report`` return). Not while
+    dynamo traces (``torch.compile``): a compiled region's side effects would break its graph."""
+    if not torch.compiler.is_compiling():
+        _last[op] = implementation
 
 
 def block_size(n: int, max_block: int) -> tuple[int, bool]:

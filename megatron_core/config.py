@@ -129,6 +129,9 @@ class TransformerConfig(ModelParallelConfig):
     recompute_num_layers: Optional[int] = None
     recompute_modules: tuple[str, ...] = ("core_attn",)
     """With selective recompute: which parts run again in backward: "core_attn", "mlp", "layernorm"."""
+    compile: bool = False
+    """``torch.compile`` each transformer layer's forward (regional compilation, see
+    ``megatron_core.transformer.compile``); the model's structure, state dict and hooks stay eager."""
     first_pipeline_num_layers: Optional[int] = None
     """Layers on the first pipeline stage when the split is uneven (the rest are spread evenly)."""
     last_pipeline_num_layers: Optional[int] = None

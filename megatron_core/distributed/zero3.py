@@ -45,18 +45,29 @@ def plan_units(root: nn.Module) -> dict[nn.Module, list[nn.Parameter]]:
     in each of their lists. A module with ``gathers_small_parameters = True`` (``TransformerLayer``) takes the
     1-D parameters of everything inside it (norm weights, biases) into its own unit, gathered for its whole
     forward and backward: one small gather instead of one per norm and bias, and a bias returned to the
-    layer (``skip_bias_add``) needs no special keeping. Leaf modules without parameters are units with an
-    empty list (they may borrow parameters passed to their forward).
+    layer (``skip_bias_add``) needs no special keeping. A module with ``gathers_all_parameters = True`` (a
+    layer compiled by ``megatron_core.transformer.compile``) is one unit of every parameter inside it, and the
+    modules inside it are no units at all: its hooks run outside the compiled forward, none inside. Leaf
+    modules without parameters are units with an empty list (they may borrow parameters passed to their
+    forward).
     """
     claimed: dict[nn.Parameter, nn.Module] = {}
+    inside_whole: set[int] = set()  # ids of modules inside a gathers_all_parameters module: no units, no hooks
     for module in root.modules():
-        if getattr(module, "gathers_small_parameters", False):
+        if id(module) in inside_whole:
+            continue
+        whole = module is not root and getattr(module, "gathers_all_parameters", False)
+        if whole:
+            inside_whole.update(id(m) for m in module.modules() if m is not module)
+        if whole or getattr(module, "gathers_small_parameters", False):
             for param in module.parameters():
-                if param.requires_grad and len(logical_shape(param)) <= 1:
+                if param.requires_grad and (whole or len(logical_shape(param)) <= 1):
                     claimed.setdefault(param, module)
     units: dict[nn.Module, list[nn.Parameter]] = {root: []}
     for module in root.modules():
-        if getattr(module, "gathers_small_parameters", False):
+        if id(module) in inside_whole:
+            continue
+        if _claims(module):
             units.setdefault(module, []).extend(dict.fromkeys(p for p, owner in claimed.items() if owner is module))
         for param in module.parameters(recurse=False):
             if param.requires_grad and param not in claimed:
@@ -64,6 +75,17 @@ def plan_units(root: nn.Module) -> dict[nn.Module, list[nn.Parameter]]:
         if next(module.children(), None) is None:
             units.setdefault(module, [])  # a leaf without parameters may borrow one through its arguments
     return units
+
+
+def _claims(module: nn.Module) -> bool:
+    """Whether ``module`` gathers parameters of its submodules with its own (``gathers_small_parameters``: the
+    1-D ones; ``gathers_all_parameters``, set on compiled layers: all of them, and no hook runs inside it)."""
+    return getattr(module, "gathers_all_parameters", False) or getattr(module, "gathers_small_parameters", False)
+
+
+def _counts_as_live(unit: nn.Module) -> bool:
+    """A unit of only small parameters does not count against ``max_live_units``."""
+    return getattr(unit, "gathers_all_parameters", False) or not getattr(unit, "gathers_small_parameters", False)
 
 
 def _tensors(output: Any) -> Iterable[torch.Tensor]:
@@ -133,7 +155,7 @@ class ParameterGatherer:
         """Units other than the root whose parameters are gathered or being gathered (by first user); the
         small-parameter units of ``gathers_small_parameters`` modules do not count."""
         return list(dict.fromkeys(self.bucket_users[b][0] for b in self._live
-                                  if not getattr(self.bucket_users[b][0], "gathers_small_parameters", False)))
+                                  if _counts_as_live(self.bucket_users[b][0])))
 
     def _start(self, unit: nn.Module) -> None:
         for bucket in self.buckets_of(unit):

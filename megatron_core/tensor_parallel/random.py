@@ -126,6 +126,9 @@ def checkpoint(
     gradients equal those of running ``function`` without checkpointing. Built on PyTorch's non-reentrant
     checkpoint, so it composes with ``torch.autograd.grad`` and keyword arguments.
     """
+    if torch.compiler.is_compiling():  # inside a compiled layer: dynamo traces the plain checkpoint (a higher-
+        # order op) and inductor recomputes the region in backward; it cannot trace the tracker replay below
+        return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, **kwargs)
     if rng_tracker is None:  # only the default generator's state is replayed (torch's preserve_rng_state)
         return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, preserve_rng_state=True,
                                                  **kwargs)

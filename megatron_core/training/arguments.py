@@ -105,6 +105,8 @@ def _training_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--log-interval", type=int, default=10)
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--bf16", action="store_true")
+    g.add_argument("--compile", action="store_true",
+                   help="torch.compile each transformer layer (regional; inductor: C++ on CPU, Triton on CUDA)")
     g.add_argument("--fp16", action="store_true")
     g.add_argument("--loss-scale", type=float, default=None, help="static fp16 loss scale (default: dynamic)")
     g.add_argument("--initial-loss-scale", type=float, default=2.0**32)
@@ -342,7 +344,7 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         context_parallel_size=args.context_parallel_size, cp_comm_type=_one_cp_comm_type(args.cp_comm_type),
         virtual_pipeline_model_parallel_size=virtual_pipeline_size(args), sequence_parallel=args.sequence_parallel,
-        params_dtype=dtype, bf16=args.bf16, fp16=args.fp16, moe=moe_config(args))
+        params_dtype=dtype, bf16=args.bf16, fp16=args.fp16, moe=moe_config(args), compile=args.compile)
 
 
 def exit_with_config_error(error: object, status: int = 2) -> NoReturn:

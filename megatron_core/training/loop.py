@@ -41,10 +41,14 @@ from megatron_core.transformer.moe.tracking import moe_loss_report, set_aux_loss
 logger = logging.getLogger(__name__)
 
 
-def kernel_report() -> str:
-    """``op=backend`` for every fused op run so far (``kernels.backend_report``)."""
+def kernel_report(*, compiled_layers: bool = False) -> str:
+    """``op=backend`` for every fused op run so far (``kernels.backend_report``; ops inside compiled layers are
+    not recorded: with ``compiled_layers`` the report says that inductor generated their kernels)."""
     import kernels  # lazily: megatron_core imports Triton only where an op runs
-    return ", ".join(f"{op}={backend}" for op, backend in sorted(kernels.backend_report().items())) or "none"
+    report = ", ".join(f"{op}={backend}" for op, backend in sorted(kernels.backend_report().items())) or "none"
+    if compiled_layers:
+        report += "; transformer layers: torch.compile (inductor kernels; causal attention without a mask: sdpa)"
+    return report
 
 
 def initialize_distributed(args: argparse.Namespace) -> None:
@@ -346,7 +350,7 @@ def _train(run: Run) -> list[float]:
             lrs.append(result["lr"])
             _check_numerics(run, iteration, result)
             if len(losses) == 1 and run.is_logging_rank:  # which implementation ran each fused op, once
-                print(f" kernels used: {kernel_report()}", flush=True)
+                print(f" kernels used: {kernel_report(compiled_layers=run.config.compile)}", flush=True)
             record = step_record(run, iteration, result, time.perf_counter() - begin)
             writer.write(record)
             if iteration % args.log_interval == 0 and run.is_logging_rank:

@@ -7,6 +7,7 @@ chunks of whole groups (``num_query_groups % tp == 0``), so each rank holds the 
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Optional
 
@@ -58,13 +59,31 @@ class DotProductAttention(nn.Module):
         self.attention_dropout = config.attention_dropout
         self.parallel_state, self.cp_comm_type = parallel_state, config.cp_comm_type
 
-    def _use_sdpa(self, device: torch.device, attention_mask: Optional[torch.Tensor], sq: int, sk: int) -> bool:
-        """PyTorch's fused attention where the Triton softmax cannot run (its plain-torch reference would be
-        the unfused path): causal, no explicit mask, and no attention dropout (which must draw from the
-        tracker's tensor-parallel RNG state)."""
-        dropout_active = self.training and self.attention_dropout > 0
-        no_triton = kernels.get_backend() == "torch" or kernels.triton_unavailable_reason(device) is not None
-        return attention_mask is None and sq == sk and not dropout_active and no_triton
+    @staticmethod
+    def implementation(attention_mask: Optional[torch.Tensor], sq: int, sk: int, *, device: torch.device,
+                       dropout_p: float) -> str:
+        """Which path ``local_attention`` takes.
+
+        ``"sdpa"``: PyTorch's fused ``scaled_dot_product_attention(is_causal=True)`` (flash or memory-efficient
+        attention on CUDA, dropout included; torch's flash CPU kernel on CPU) for causal attention without an
+        explicit mask. On CPU only without attention dropout: there SDPA's dropout runs its unfused math
+        path in fp32, which saves more for backward than the softmax path.
+        ``"softmax"``: scores, the fused masked softmax of ``kernels`` (Triton where it runs), dropout, then
+        ``probs @ v``: an explicit mask, a causal block with sq != sk, or CPU attention dropout.
+        The choice is recorded as the ``attention`` entry of ``kernels.backend_report()`` (pretrain_gpt's
+        "kernels used:" line).
+        """
+        causal = attention_mask is None and sq == sk
+        return "sdpa" if causal and (device.type == "cuda" or dropout_p == 0.0) else "softmax"
+
+    def sdpa(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, dropout_p: float) -> torch.Tensor:
+        """Causal SDPA: q, k, v ``[b, heads, s, d]`` -> ``[b, heads, s, d]``. SDPA's dropout draws from the
+        device's default generator: it runs inside the tracker's fork (the model-parallel state), so masks
+        differ across tp ranks, repeat from the same seed and replay under activation recompute."""
+        rng = self.parallel_state.rng_tracker.fork() if dropout_p > 0 else contextlib.nullcontext()
+        with rng:
+            return F.scaled_dot_product_attention(query, key, value, dropout_p=dropout_p, is_causal=True,
+                                                  scale=self.scale)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -83,10 +102,12 @@ class DotProductAttention(nn.Module):
         if heads != groups:  # GQA: each group's k/v serves its heads_per_group consecutive query heads
             key = key.repeat_interleave(heads // groups, dim=2)
             value = value.repeat_interleave(heads // groups, dim=2)
-        if self._use_sdpa(query.device, attention_mask, sq, sk):
-            context = F.scaled_dot_product_attention(  # [b, heads, sq, d]
-                query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3), is_causal=True,
-                scale=self.scale)
+        dropout_p = self.attention_dropout if self.training else 0.0
+        implementation = self.implementation(attention_mask, sq, sk, device=query.device, dropout_p=dropout_p)
+        kernels.record("attention", implementation)
+        if implementation == "sdpa":
+            context = self.sdpa(query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3),
+                                dropout_p=dropout_p)  # [b, heads, sq, d]
             return context.permute(2, 0, 1, 3).reshape(sq, b, heads * d)
         q = query.permute(1, 2, 0, 3).reshape(b * heads, sq, d)
         k = key.permute(1, 2, 0, 3).reshape(b * heads, sk, d)

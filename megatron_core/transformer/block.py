@@ -10,6 +10,7 @@ from torch import nn
 from megatron_core.config import TransformerConfig
 from megatron_core.parallel_state import ParallelState
 from megatron_core.tensor_parallel import checkpoint
+from megatron_core.transformer.compile import compile_layer
 from megatron_core.transformer.spec import TransformerLayerSpec
 
 LAYER_SEED_OFFSET = 1000  # layer n is initialized from base_seed + 1000 + n (embeddings use smaller offsets)
@@ -51,6 +52,9 @@ class TransformerBlock(nn.Module):
         for number in range(offset + 1, offset + count + 1):  # global, 1-based
             with seeded_init(base_seed, LAYER_SEED_OFFSET + number):
                 layers.append(spec.layer(config, layer_number=number, parallel_state=parallel_state, spec=spec))
+        if config.compile:
+            for layer in layers:
+                compile_layer(layer)
         self.layers = nn.ModuleList(layers)
         self.final_layernorm = (spec.final_norm(config, config.hidden_size, device=parallel_state.device)
                                 if post_process else None)

@@ -1,4 +1,4 @@
-"""The model's hot path (attention softmax, norms, vocab-parallel loss) runs the fused Triton kernels when they can run: here under
+"""The model's hot path (norms, vocab-parallel loss; attention runs SDPA) runs the fused Triton kernels when they can run: here under
 the interpreter (tests/conftest.py sets TRITON_INTERPRET=1), on a GPU compiled. Tiny shapes: each launch is
 interpreted."""
 import pytest
@@ -24,7 +24,7 @@ def test_forward_and_backward_dispatch_to_triton(overrides, norm_op):
     with kernels.use_backend("auto"):
         loss = model(input_ids, positions, labels=labels)
         loss.sum().backward()
-    assert kernels.last_backend("scaled_upper_triang_masked_softmax") == "triton"
+    assert kernels.last_backend("attention") == "sdpa"  # causal without a mask: SDPA; the softmax serves masks
     assert kernels.last_backend(norm_op) == "triton"
     assert kernels.last_backend("cross_entropy_shard_stats") == "triton"
     assert kernels.last_backend("cross_entropy_shard_backward") == "triton"
