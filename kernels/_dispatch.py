@@ -1,19 +1,22 @@
-"""Backend selection shared by the fused ops: Triton (compiled or interpreted) or the plain-torch reference.
+"""Which implementation each fused op runs: Triton (compiled on CUDA, interpreted on CPU) or torch.
 
-Rules, checked per call in this order:
+The choice is an object, ``KernelBackend``, that the caller holds and passes to every op as ``backend=``
+(a model holds its layout's: ``ParallelState.kernels``). Its ``mode`` decides, per call, in this order:
 
-1. ``set_backend("torch")`` (or ``with use_backend("torch")``) runs the torch reference everywhere.
-2. A CUDA tensor runs the compiled Triton kernel when ``import triton`` works.
-3. A CPU tensor runs the Triton kernel under the Triton interpreter when ``TRITON_INTERPRET=1`` was set before
-   ``kernels`` was imported (that is when the kernels are defined; the flag is read once, then).
-4. Anything else runs the torch reference.
+1. ``"torch"`` runs the torch implementation everywhere.
+2. A CUDA tensor runs the compiled Triton kernel when ``import triton`` works (``"auto"`` and ``"triton"``).
+3. A CPU tensor runs the Triton kernel under the Triton interpreter only in mode ``"triton"`` and when
+   ``TRITON_INTERPRET=1`` was set before ``kernels`` was imported (the flag is read once, when the kernels
+   are defined). ``"auto"`` never interprets: on the CPU it runs torch, the fast path there.
+4. Anything else runs the torch implementation.
 
-Under ``set_backend("triton")`` rule 4 raises RuntimeError instead, and an input a kernel does not cover
-(say float64) raises ValueError naming it; under the default ``"auto"`` such input runs the reference and the
-fallback is logged once per op and reason. ``last_backend(op)`` says which backend the op's last forward used.
+In mode ``"triton"`` rule 4 raises RuntimeError instead, and an input a kernel does not cover (say float64)
+raises ValueError naming it; under ``"auto"`` such input runs torch and the fallback is logged once per op and
+reason. ``backend.last[op]`` says what the op's last forward used; ``backend.report()`` all of them. An op called
+without a backend uses a fresh ``KernelBackend()`` (mode "auto", nothing recorded).
 
-Triton is imported here, guarded: when the import fails every op runs its reference and importing ``kernels``
-still succeeds.
+Triton is imported here, guarded: when the import fails every op runs torch and importing ``kernels`` still
+succeeds.
 """
 from __future__ import annotations
 
@@ -44,56 +47,9 @@ INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1
 BACKENDS = ("auto", "torch", "triton")
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
-_mode = "auto"
-_last: dict[str, str] = {}
-_logged: set[tuple[str, str]] = set()
-
-
 def jit(fn: Callable) -> Callable:
     """``triton.jit`` when Triton imported, else the plain function (never launched: dispatch picks torch)."""
     return triton.jit(fn) if triton is not None else fn
-
-
-def set_backend(name: str) -> None:
-    """Sets the process-wide backend: ``"auto"`` (the rules above), ``"torch"`` or ``"triton"``."""
-    global _mode
-    if name not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
-    _mode = name
-
-
-def get_backend() -> str:
-    """The process-wide backend set by ``set_backend`` (``"auto"`` by default)."""
-    return _mode
-
-
-@contextlib.contextmanager
-def use_backend(name: str) -> Iterator[None]:
-    """Context manager: ``set_backend(name)`` inside the block, the previous backend restored after it."""
-    previous = get_backend()
-    set_backend(name)
-    try:
-        yield
-    finally:
-        set_backend(previous)
-
-
-def last_backend(op: str) -> Optional[str]:
-    """``"triton"`` or ``"torch"``: the backend the last forward call of ``op`` ran; None before any call.
-
-    ``op`` is the public function's name, e.g. ``"layer_norm"`` or ``"cross_entropy_shard_stats"``.
-    """
-    return _last.get(op)
-
-
-def backend_report() -> dict[str, str]:
-    """A copy of ``{op: backend of its last forward call}`` for every op called so far."""
-    return dict(_last)
-
-
-def clear_backend_report() -> None:
-    """Forgets the recorded backends (``last_backend`` returns None until the op runs again)."""
-    _last.clear()
 
 
 def triton_unavailable_reason(device: torch.device) -> Optional[str]:
@@ -114,77 +70,118 @@ def unsupported_dtype(what: str, tensor: torch.Tensor) -> Optional[str]:
     return f"{what} dtype {tensor.dtype} (supported: float32, float16, bfloat16)"
 
 
-_capture: Optional[list] = None  # launches recorded instead of run (``capture_launches``)
-
-
-@contextlib.contextmanager
-def capture_launches() -> Iterator[list]:
-    """Inside the block every op takes its Triton path on any device and each kernel launch is recorded as
-    ``(kernel, args, kwargs)`` instead of run (the outputs stay uninitialized): what ``kernels.aot`` compiles
-    ahead of time for a GPU target, on a machine without one."""
-    global _capture
-    previous, _capture = _capture, []
-    try:
-        yield _capture
-    finally:
-        _capture = previous
-
-
-def launch(kernel, grid: tuple, *args, **kwargs) -> None:
-    """``kernel[grid](*args, **kwargs)``, or its record under ``capture_launches``."""
-    if _capture is not None:
-        _capture.append((kernel, args, kwargs))
-    else:
-        kernel[grid](*args, **kwargs)
-
-
-def would_run_triton(device: torch.device) -> bool:
-    """Whether an op on ``device`` would run Triton now (the backend mode and rules 2-4), without recording."""
-    if _capture is not None:
-        return True
-    return _mode != "torch" and triton_unavailable_reason(device) is None
-
-
-def select(op: str, device: torch.device, unsupported: Optional[str] = None) -> str:
-    """Picks and records the backend for one call of ``op`` on ``device``.
+class KernelBackend:
+    """The implementation choice of the fused ops, and what they ran (see the module docstring).
 
     Args:
-        op: the public op name, the key of ``last_backend``.
-        device: the device of the op's input.
-        unsupported: why the kernel cannot take this input (shape, dtype), or None.
+        mode: ``"auto"`` (default), ``"torch"`` or ``"triton"``.
 
-    Returns:
-        ``"triton"`` or ``"torch"``.
+    Attributes:
+        last: ``{op: "triton" | "torch"}`` of each op's last forward call through this backend.
+        capture: while ``capture_launches`` is active, the recorded launches.
     """
-    if _capture is not None and unsupported is None:
-        backend = "triton"
-    elif _mode == "torch":
-        backend = "torch"
-    else:
+
+    def __init__(self, mode: str = "auto") -> None:
+        if isinstance(mode, KernelBackend):
+            mode = mode.mode
+        if mode not in BACKENDS:
+            raise ValueError(f"kernel backend must be one of {BACKENDS}, got {mode!r}")
+        self.mode = mode
+        self.last: dict[str, str] = {}
+        self._logged: set[tuple[str, str]] = set()
+        self.capture: Optional[list] = None
+
+    def __repr__(self) -> str:
+        return f"KernelBackend({self.mode!r})"
+
+    @contextlib.contextmanager
+    def use(self, mode: str) -> Iterator["KernelBackend"]:
+        """Mode ``mode`` inside the block, the previous one restored after it."""
+        if mode not in BACKENDS:
+            raise ValueError(f"kernel backend must be one of {BACKENDS}, got {mode!r}")
+        previous, self.mode = self.mode, mode
+        try:
+            yield self
+        finally:
+            self.mode = previous
+
+    def report(self) -> dict[str, str]:
+        """A copy of ``last``: the implementation of every op called so far."""
+        return dict(self.last)
+
+    @contextlib.contextmanager
+    def capture_launches(self) -> Iterator[list]:
+        """Inside the block every op takes its Triton path on any device and each kernel launch is recorded as
+        ``(kernel, args, kwargs)`` instead of run (the outputs stay uninitialized): what ``kernels.aot``
+        compiles ahead of time for a GPU target, on a machine without one."""
+        previous, self.capture = self.capture, []
+        try:
+            yield self.capture
+        finally:
+            self.capture = previous
+
+    def launch(self, kernel, grid: tuple, *args, **kwargs) -> None:
+        """``kernel[grid](*args, **kwargs)``, or its record under ``capture_launches``."""
+        if self.capture is not None:
+            self.capture.append((kernel, args, kwargs))
+        else:
+            kernel[grid](*args, **kwargs)
+
+    def _triton_missing(self, device: torch.device) -> Optional[str]:
         missing = triton_unavailable_reason(device)
-        if _mode == "triton" and missing is not None:
-            raise RuntimeError(f"{op}: backend 'triton' was requested but {missing}; use set_backend('auto')")
-        if _mode == "triton" and unsupported is not None:
-            raise ValueError(f"{op}: the Triton kernel does not support {unsupported}")
-        if missing is not None:
-            backend = "torch"
-        elif unsupported is not None:
-            if (op, unsupported) not in _logged:
-                _logged.add((op, unsupported))
-                logger.warning("%s: the Triton kernel does not support %s; running the torch reference", op,
-                               unsupported)
+        if missing is None and device.type == "cpu" and self.mode == "auto":
+            return "mode 'auto' does not run the Triton interpreter on the CPU"
+        return missing
+
+    def would_run_triton(self, device: torch.device) -> bool:
+        """Whether an op on ``device`` would run Triton now, without recording."""
+        if self.capture is not None:
+            return True
+        return self.mode != "torch" and self._triton_missing(device) is None
+
+    def select(self, op: str, device: torch.device, unsupported: Optional[str] = None) -> str:
+        """Picks and records the implementation of one call of ``op`` on ``device``.
+
+        Args:
+            op: the public op name, the key of ``last``.
+            device: the device of the op's input.
+            unsupported: why the kernel cannot take this input (shape, dtype), or None.
+
+        Returns:
+            ``"triton"`` or ``"torch"``.
+        """
+        if self.capture is not None and unsupported is None:
+            backend = "triton"
+        elif self.mode == "torch":
             backend = "torch"
         else:
-            backend = "triton"
-    record(op, backend)
-    return backend
+            missing = self._triton_missing(device)
+            if self.mode == "triton" and missing is not None:
+                raise RuntimeError(f"{op}: backend 'triton' was requested but {missing}; use KernelBackend('auto')")
+            if self.mode == "triton" and unsupported is not None:
+                raise ValueError(f"{op}: the Triton kernel does not support {unsupported}")
+            if missing is not None:
+                backend = "torch"
+            elif unsupported is not None:
+                if (op, unsupported) not in self._logged:
+                    self._logged.add((op, unsupported))
+                    logger.warning("%s: the Triton kernel does not support %s; running torch", op, unsupported)
+                backend = "torch"
+            else:
+                backend = "triton"
+        self.record(op, backend)
+        return backend
+
+    def record(self, op: str, implementation: str) -> None:
+        """Notes that ``op`` ran ``implementation`` (``last``, ``report``). Not while dynamo traces
+        (``torch.compile``): a compiled region's side effects would break its graph."""
+        if not torch.compiler.is_compiling():
+            self.last[op] = implementation
 
 
-def record(op: str, implementation: str) -> None:
-    """Notes that ``op`` ran ``implementation`` (what ``last_backend`` / ``backend_report`` return). Not while
-    dynamo traces (``torch.compile``): a compiled region's side effects would break its graph."""
-    if not torch.compiler.is_compiling():
-        _last[op] = implementation
+def resolve(backend: Optional[KernelBackend]) -> KernelBackend:
+    """``backend``, or a fresh ``KernelBackend()`` (mode "auto") when None."""
+    return backend if backend is not None else KernelBackend()
 
 
 def block_size(n: int, max_block: int) -> tuple[int, bool]:

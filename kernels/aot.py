@@ -4,7 +4,7 @@ The interpreter (``TRITON_INTERPRET=1``) runs the kernels on CPU tensors but acc
 rejects (an unsupported cast, a block shape the layout cannot hold). Triton's own compiler builds kernels for
 any target without a device (``triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))``; ptxas
 ships with triton), so this module runs each op forward and backward on CPU tensors of GPT shapes under
-``_dispatch.capture_launches`` (the Triton path is taken and every launch is recorded instead of run) and
+``KernelBackend.capture_launches`` (the Triton path is taken and every launch is recorded instead of run) and
 compiles each distinct launch to a cubin. Import it only with ``TRITON_INTERPRET`` unset: interpreted kernels
 cannot be compiled.
 
@@ -19,7 +19,6 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from kernels import _dispatch
 
 _POINTER = MappingProxyType({torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.int64: "*i64",
             torch.int32: "*i32", torch.uint8: "*u8", torch.bool: "*i1"})
@@ -79,23 +78,26 @@ def gpt_launches(dtypes: Sequence[torch.dtype] = (torch.float32, torch.bfloat16,
     """The launches of every op, forward and backward, on GPT shapes: odd and long rows (a hidden size above
     the one-block limit takes the looped path), each dtype, with and without bias, mask and label smoothing."""
     import kernels
-    with _dispatch.capture_launches() as launches:
+    backend = kernels.KernelBackend("triton")
+    with backend.capture_launches() as launches:
         for dtype, hidden in itertools.product(dtypes, hidden_sizes):
             x = torch.zeros(3, hidden, dtype=dtype, requires_grad=True)
             w = torch.ones(hidden, dtype=dtype, requires_grad=True)
-            kernels.layer_norm(x, w, torch.zeros(hidden, dtype=dtype, requires_grad=True)).sum().backward()
-            kernels.layer_norm(x, w, None).sum().backward()
-            kernels.rms_norm(x, w).sum().backward()
+            kernels.layer_norm(x, w, torch.zeros(hidden, dtype=dtype, requires_grad=True),
+                              backend=backend).sum().backward()
+            kernels.layer_norm(x, w, None, backend=backend).sum().backward()
+            kernels.rms_norm(x, w, backend=backend).sum().backward()
         for dtype, sk in itertools.product(dtypes, score_lengths):
             scores = torch.zeros(1, 2, 3, sk, dtype=dtype, requires_grad=True)
             mask = torch.zeros(1, 1, 3, sk, dtype=torch.bool)
-            kernels.scaled_masked_softmax(scores, mask, 0.125).sum().backward()
+            kernels.scaled_masked_softmax(scores, mask, 0.125, backend=backend).sum().backward()
             causal = torch.zeros(2, sk, sk, dtype=dtype, requires_grad=True) if sk <= 256 else None
             if causal is not None:
-                kernels.scaled_upper_triang_masked_softmax(causal, 0.125).sum().backward()
+                kernels.scaled_upper_triang_masked_softmax(causal, 0.125, backend=backend).sum().backward()
         for dtype, vocab, smoothing in itertools.product(dtypes, vocab_sizes, (0.0, 0.1)):
             logits = torch.zeros(3, vocab, dtype=dtype, requires_grad=True)
-            kernels.cross_entropy(logits, torch.zeros(3, dtype=torch.int64), label_smoothing=smoothing).sum().backward()
+            kernels.cross_entropy(logits, torch.zeros(3, dtype=torch.int64), label_smoothing=smoothing,
+                                  backend=backend).sum().backward()
     return unique(launches)
 
 

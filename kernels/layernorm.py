@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import _dispatch
-from kernels._dispatch import jit, tl
+from kernels._dispatch import KernelBackend, jit, resolve, tl
 
 _MAX_BLOCK = 16384  # widest hidden size kept in registers; tests lower it to exercise the looped path
 
@@ -145,6 +145,7 @@ def norm_reference(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
         x: ``[rows, hidden]``.
         weight, bias: ``[hidden]`` (bias may be None; ignored for RMSNorm).
         eps: added to the variance.
+        backend: the ``KernelBackend`` that chooses and records the implementation (default: mode "auto").
         rms: RMSNorm (no centring, no bias) instead of LayerNorm.
     """
     x32 = x.float()
@@ -169,13 +170,13 @@ def norm_backward_reference(x: torch.Tensor, weight: torch.Tensor, dy: torch.Ten
     return (dx * rstd.unsqueeze(-1)).to(x.dtype), (dy32 * xhat).sum(dim=0), dy32.sum(dim=0)
 
 
-def _forward_triton(x, weight, bias, eps, rms):
+def _forward_triton(x, weight, bias, eps, rms, backend):
     rows, hidden = x.shape
     y = torch.empty_like(x)
     mean = torch.empty(rows, dtype=torch.float32, device=x.device)
     rstd = torch.empty_like(mean)
     block, one_block = _dispatch.block_size(hidden, _MAX_BLOCK)
-    _dispatch.launch(_norm_fwd_kernel, (rows,), x, weight, weight if bias is None else bias, y, mean, rstd, hidden, eps,
+    backend.launch(_norm_fwd_kernel, (rows,), x, weight, weight if bias is None else bias, y, mean, rstd, hidden, eps,
                               IS_RMS=rms, HAS_BIAS=bias is not None, ONE_BLOCK=one_block, BLOCK=block,
                               num_warps=_dispatch.num_warps(block))
     return y, mean, rstd
@@ -189,7 +190,7 @@ def _backward_programs(device: torch.device) -> int:
     return 4
 
 
-def _backward_triton(x, weight, dy, mean, rstd, rms, has_bias):
+def _backward_triton(x, weight, dy, mean, rstd, rms, has_bias, backend):
     rows, hidden = x.shape
     dx = torch.empty_like(x)
     programs = _backward_programs(x.device)
@@ -198,7 +199,7 @@ def _backward_triton(x, weight, dy, mean, rstd, rms, has_bias):
     block, one_block = _dispatch.block_size(hidden, _MAX_BLOCK)
     dw = torch.zeros(programs, hidden, dtype=torch.float32, device=x.device)
     db = torch.zeros_like(dw) if has_bias else dw
-    _dispatch.launch(_norm_bwd_kernel, (programs,), x, weight, dy, dx, mean, rstd, dw, db, rows, hidden, per_program,
+    backend.launch(_norm_bwd_kernel, (programs,), x, weight, dy, dx, mean, rstd, dw, db, rows, hidden, per_program,
                                   IS_RMS=rms, HAS_BIAS=has_bias, ONE_BLOCK=one_block, BLOCK=block,
                                   num_warps=_dispatch.num_warps(block))
     return dx, dw.sum(dim=0), db.sum(dim=0)
@@ -208,16 +209,19 @@ class _Norm(torch.autograd.Function):
     """Saves x, weight and the fp32 ``[rows]`` mean / rstd; backward reuses the forward's backend."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, eps: float, rms: bool, op: str):
+    def forward(ctx, x, weight, bias, eps: float, rms: bool, op: str, kernel_backend):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).contiguous()  # [rows, hidden]
         unsupported = next(filter(None, (_dispatch.unsupported_dtype(name, t) for name, t in
                                          (("x", x), ("weight", weight), ("bias", bias)) if t is not None)), None)
-        backend = _dispatch.select(op, x.device, unsupported)
-        run = _forward_triton if backend == "triton" and x2.numel() > 0 else norm_reference
-        y, mean, rstd = run(x2, weight.contiguous(), None if bias is None else bias.contiguous(), eps, rms)
+        backend = kernel_backend.select(op, x.device, unsupported)
+        args = (x2, weight.contiguous(), None if bias is None else bias.contiguous(), eps, rms)
+        if backend == "triton" and x2.numel() > 0:
+            y, mean, rstd = _forward_triton(*args, kernel_backend)
+        else:
+            y, mean, rstd = norm_reference(*args)
         ctx.save_for_backward(x2, weight, mean, rstd)
-        ctx.rms, ctx.has_bias, ctx.backend = rms, bias is not None, backend
+        ctx.rms, ctx.has_bias, ctx.backend, ctx.kernel_backend = rms, bias is not None, backend, kernel_backend
         ctx.bias_dtype = None if bias is None else bias.dtype
         return y.view(shape)
 
@@ -226,11 +230,12 @@ class _Norm(torch.autograd.Function):
         x2, weight, mean, rstd = ctx.saved_tensors
         dy2 = dy.reshape(x2.shape).contiguous()
         if ctx.backend == "triton" and x2.numel() > 0:
-            dx, dw, db = _backward_triton(x2, weight.contiguous(), dy2, mean, rstd, ctx.rms, ctx.has_bias)
+            dx, dw, db = _backward_triton(x2, weight.contiguous(), dy2, mean, rstd, ctx.rms, ctx.has_bias,
+                                          ctx.kernel_backend)
         else:
             dx, dw, db = norm_backward_reference(x2, weight, dy2, mean, rstd, ctx.rms)
         db = db.to(ctx.bias_dtype) if ctx.has_bias else None
-        return dx.view(dy.shape), dw.to(weight.dtype), db, None, None, None
+        return dx.view(dy.shape), dw.to(weight.dtype), db, None, None, None, None
 
 
 def _check(op: str, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float) -> None:
@@ -247,8 +252,8 @@ def _check(op: str, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
         raise ValueError(f"{op}: eps must be positive, got {eps}")
 
 
-def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float = 1e-5
-               ) -> torch.Tensor:
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float = 1e-5, *,
+               backend: Optional[KernelBackend] = None) -> torch.Tensor:
     """LayerNorm over the last dim with fp32 statistics.
 
     Args:
@@ -256,40 +261,46 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
         weight: ``[hidden]`` scale (any of those dtypes; gets a gradient in its own dtype).
         bias: ``[hidden]`` shift, or None for a LayerNorm without bias.
         eps: added to the variance.
+        backend: the ``KernelBackend`` that chooses and records the implementation (default: mode "auto").
 
     Returns:
         ``[..., hidden]`` in x's dtype. Backward gives dx, dweight and dbias.
     """
     _check("layer_norm", x, weight, bias, eps)
-    if _native("layer_norm", x, weight, bias):
+    backend = resolve(backend)
+    if _native("layer_norm", x, weight, bias, backend):
         return F.layer_norm(x, x.shape[-1:], weight.to(x.dtype), None if bias is None else bias.to(x.dtype), eps)
-    return _Norm.apply(x, weight, bias, float(eps), False, "layer_norm")
+    return _Norm.apply(x, weight, bias, float(eps), False, "layer_norm", backend)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5, *,
+             backend: Optional[KernelBackend] = None) -> torch.Tensor:
     """RMSNorm over the last dim with fp32 statistics: ``x / sqrt(mean(x^2) + eps) * weight``.
 
     Args:
         x: ``[..., hidden]``, fp32 / bf16 / fp16; any hidden size.
         weight: ``[hidden]`` scale (gets a gradient in its own dtype).
         eps: added to the mean of squares.
+        backend: the ``KernelBackend`` that chooses and records the implementation (default: mode "auto").
 
     Returns:
         ``[..., hidden]`` in x's dtype. Backward gives dx and dweight.
     """
     _check("rms_norm", x, weight, None, eps)
-    if _native("rms_norm", x, weight, None):
+    backend = resolve(backend)
+    if _native("rms_norm", x, weight, None, backend):
         return F.rms_norm(x, x.shape[-1:], weight.to(x.dtype), eps)
-    return _Norm.apply(x, weight, None, float(eps), True, "rms_norm")
+    return _Norm.apply(x, weight, None, float(eps), True, "rms_norm", backend)
 
 
-def _native(op: str, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:
+def _native(op: str, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+            backend: KernelBackend) -> bool:
     """Where the Triton kernel cannot run, torch's own fused op is the fastest path (``F.layer_norm``'s
     backward is 3-5x faster than the reference's on CPU); recorded as the "torch" backend. fp16/bf16 inputs
     keep the reference, whose statistics and weight grads are fp32 whatever torch's kernel does."""
-    if _dispatch.would_run_triton(x.device) or x.dtype != torch.float32:
+    if backend.would_run_triton(x.device) or x.dtype != torch.float32:
         return False
     if any(t is not None and t.dtype != torch.float32 for t in (weight, bias)):
         return False
-    _dispatch.select(op, x.device)
+    backend.select(op, x.device)
     return True

@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from kernels import _dispatch
-from kernels._dispatch import jit, tl
+from kernels._dispatch import KernelBackend, jit, resolve, tl
 
 _MAX_BLOCK = 16384  # longest row kept in registers; tests lower it to exercise the looped path
 
@@ -107,6 +107,7 @@ def softmax_reference(x: torch.Tensor, mask: Optional[torch.Tensor], scale: floa
         x: ``[..., sq, sk]`` scores.
         mask: boolean, broadcastable to x, True = masked out; or None.
         scale: multiplies x before the softmax.
+        backend: the ``KernelBackend`` that chooses and records the implementation (default: mode "auto").
         causal: also mask the positions above the diagonal (``k > q``).
     """
     s = x.float() * scale
@@ -127,7 +128,8 @@ def softmax_backward_reference(y: torch.Tensor, dy: torch.Tensor, scale: float) 
     return (scale * y32 * (dy32 - (y32 * dy32).sum(dim=-1, keepdim=True))).to(dy.dtype)
 
 
-def _forward_triton(x: torch.Tensor, mask: Optional[torch.Tensor], scale: float, causal: bool) -> torch.Tensor:
+def _forward_triton(x: torch.Tensor, mask: Optional[torch.Tensor], scale: float, causal: bool,
+                    backend: KernelBackend) -> torch.Tensor:
     x = x.contiguous()
     y = torch.empty_like(x)
     sq, sk = x.shape[-2], x.shape[-1]
@@ -139,18 +141,19 @@ def _forward_triton(x: torch.Tensor, mask: Optional[torch.Tensor], scale: float,
         strides = tuple(mask_arg.stride())
     block, one_block = _dispatch.block_size(sk, _MAX_BLOCK)
     rows = x.numel() // sk
-    _dispatch.launch(_softmax_fwd_kernel, (rows,), x, y, mask_arg, sk, sq, heads, *strides, scale, HAS_MASK=mask is not None,
+    backend.launch(_softmax_fwd_kernel, (rows,), x, y, mask_arg, sk, sq, heads, *strides, scale, HAS_MASK=mask is not None,
                                  CAUSAL=causal, ONE_BLOCK=one_block, BLOCK=block,
                                  num_warps=_dispatch.num_warps(block))
     return y
 
 
-def _backward_triton(y: torch.Tensor, dy: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
+def _backward_triton(y: torch.Tensor, dy: torch.Tensor, scale: float, causal: bool,
+                     backend: KernelBackend) -> torch.Tensor:
     dy = dy.contiguous()
     dx = torch.empty_like(y)
     sq, sk = y.shape[-2], y.shape[-1]
     block, one_block = _dispatch.block_size(sk, _MAX_BLOCK)
-    _dispatch.launch(_softmax_bwd_kernel, (y.numel() // sk,), y, dy, dx, sk, sq, scale, CAUSAL=causal, ONE_BLOCK=one_block,
+    backend.launch(_softmax_bwd_kernel, (y.numel() // sk,), y, dy, dx, sk, sq, scale, CAUSAL=causal, ONE_BLOCK=one_block,
                                             BLOCK=block, num_warps=_dispatch.num_warps(block))
     return dx
 
@@ -159,24 +162,25 @@ class _ScaledMaskedSoftmax(torch.autograd.Function):
     """Forward saves only y (x's dtype); backward reuses the forward's backend."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, mask: Optional[torch.Tensor], scale: float, causal: bool, op: str):
-        backend = _dispatch.select(op, x.device, _dispatch.unsupported_dtype("x", x))
+    def forward(ctx, x: torch.Tensor, mask: Optional[torch.Tensor], scale: float, causal: bool, op: str,
+                kernel_backend: KernelBackend):
+        backend = kernel_backend.select(op, x.device, _dispatch.unsupported_dtype("x", x))
         if backend == "triton" and x.numel() > 0:  # an empty grid is not launched
-            y = _forward_triton(x, mask, scale, causal)
+            y = _forward_triton(x, mask, scale, causal, kernel_backend)
         else:
             y = softmax_reference(x, mask, scale, causal)
         ctx.save_for_backward(y)
-        ctx.scale, ctx.causal, ctx.backend = scale, causal, backend
+        ctx.scale, ctx.causal, ctx.backend, ctx.kernel_backend = scale, causal, backend, kernel_backend
         return y
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         (y,) = ctx.saved_tensors
         if ctx.backend == "triton" and y.numel() > 0:
-            dx = _backward_triton(y, dy, ctx.scale, ctx.causal)
+            dx = _backward_triton(y, dy, ctx.scale, ctx.causal, ctx.kernel_backend)
         else:
             dx = softmax_backward_reference(y, dy, ctx.scale)
-        return dx, None, None, None, None
+        return dx, None, None, None, None, None
 
 
 def _check_scores(x: torch.Tensor, op: str) -> None:
@@ -186,7 +190,8 @@ def _check_scores(x: torch.Tensor, op: str) -> None:
         raise ValueError(f"{op}: x must have at least one key position, got shape {tuple(x.shape)}")
 
 
-def scaled_masked_softmax(x: torch.Tensor, mask: Optional[torch.Tensor], scale: float) -> torch.Tensor:
+def scaled_masked_softmax(x: torch.Tensor, mask: Optional[torch.Tensor], scale: float, *,
+                          backend: Optional[KernelBackend] = None) -> torch.Tensor:
     """``softmax(scale * x)`` over the last dim with ``mask`` positions excluded (Megatron's fused softmax).
 
     Args:
@@ -194,6 +199,7 @@ def scaled_masked_softmax(x: torch.Tensor, mask: Optional[torch.Tensor], scale: 
         mask: boolean, broadcastable to x (e.g. ``[b, 1, sq, sk]`` or ``[b, 1, 1, sk]``), True = masked out;
             None for no mask. Not differentiated.
         scale: multiplies x before the softmax (e.g. ``1 / sqrt(head_dim)``).
+        backend: the ``KernelBackend`` that chooses and records the implementation (default: mode "auto").
 
     Returns:
         ``[b, heads, sq, sk]`` probabilities in x's dtype (fp32 math); fully masked rows are all zeros.
@@ -214,15 +220,17 @@ def scaled_masked_softmax(x: torch.Tensor, mask: Optional[torch.Tensor], scale: 
                              f"{tuple(x.shape)}")
         if mask.device != x.device:
             raise ValueError(f"{op}: mask is on {mask.device} but x is on {x.device}")
-    return _ScaledMaskedSoftmax.apply(x, mask, float(scale), False, op)
+    return _ScaledMaskedSoftmax.apply(x, mask, float(scale), False, op, resolve(backend))
 
 
-def scaled_upper_triang_masked_softmax(x: torch.Tensor, scale: float) -> torch.Tensor:
+def scaled_upper_triang_masked_softmax(x: torch.Tensor, scale: float, *,
+                                       backend: Optional[KernelBackend] = None) -> torch.Tensor:
     """Causal ``softmax(scale * x)``: key ``k`` is masked out for query ``q`` when ``k > q``.
 
     Args:
         x: ``[b * heads, sq, sk]`` attention scores with ``sq == sk``, fp32 / bf16 / fp16.
         scale: multiplies x before the softmax.
+        backend: the ``KernelBackend`` that chooses and records the implementation (default: mode "auto").
 
     Returns:
         ``[b * heads, sq, sk]`` probabilities in x's dtype, zero above the diagonal.
@@ -231,4 +239,4 @@ def scaled_upper_triang_masked_softmax(x: torch.Tensor, scale: float) -> torch.T
     if x.dim() != 3 or x.shape[1] != x.shape[2]:
         raise ValueError(f"{op}: x must be [b * heads, sq, sk] with sq == sk, got shape {tuple(x.shape)}")
     _check_scores(x, op)
-    return _ScaledMaskedSoftmax.apply(x, None, float(scale), True, op)
+    return _ScaledMaskedSoftmax.apply(x, None, float(scale), True, op, resolve(backend))

@@ -22,7 +22,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from kernels import _dispatch
-from kernels._dispatch import jit, tl
+from kernels._dispatch import KernelBackend, jit, resolve, tl
 
 _MAX_BLOCK = 4096  # vocab entries per loop step (per program in the backward); tests lower it
 
@@ -131,7 +131,8 @@ def _rows(logits: torch.Tensor) -> torch.Tensor:
 
 
 def cross_entropy_shard_stats(logits: torch.Tensor, target: torch.Tensor, *, vocab_start: int = 0,
-                              with_shifted_sum: bool = False) -> CrossEntropyShardStats:
+                              with_shifted_sum: bool = False,
+                              backend: Optional[KernelBackend] = None) -> CrossEntropyShardStats:
     """Statistics of one vocab shard of the logits, one pass over them; records op ``cross_entropy_shard_stats``.
 
     Args:
@@ -139,6 +140,7 @@ def cross_entropy_shard_stats(logits: torch.Tensor, target: torch.Tensor, *, voc
         target: ``[...]`` integer ids in the full vocab; ids outside this shard contribute a target logit of 0.
         vocab_start: the full-vocab id of the shard's first entry.
         with_shifted_sum: also return the sum of ``logit - row_max`` (needed for label smoothing).
+        backend: the ``KernelBackend`` that chooses and records the implementation (default: mode "auto").
 
     Returns:
         ``CrossEntropyShardStats`` of fp32 ``[tokens]`` vectors (tokens = ``target.numel()``).
@@ -146,15 +148,16 @@ def cross_entropy_shard_stats(logits: torch.Tensor, target: torch.Tensor, *, voc
     rows, target = _rows(logits), target.reshape(-1).contiguous()
     if rows.shape[0] != target.shape[0]:
         raise ValueError(f"logits shape {tuple(logits.shape)} does not match target shape {tuple(target.shape)}")
-    backend = _dispatch.select("cross_entropy_shard_stats", logits.device,
-                               _dispatch.unsupported_dtype("logits", logits))
+    kernel_backend = resolve(backend)
+    backend = kernel_backend.select("cross_entropy_shard_stats", logits.device,
+                                    _dispatch.unsupported_dtype("logits", logits))
     if backend == "torch" or rows.shape[0] == 0:
         return shard_stats_reference(rows, target, vocab_start, with_shifted_sum)
     n, v = rows.shape
     row_max, sum_exp, target_logit = (torch.empty(n, dtype=torch.float32, device=rows.device) for _ in range(3))
     shifted_sum = torch.empty_like(row_max) if with_shifted_sum else None
     block = _dispatch.block_size(v, _MAX_BLOCK)[0]
-    _dispatch.launch(_ce_stats_kernel, (n,), rows, target, row_max, sum_exp, target_logit,
+    kernel_backend.launch(_ce_stats_kernel, (n,), rows, target, row_max, sum_exp, target_logit,
                            row_max if shifted_sum is None else shifted_sum, v, rows.stride(0), vocab_start,
                            WANT_SUM=with_shifted_sum, BLOCK=block, num_warps=_dispatch.num_warps(block))
     return CrossEntropyShardStats(row_max, sum_exp, target_logit, shifted_sum, v)
@@ -180,7 +183,8 @@ def cross_entropy_loss_from_stats(row_max: torch.Tensor, sum_exp: torch.Tensor, 
 def cross_entropy_shard_backward(logits: torch.Tensor, target: torch.Tensor, row_max: torch.Tensor,
                                  sum_exp: torch.Tensor, grad_scale: torch.Tensor, *, vocab_start: int = 0,
                                  vocab_size: Optional[int] = None, label_smoothing: float = 0.0,
-                                 out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                                 out: Optional[torch.Tensor] = None,
+                                 backend: Optional[KernelBackend] = None) -> torch.Tensor:
     """Writes ``grad_scale * (softmax - (1 - eps) * onehot(target) - eps / V)`` of one shard into ``out``.
 
     Args:
@@ -193,6 +197,7 @@ def cross_entropy_shard_backward(logits: torch.Tensor, target: torch.Tensor, row
         label_smoothing: eps in ``[0, 1)``.
         out: the gradient buffer ``[..., V_shard]`` written in place (default: a new tensor like the logits).
             It may be ``logits`` itself: each element is read before it is overwritten.
+        backend: the ``KernelBackend`` that chooses and records the implementation (default: mode "auto").
 
     Returns:
         ``out``; records op ``cross_entropy_shard_backward``.
@@ -208,8 +213,9 @@ def cross_entropy_shard_backward(logits: torch.Tensor, target: torch.Tensor, row
                          f"{rows.shape[0]} tokens (logits shape {tuple(logits.shape)})")
     vocab_size = rows.shape[-1] if vocab_size is None else vocab_size
     smooth, target_weight = label_smoothing / vocab_size, 1.0 - label_smoothing
-    backend = _dispatch.select("cross_entropy_shard_backward", logits.device,
-                               _dispatch.unsupported_dtype("logits", logits) or _dispatch.unsupported_dtype("out", out))
+    kernel_backend = resolve(backend)
+    backend = kernel_backend.select("cross_entropy_shard_backward", logits.device,
+                                    _dispatch.unsupported_dtype("logits", logits) or _dispatch.unsupported_dtype("out", out))
     buffer = out if out.is_contiguous() else torch.empty_like(out, memory_format=torch.contiguous_format)
     buffer_rows = buffer.view(-1, buffer.shape[-1])  # [tokens, V_shard]
     if backend == "torch" or rows.shape[0] == 0:
@@ -218,7 +224,7 @@ def cross_entropy_shard_backward(logits: torch.Tensor, target: torch.Tensor, row
     else:
         n, v = rows.shape
         block = _dispatch.block_size(v, _MAX_BLOCK)[0]
-        _dispatch.launch(_ce_bwd_kernel, (n, -(-v // block)), rows, target, row_max, sum_exp, grad_scale, buffer_rows, v,
+        kernel_backend.launch(_ce_bwd_kernel, (n, -(-v // block)), rows, target, row_max, sum_exp, grad_scale, buffer_rows, v,
                                             rows.stride(0), buffer_rows.stride(0), vocab_start, smooth,
                                             target_weight, BLOCK=block, num_warps=_dispatch.num_warps(block))
     return out if buffer is out else out.copy_(buffer)
@@ -228,14 +234,14 @@ class _CrossEntropy(torch.autograd.Function):
     """Saves the logits (by reference, no copy) and fp32 ``[tokens]`` max / sum_exp; no softmax buffer."""
 
     @staticmethod
-    def forward(ctx, logits, target, label_smoothing: float, ignore_index: int):
+    def forward(ctx, logits, target, label_smoothing: float, ignore_index: int, backend: KernelBackend):
         vocab = logits.shape[-1]
-        stats = cross_entropy_shard_stats(logits, target, with_shifted_sum=label_smoothing > 0)
+        stats = cross_entropy_shard_stats(logits, target, with_shifted_sum=label_smoothing > 0, backend=backend)
         loss = cross_entropy_loss_from_stats(*stats[:4], vocab_size=vocab, label_smoothing=label_smoothing)
         ignored = target.reshape(-1) == ignore_index
         loss = loss.masked_fill(ignored, 0.0)
         ctx.save_for_backward(logits, target, stats.row_max, stats.sum_exp, ignored)
-        ctx.label_smoothing = label_smoothing
+        ctx.label_smoothing, ctx.backend = label_smoothing, backend
         return loss.view(target.shape)
 
     @staticmethod
@@ -243,8 +249,8 @@ class _CrossEntropy(torch.autograd.Function):
         logits, target, row_max, sum_exp, ignored = ctx.saved_tensors
         grad_scale = grad_loss.reshape(-1).float().masked_fill(ignored, 0.0)
         grad = cross_entropy_shard_backward(logits, target, row_max, sum_exp, grad_scale,
-                                            label_smoothing=ctx.label_smoothing)
-        return grad, None, None, None
+                                            label_smoothing=ctx.label_smoothing, backend=ctx.backend)
+        return grad, None, None, None, None
 
 
 def _check_targets(target: torch.Tensor, vocab: int, ignore_index: int) -> None:
@@ -259,7 +265,7 @@ def _check_targets(target: torch.Tensor, vocab: int, ignore_index: int) -> None:
 
 
 def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, label_smoothing: float = 0.0,
-                  ignore_index: int = -100) -> torch.Tensor:
+                  ignore_index: int = -100, backend: Optional[KernelBackend] = None) -> torch.Tensor:
     """Per-token cross-entropy, in blocks over the vocab (no fp32 ``[tokens, V]`` softmax is materialised).
 
     Records ops ``cross_entropy_shard_stats`` (forward) and ``cross_entropy_shard_backward`` (backward).
@@ -269,6 +275,7 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, label_smoothing
         target: ``[...]`` integer ids in ``[0, V)`` or ``ignore_index``.
         label_smoothing: eps in ``[0, 1)``, as in ``torch.nn.functional.cross_entropy``.
         ignore_index: target value whose loss and gradient are 0.
+        backend: the ``KernelBackend`` that chooses and records the implementation (default: mode "auto").
 
     Returns:
         fp32 loss with target's shape (``reduction="none"``); the logits gradient comes in the logits' dtype.
@@ -284,4 +291,4 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, label_smoothing
     if not 0.0 <= label_smoothing < 1.0:
         raise ValueError(f"cross_entropy: label_smoothing must lie in [0, 1), got {label_smoothing}")
     _check_targets(target, logits.shape[-1], ignore_index)
-    return _CrossEntropy.apply(logits, target, float(label_smoothing), int(ignore_index))
+    return _CrossEntropy.apply(logits, target, float(label_smoothing), int(ignore_index), resolve(backend))

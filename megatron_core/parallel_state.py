@@ -109,7 +109,15 @@ class ParallelState:
     """This layout's ``RNGStatesTracker`` (the tensor-parallel dropout stream; seeded by ``model_parallel_seed``).
     Modules built with the state use it; created with the state, on its device."""
 
+    kernel_backend: Any = dataclasses.field(default=None, compare=False, repr=False)
+    """The ``kernels.KernelBackend`` the modules built with this state run their fused ops through (mode "auto"
+    unless ``initialize_model_parallel(kernel_backend=...)`` says otherwise); ``kernel_backend.report()`` says
+    which implementation each op ran."""
+
     def __post_init__(self) -> None:
+        if self.kernel_backend is None or isinstance(self.kernel_backend, str):
+            import kernels
+            object.__setattr__(self, "kernel_backend", kernels.KernelBackend(self.kernel_backend or "auto"))
         if self.rng_tracker is None:
             from megatron_core.tensor_parallel.random import RNGStatesTracker
             object.__setattr__(self, "rng_tracker", RNGStatesTracker(self.device))
@@ -255,6 +263,7 @@ def initialize_model_parallel(
     *,
     expert_model_parallel_size: int = 1,
     timeout: Optional[datetime.timedelta] = None,
+    kernel_backend: Any = "auto",
 ) -> ParallelState:
     """Builds the process groups of a tp x cp x dp x pp layout (see the module docstring for the order).
 
@@ -267,6 +276,9 @@ def initialize_model_parallel(
 
     ``expert_model_parallel_size`` (ep) adds the expert groups (module docstring); it must divide tp * cp * dp.
 
+    ``kernel_backend`` (``"auto"``, ``"torch"``, ``"triton"`` or a ``kernels.KernelBackend``) is the fused-op
+    choice of the modules built with this state (``state.kernel_backend``).
+
     Raises:
         ValueError: a size < 1, a world size not divisible by tp * pp * cp, an ep that does not divide
             tp * cp * dp, or vpp > 1 without pp > 1.
@@ -275,7 +287,7 @@ def initialize_model_parallel(
     vpp, ep = virtual_pipeline_model_parallel_size, expert_model_parallel_size
     if not dist.is_initialized():
         _validate_sizes(1, tp, pp, cp, vpp, ep)
-        return _single_process_state(vpp)
+        return _single_process_state(vpp, kernel_backend)
     world_size, rank, backend = dist.get_world_size(), dist.get_rank(), dist.get_backend()
     _validate_sizes(world_size, tp, pp, cp, vpp, ep)
     fields: dict = {}
@@ -296,18 +308,18 @@ def initialize_model_parallel(
         fields[f"{kind}_size"] = len(fields[f"{kind}_ranks"])
     return ParallelState(
         world_size=world_size, rank=rank, backend=backend, device=_device_for_backend(backend),
-        vpp_size=vpp, **fields,
+        vpp_size=vpp, kernel_backend=kernel_backend, **fields,
     )
 
 
-def _single_process_state(vpp: Optional[int]) -> ParallelState:
+def _single_process_state(vpp: Optional[int], kernel_backend: Any = "auto") -> ParallelState:
     axis_fields = {}
     for kind in ("tp", "cp", "dp", "pp"):
         axis_fields.update({f"{kind}_size": 1, f"{kind}_rank": 0, f"{kind}_group": None, f"{kind}_ranks": (0,)})
     return ParallelState(
         world_size=1, rank=0, backend=None, device=torch.device("cpu"), vpp_size=vpp,
         dp_cp_group=None, dp_cp_ranks=(0,), mp_group=None, mp_ranks=(0,),
-        embedding_group=None, embedding_ranks=(0,), **axis_fields,
+        embedding_group=None, embedding_ranks=(0,), kernel_backend=kernel_backend, **axis_fields,
     )
 
 

@@ -20,7 +20,6 @@ import argparse
 import torch
 import torch.distributed as dist
 
-import kernels
 from megatron_core import destroy_model_parallel, initialize_model_parallel
 from megatron_core.config import TransformerConfig
 from megatron_core.planning.activations import korthikanti_bytes  # noqa: F401 - the formula lives in the library
@@ -57,7 +56,7 @@ def measure_layer_bytes(s: int, b: int, h: int, a: int, sp: bool, selective: boo
             saved[(storage.data_ptr(), storage.nbytes())] = storage.nbytes()
         return tensor
 
-    with kernels.use_backend("torch"), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         layer(hidden)
     destroy_model_parallel(state)
     return sum(saved.values())

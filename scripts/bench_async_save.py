@@ -13,7 +13,6 @@ import statistics
 import tempfile
 import time
 
-import kernels
 from megatron_core import destroy_model_parallel
 from megatron_core.training.arguments import parse_args
 from megatron_core.training.loop import _train, build_run
@@ -43,11 +42,10 @@ def main() -> None:
     parser.add_argument("--save-interval", type=int, default=3)
     options = parser.parse_args()
     rows = []
-    with kernels.use_backend("torch"):
-        for use_async in (False, True):
-            stalls, wall = measure(hidden=options.hidden, layers=options.layers, iters=options.iters,
-                                   interval=options.save_interval, use_async=use_async)
-            rows.append(("async" if use_async else "sync", stalls, wall))
+    for use_async in (False, True):
+        stalls, wall = measure(hidden=options.hidden, layers=options.layers, iters=options.iters,
+                               interval=options.save_interval, use_async=use_async)
+        rows.append(("async" if use_async else "sync", stalls, wall))
     print(f"{'save':>6} | {'saves':>5} | {'stall per save (ms), median':>28} | {'max (ms)':>8} | {'run (s)':>7}")
     for name, stalls, wall in rows:
         print(f"{name:>6} | {len(stalls):>5} | {statistics.median(stalls) * 1e3:>28.1f} | "

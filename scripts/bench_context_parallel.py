@@ -26,7 +26,6 @@ import time
 import torch
 import torch.distributed as dist
 
-import kernels
 from megatron_core import destroy_model_parallel, initialize_model_parallel
 from megatron_core.config import CP_COMM_TYPES, TransformerConfig
 from megatron_core.context_parallel import ring_attention, split_batch
@@ -59,34 +58,33 @@ def _model(args: argparse.Namespace, state, cp: int, comm_type: str, seq: int) -
 def _measure(args: argparse.Namespace, cp: int, comm_type: str, seq: int) -> dict:
     """One configuration on this rank: peak activation bytes of a tracked step, fastest untracked step."""
     torch.set_num_threads(1)
-    with kernels.use_backend("torch"):
-        state = initialize_model_parallel(context_parallel_size=cp)
-        try:
-            model = _model(args, state, cp, comm_type, seq)
-            tokens = torch.randint(0, VOCAB, (1, seq + 1), generator=torch.Generator().manual_seed(1))
-            batch = split_batch({"tokens": tokens[:, :-1], "labels": tokens[:, 1:],
-                                 "position_ids": torch.arange(seq).unsqueeze(0)}, cp_size=cp, cp_rank=state.cp_rank)
+    state = initialize_model_parallel(context_parallel_size=cp)
+    try:
+        model = _model(args, state, cp, comm_type, seq)
+        tokens = torch.randint(0, VOCAB, (1, seq + 1), generator=torch.Generator().manual_seed(1))
+        batch = split_batch({"tokens": tokens[:, :-1], "labels": tokens[:, 1:],
+                             "position_ids": torch.arange(seq).unsqueeze(0)}, cp_size=cp, cp_rank=state.cp_rank)
 
-            def step() -> None:
-                model(batch["tokens"], batch["position_ids"], labels=batch["labels"]).mean().backward()
+        def step() -> None:
+            model(batch["tokens"], batch["position_ids"], labels=batch["labels"]).mean().backward()
 
-            step()  # warm-up; creates the grads, which the tracker then counts as gradients
-            params = list(model.parameters())
-            tracker = LiveMemoryTracker(categories=lambda: [("parameters", p) for p in params]
-                                        + [("gradients", p.grad) for p in params if p.grad is not None])
-            with tracker:
-                step()
-            times = []
-            for _ in range(args.steps):
-                dist.barrier()
-                start = time.perf_counter()
-                step()
-                elapsed = torch.tensor([time.perf_counter() - start])
-                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-                times.append(float(elapsed))
-            return {"activations": tracker.peak_by_category["activations"], "time": min(times)}
-        finally:
-            destroy_model_parallel(state)
+        step()  # warm-up; creates the grads, which the tracker then counts as gradients
+        params = list(model.parameters())
+        tracker = LiveMemoryTracker(categories=lambda: [("parameters", p) for p in params]
+                                    + [("gradients", p.grad) for p in params if p.grad is not None])
+        with tracker:
+            step()
+        times = []
+        for _ in range(args.steps):
+            dist.barrier()
+            start = time.perf_counter()
+            step()
+            elapsed = torch.tensor([time.perf_counter() - start])
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            times.append(float(elapsed))
+        return {"activations": tracker.peak_by_category["activations"], "time": min(times)}
+    finally:
+        destroy_model_parallel(state)
 
 
 def _runs(cps: list[int]) -> list[tuple[int, str]]:

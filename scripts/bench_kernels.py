@@ -84,7 +84,7 @@ def _causal_eager(x: torch.Tensor, scale: float) -> torch.Tensor:
     return torch.softmax((x * scale).masked_fill(upper, float("-inf")), dim=-1)
 
 
-def cases(device: torch.device, dtype: torch.dtype):
+def cases(backend, device: torch.device, dtype: torch.dtype):
     """``(name, shape, fused, eager, inputs, grad_out, bytes moved)`` for every benchmarked op."""
     def rand(*shape, grad=True):
         return torch.randn(*shape, device=device, dtype=dtype, requires_grad=grad)
@@ -92,21 +92,21 @@ def cases(device: torch.device, dtype: torch.dtype):
     b_h, s = SHAPES["softmax"]
     x, scale, e = rand(b_h, s, s), 0.125, torch.finfo(dtype).bits // 8
     tri = b_h * s * (s + 1) // 2  # lower-triangle elements
-    yield ("softmax causal", (b_h, s, s), lambda t: kernels.scaled_upper_triang_masked_softmax(t, scale),
+    yield ("softmax causal", (b_h, s, s), lambda t: kernels.scaled_upper_triang_masked_softmax(t, scale, backend=backend),
            lambda t: _causal_eager(t, scale), (x,), torch.randn_like(x), e * (3 * tri + 2 * x.numel()))
     del x
     rows, hidden = SHAPES["norm"]
     h, w, bias = rand(rows, hidden), rand(hidden), rand(hidden)
     norm_bytes = e * 5 * h.numel()  # x, y forward; x, dy, dx backward
-    yield ("layer_norm", (rows, hidden), lambda t, w_, b_: kernels.layer_norm(t, w_, b_, 1e-5),
+    yield ("layer_norm", (rows, hidden), lambda t, w_, b_: kernels.layer_norm(t, w_, b_, 1e-5, backend=backend),
            lambda t, w_, b_: F.layer_norm(t, (hidden,), w_, b_, 1e-5), (h, w, bias), torch.randn_like(h), norm_bytes)
-    yield ("rms_norm", (rows, hidden), lambda t, w_: kernels.rms_norm(t, w_, 1e-5),
+    yield ("rms_norm", (rows, hidden), lambda t, w_: kernels.rms_norm(t, w_, 1e-5, backend=backend),
            lambda t, w_: F.rms_norm(t, (hidden,), w_, 1e-5), (h, w), torch.randn_like(h), norm_bytes)
     del h
     tokens, vocab = SHAPES["cross_entropy"]
     logits, target = rand(tokens, vocab), torch.randint(0, vocab, (tokens,), device=device)
     grad_loss = torch.rand(tokens, device=device)
-    yield ("cross_entropy", (tokens, vocab), lambda t: kernels.cross_entropy(t, target),
+    yield ("cross_entropy", (tokens, vocab), lambda t: kernels.cross_entropy(t, target, backend=backend),
            lambda t: F.cross_entropy(t, target, reduction="none"), (logits,), grad_loss, e * 3 * logits.numel())
 
 
@@ -119,8 +119,8 @@ def run(args: argparse.Namespace) -> None:
               f"{'% peak':>8}{'eager/fused':>13}{'compile/fused':>15}")
     print(header)
     print("-" * len(header))
-    memory = {}
-    for name, shape, fused, eager, inputs, grad_out, nbytes in cases(device, torch.bfloat16):
+    memory, backend = {}, kernels.KernelBackend()
+    for name, shape, fused, eager, inputs, grad_out, nbytes in cases(backend, device, torch.bfloat16):
         ms = {"fused": time_ms(fwd_bwd(fused, inputs, grad_out), args.warmup, args.iters),
               "eager": time_ms(fwd_bwd(eager, inputs, grad_out), args.warmup, args.iters)}
         compiled = torch.compile(eager) if not args.no_compile else None
@@ -137,7 +137,7 @@ def run(args: argparse.Namespace) -> None:
         torch.cuda.empty_cache()
     print("cross_entropy peak memory above its inputs (forward + backward): "
           + ", ".join(f"{label} {mib:.0f} MiB" for label, mib in memory.items()))
-    print(f"backends that ran: {kernels.backend_report()}")
+    print(f"backends that ran: {backend.report()}")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -35,7 +35,6 @@ import time
 import torch
 import torch.distributed as dist
 
-import kernels
 from megatron_core import initialize_model_parallel
 from megatron_core.config import TransformerConfig
 from megatron_core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -156,87 +155,84 @@ def _warm_up_imports() -> None:
 def _measure(kind: str, stage, reshard: bool, shape: Shape, steps: int) -> dict:
     """One configuration alone on this rank: peak RSS growth over ``steps`` steps and one tracked step's
     live bytes."""
-    with kernels.use_backend("torch"):
-        state = initialize_model_parallel()
-        torch.set_num_threads(1)
-        _warm_up_imports()
-        reset_peak_rss()
-        baseline = current_rss_bytes()
-        model, step, categories = _wrap(kind, stage, reshard, shape, state)
-        step()  # warm-up: creates the Adam states
-        reset_peak_rss()
-        for _ in range(steps):
-            step()
-        peak_rss = peak_rss_bytes() - baseline
-        tracker = LiveMemoryTracker(categories=categories)
-        with tracker:
-            step()
-        numel = shape_numel(shape)
-        return dict(rss=peak_rss / numel, live=tracker.peak_total / numel,
-                    breakdown={k: v / numel for k, v in tracker.peak_breakdown.items()})
+    state = initialize_model_parallel()
+    torch.set_num_threads(1)
+    _warm_up_imports()
+    reset_peak_rss()
+    baseline = current_rss_bytes()
+    model, step, categories = _wrap(kind, stage, reshard, shape, state)
+    step()  # warm-up: creates the Adam states
+    reset_peak_rss()
+    for _ in range(steps):
+        step()
+    peak_rss = peak_rss_bytes() - baseline
+    tracker = LiveMemoryTracker(categories=categories)
+    with tracker:
+        step()
+    numel = shape_numel(shape)
+    return dict(rss=peak_rss / numel, live=tracker.peak_total / numel,
+                breakdown={k: v / numel for k, v in tracker.peak_breakdown.items()})
 
 
 def _alternating_times(shape: Shape, steps: int) -> dict[str, float]:
     """Every configuration built side by side on these ranks, their steps alternating (so a busy machine
     slows them alike); the median seconds per step of each."""
-    with kernels.use_backend("torch"):
-        state = initialize_model_parallel()
-        torch.set_num_threads(1)
-        runs = {name: _wrap(name, stage, reshard, shape, state)[1] for name, stage, reshard in RUNS}
-        times: dict[str, list[float]] = {name: [] for name in runs}
-        for round_ in range(steps + 1):
-            for name, step in runs.items():
-                dist.barrier()
-                start = time.perf_counter()
-                step()
-                if round_:  # the first round creates the Adam states
-                    times[name].append(time.perf_counter() - start)
-        return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
+    state = initialize_model_parallel()
+    torch.set_num_threads(1)
+    runs = {name: _wrap(name, stage, reshard, shape, state)[1] for name, stage, reshard in RUNS}
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for round_ in range(steps + 1):
+        for name, step in runs.items():
+            dist.barrier()
+            start = time.perf_counter()
+            step()
+            if round_:  # the first round creates the Adam states
+                times[name].append(time.perf_counter() - start)
+    return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
 
 
 def _pipeline_peaks(shape: Shape, num_microbatches: int) -> dict:
     """pp 2 x dp 2, ZeRO-3 (meta build), 1F1B over ``num_microbatches``: one tracked step's peak split into
     model states (persistent + gathered + grad buckets) and activations, per parameter of this stage."""
-    with kernels.use_backend("torch"):
-        state = initialize_model_parallel(pipeline_model_parallel_size=2)
-        torch.set_num_threads(1)
-        config = TransformerConfig(num_layers=shape.layers, hidden_size=shape.hidden,
-                                   num_attention_heads=max(1, shape.hidden // 64), hidden_dropout=0.0,
-                                   attention_dropout=0.0, max_position_embeddings=shape.seq,
-                                   pipeline_model_parallel_size=2)
-        torch.manual_seed(0)
-        model = GPTModel(config, parallel_state=dataclasses.replace(state, device=torch.device("meta")),
-                         vocab_size=shape.vocab, max_sequence_length=shape.seq,
-                         pre_process=state.is_pipeline_first_stage, post_process=state.is_pipeline_last_stage)
-        model.parallel_state = state
-        ddp = DistributedDataParallel(model, dp_group=state.dp_group,
-                                      config=DistributedDataParallelConfig(zero_stage=3))
-        optimizer = get_optimizer(OptimizerConfig(lr=1e-4, clip_grad=0.0), ddp, parallel_state=state)
-        g = torch.Generator().manual_seed(state.dp_rank)
-        batches = [torch.randint(0, shape.vocab, (shape.micro_batch, shape.seq + 1), generator=g)
-                   for _ in range(num_microbatches)]
-        positions = torch.arange(shape.seq).expand(shape.micro_batch, shape.seq)
+    state = initialize_model_parallel(pipeline_model_parallel_size=2)
+    torch.set_num_threads(1)
+    config = TransformerConfig(num_layers=shape.layers, hidden_size=shape.hidden,
+                               num_attention_heads=max(1, shape.hidden // 64), hidden_dropout=0.0,
+                               attention_dropout=0.0, max_position_embeddings=shape.seq,
+                               pipeline_model_parallel_size=2)
+    torch.manual_seed(0)
+    model = GPTModel(config, parallel_state=dataclasses.replace(state, device=torch.device("meta")),
+                     vocab_size=shape.vocab, max_sequence_length=shape.seq,
+                     pre_process=state.is_pipeline_first_stage, post_process=state.is_pipeline_last_stage)
+    model.parallel_state = state
+    ddp = DistributedDataParallel(model, dp_group=state.dp_group,
+                                  config=DistributedDataParallelConfig(zero_stage=3))
+    optimizer = get_optimizer(OptimizerConfig(lr=1e-4, clip_grad=0.0), ddp, parallel_state=state)
+    g = torch.Generator().manual_seed(state.dp_rank)
+    batches = [torch.randint(0, shape.vocab, (shape.micro_batch, shape.seq + 1), generator=g)
+               for _ in range(num_microbatches)]
+    positions = torch.arange(shape.seq).expand(shape.micro_batch, shape.seq)
 
-        def forward_step(iterator, model_):
-            tokens = next(iterator)
-            out = model_(tokens[:, :-1], positions, labels=tokens[:, 1:])
-            return out, lambda loss: (loss.mean(), {"lm loss": loss.mean().detach()})
+    def forward_step(iterator, model_):
+        tokens = next(iterator)
+        out = model_(tokens[:, :-1], positions, labels=tokens[:, 1:])
+        return out, lambda loss: (loss.mean(), {"lm loss": loss.mean().detach()})
 
-        def step() -> None:
-            optimizer.zero_grad()
-            get_forward_backward_func(2)(forward_step_func=forward_step, data_iterator=iter(batches), model=ddp,
-                                         num_microbatches=num_microbatches, seq_length=shape.seq,
-                                         micro_batch_size=shape.micro_batch, parallel_state=state)
-            optimizer.step()
+    def step() -> None:
+        optimizer.zero_grad()
+        get_forward_backward_func(2)(forward_step_func=forward_step, data_iterator=iter(batches), model=ddp,
+                                     num_microbatches=num_microbatches, seq_length=shape.seq,
+                                     micro_batch_size=shape.micro_batch, parallel_state=state)
+        optimizer.step()
+    step()
+    tracker = LiveMemoryTracker(categories=lambda: memory_categories(ddp, optimizer))
+    with tracker:
         step()
-        tracker = LiveMemoryTracker(categories=lambda: memory_categories(ddp, optimizer))
-        with tracker:
-            step()
-        numel = sum(b.numel for b in ddp.buckets) * state.dp_size
-        activations = tracker.peak_breakdown.get("activations", 0)
-        return dict(stage=state.pp_rank, states=(tracker.peak_total - activations) / numel,
-                    activations=activations / numel,
-                    gathered=tracker.peak_by_category.get("gathered_parameters", 0) / numel)
+    numel = sum(b.numel for b in ddp.buckets) * state.dp_size
+    activations = tracker.peak_breakdown.get("activations", 0)
+    return dict(stage=state.pp_rank, states=(tracker.peak_total - activations) / numel,
+                activations=activations / numel,
+                gathered=tracker.peak_by_category.get("gathered_parameters", 0) / numel)
 
 
 def shape_numel(shape: Shape) -> int:

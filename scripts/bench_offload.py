@@ -31,7 +31,6 @@ CONFIGS = {"no optimizer (baseline)": [], "in memory": [], "cpu offload": ["cpu"
 
 def run_config(args: argparse.Namespace, name: str) -> dict:
     """One configuration in this process: times and peak RSS."""
-    import kernels
     from megatron_core import initialize_model_parallel
     from megatron_core.config import TransformerConfig
     from megatron_core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -60,17 +59,16 @@ def run_config(args: argparse.Namespace, name: str) -> dict:
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(0))
     positions = torch.arange(args.seq).expand(args.batch, args.seq)
     step_times, update_times = [], []
-    with kernels.use_backend("torch"):
-        for _ in range(args.steps):
-            start = time.perf_counter()
-            ddp.zero_grad_buffer()
-            ddp(tokens[:, :-1], positions, labels=tokens[:, 1:]).mean().backward()
-            ddp.finish_grad_sync()
-            update = time.perf_counter()
-            if optimizer is not None:
-                optimizer.step()
-            update_times.append(time.perf_counter() - update)
-            step_times.append(time.perf_counter() - start)
+    for _ in range(args.steps):
+        start = time.perf_counter()
+        ddp.zero_grad_buffer()
+        ddp(tokens[:, :-1], positions, labels=tokens[:, 1:]).mean().backward()
+        ddp.finish_grad_sync()
+        update = time.perf_counter()
+        if optimizer is not None:
+            optimizer.step()
+        update_times.append(time.perf_counter() - update)
+        step_times.append(time.perf_counter() - start)
     report = memory_report(ddp, optimizer) if optimizer is not None else None
     params = sum(p.numel() for p in model.parameters())
     return {"name": name, "params": params, "step_s": min(step_times[1:] or step_times),

@@ -19,7 +19,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-import kernels
 from megatron_core import destroy_model_parallel, initialize_model_parallel
 from megatron_core.config import TransformerConfig
 from megatron_core.models import GPTModel
@@ -130,8 +129,7 @@ def _peak_rss_mb() -> float:
 
 def _bench(which, args, vpp):
     torch.set_num_threads(1)
-    with kernels.use_backend("torch"):
-        return (_ours if which == "ours" else _torch_pipelining)(args, vpp)
+    return (_ours if which == "ours" else _torch_pipelining)(args, vpp)
 
 
 def main() -> None:

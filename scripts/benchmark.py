@@ -33,7 +33,6 @@ import torch.distributed as dist
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import bench_pipeline  # noqa: E402
 import bench_zero  # noqa: E402
-import kernels  # noqa: E402
 from nanogpt_reference import GPTShape, NanoGPT, parallelize_dtensor  # noqa: E402
 
 from megatron_core import destroy_model_parallel, initialize_model_parallel  # noqa: E402
@@ -103,8 +102,7 @@ def gpt_step_seconds(kind: str, shape: GPTShape, batch: int, steps: int, backend
             optimizer.zero_grad()
             model(inputs, positions, labels=labels).mean().backward()
             optimizer.step()
-        with kernels.use_backend("torch" if device.type == "cpu" else "auto"):
-            seconds = _time_steps(step, steps, device)
+        seconds = _time_steps(step, steps, device)
         destroy_model_parallel(state)
         return seconds
     torch.manual_seed(0)
@@ -189,10 +187,9 @@ def _scaling_point(shape: GPTShape, batch: int, steps: int) -> tuple[float, int,
         optimizer.zero_grad()
         model(inputs, positions, labels=labels).mean().backward()
         optimizer.step()
-    with kernels.use_backend("torch"):
-        seconds = _time_steps(step, steps, torch.device("cpu"))
-        with SavedActivationTracker() as tracker:
-            step()
+    seconds = _time_steps(step, steps, torch.device("cpu"))
+    with SavedActivationTracker() as tracker:
+        step()
     states = memory_report(model, optimizer).total
     predicted = stage_activation_bytes(model.config, ActivationShape(shape.seq, batch, element_bytes=4, mask_bytes=4),
                                        layers=shape.layers, first=True, last=True, in_flight=1,

@@ -7,7 +7,7 @@ Three parts, each timed and summarized:
 
 1. **Correctness**: every fused Triton kernel of ``kernels`` (causal and masked softmax, LayerNorm, RMSNorm,
    cross-entropy), forward and backward, against plain torch computed in fp32, on GPT shapes and odd sizes, in
-   fp32 and bf16; ``kernels.use_backend("triton")`` makes a silent fallback to the reference an error.
+   fp32 and bf16; ``KernelBackend("triton")`` makes a silent fallback to the reference an error.
 2. **Bandwidth**: forward + backward of each kernel at Megatron-scale bf16 shapes (``scripts/bench_kernels.py``'s
    cases), GB/s and % of the device's peak memory bandwidth.
 3. **Training**: ``pretrain_gpt.py --bf16 --mock-data`` on one GPU for a ~1.3B-parameter GPT (24 layers, hidden
@@ -57,25 +57,26 @@ TRAIN_COMMON = ["--bf16", "--mock-data", "--tokenizer-type", "NullTokenizer", "-
 # ------------------------------------------------------------------------------------------------------------
 # 1. correctness
 def _check_cases(device: torch.device, shapes: dict) -> list[tuple[str, Callable, Callable, list]]:
-    """``(name, fused, reference, inputs)``: the reference is plain torch, run on fp32 copies of the inputs."""
-    out = []
+    """``(name, fused, reference, inputs)``: the reference is plain torch, run on fp32 copies of the inputs; the
+    fused ops run in mode "triton" (no silent fallback: a missing kernel path raises)."""
+    out, kb = [], kernels.KernelBackend("triton")
     for bh, s in shapes["softmax"]:
         upper = torch.ones(s, s, dtype=torch.bool, device=device).triu(1)
-        out.append((f"softmax_causal[{bh},{s},{s}]", lambda x: kernels.scaled_upper_triang_masked_softmax(x, 0.125),
+        out.append((f"softmax_causal[{bh},{s},{s}]", lambda x: kernels.scaled_upper_triang_masked_softmax(x, 0.125, backend=kb),
                     lambda x, u=upper: torch.softmax((x * 0.125).masked_fill(u, float("-inf")), -1), [(bh, s, s)]))
     for b, h, s in shapes["masked"]:
         mask = torch.rand(b, 1, s, s, device=device, generator=None) < 0.2
         mask[..., 0] = False  # every row keeps one position
-        out.append((f"softmax_masked[{b},{h},{s},{s}]", lambda x, m=mask: kernels.scaled_masked_softmax(x, m, 0.5),
+        out.append((f"softmax_masked[{b},{h},{s},{s}]", lambda x, m=mask: kernels.scaled_masked_softmax(x, m, 0.5, backend=kb),
                     lambda x, m=mask: torch.softmax((x * 0.5).masked_fill(m, float("-inf")), -1), [(b, h, s, s)]))
     for rows, hidden in shapes["norm"]:
-        out.append((f"layer_norm[{rows},{hidden}]", lambda x, w, b: kernels.layer_norm(x, w, b, 1e-5),
+        out.append((f"layer_norm[{rows},{hidden}]", lambda x, w, b: kernels.layer_norm(x, w, b, 1e-5, backend=kb),
                     lambda x, w, b: F.layer_norm(x, x.shape[-1:], w, b, 1e-5), [(rows, hidden), (hidden,), (hidden,)]))
-        out.append((f"rms_norm[{rows},{hidden}]", lambda x, w: kernels.rms_norm(x, w, 1e-5),
+        out.append((f"rms_norm[{rows},{hidden}]", lambda x, w: kernels.rms_norm(x, w, 1e-5, backend=kb),
                     lambda x, w: F.rms_norm(x, x.shape[-1:], w, 1e-5), [(rows, hidden), (hidden,)]))
     for tokens, vocab in shapes["xent"]:
         target = torch.randint(0, vocab, (tokens,), device=device)
-        out.append((f"cross_entropy[{tokens},{vocab}]", lambda x, t=target: kernels.cross_entropy(x, t),
+        out.append((f"cross_entropy[{tokens},{vocab}]", lambda x, t=target: kernels.cross_entropy(x, t, backend=kb),
                     lambda x, t=target: F.cross_entropy(x, t, reduction="none"), [(tokens, vocab)]))
     return out
 
@@ -95,10 +96,9 @@ def check_kernels(device: torch.device, shapes: dict) -> list[dict]:
             ref_inputs = [t.detach().float().requires_grad_() for t in inputs]
             row = {"case": name, "dtype": str(dtype).replace("torch.", "")}
             try:
-                with kernels.use_backend("triton"):  # no silent fallback: a missing kernel path raises
-                    y = fused(*inputs)
-                    grad = torch.randn_like(y)
-                    grads = torch.autograd.grad(y, inputs, grad)
+                y = fused(*inputs)
+                grad = torch.randn_like(y)
+                grads = torch.autograd.grad(y, inputs, grad)
                 y_ref = reference(*ref_inputs)
                 grads_ref = torch.autograd.grad(y_ref, ref_inputs, grad.float())
                 errors = [_max_error(y, y_ref, TOL[dtype])] + [
@@ -131,13 +131,13 @@ def measure_bandwidth(device: torch.device, *, dry_run: bool, iters: int) -> tup
         bench_kernels.SHAPES = BENCH_TINY
     peak = bench_kernels.peak_bandwidth(device, None) if device.type == "cuda" else None
     rows = []
-    with kernels.use_backend("triton"):
-        for name, shape, fused, _eager, inputs, grad_out, nbytes in bench_kernels.cases(device, torch.bfloat16):
-            ms = _time_ms(bench_kernels.fwd_bwd(fused, inputs, grad_out), device, 2 if dry_run else 5, iters)
-            gbps = nbytes / (ms * 1e-3) / 1e9
-            rows.append({"op": name, "shape": list(shape), "ms": ms, "gbps": gbps,
-                         "pct_peak": 100 * gbps * 1e9 / peak if peak else None})
-            del inputs, grad_out
+    backend = kernels.KernelBackend("triton")
+    for name, shape, fused, _eager, inputs, grad_out, nbytes in bench_kernels.cases(backend, device, torch.bfloat16):
+        ms = _time_ms(bench_kernels.fwd_bwd(fused, inputs, grad_out), device, 2 if dry_run else 5, iters)
+        gbps = nbytes / (ms * 1e-3) / 1e9
+        rows.append({"op": name, "shape": list(shape), "ms": ms, "gbps": gbps,
+                     "pct_peak": 100 * gbps * 1e9 / peak if peak else None})
+        del inputs, grad_out
     return rows, peak
 
 

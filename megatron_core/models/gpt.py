@@ -146,7 +146,8 @@ class GPTModel(nn.Module):
                 logits = logits[..., : self.vocab_size]
             return logits.transpose(0, 1).contiguous()  # [b, s, V]
         check_ids_in_range(labels, self.vocab_size, "labels")
-        loss = vocab_parallel_cross_entropy(logits, labels.t(), tp_group=self.parallel_state.tp_group)  # [s, b]
+        loss = vocab_parallel_cross_entropy(logits, labels.t(), tp_group=self.parallel_state.tp_group,
+                                            kernel_backend=self.parallel_state.kernel_backend)  # [s, b]
         return loss.t().contiguous()
 
     def _mask_padded_vocab(self, logits: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ logits and writes the gradient straight into a fresh buffer of the logits' dtype
 softmax is kept between forward and backward.
 
 The kernels run as Triton when it can run for the logits (CUDA, or CPU under ``TRITON_INTERPRET=1``) and as
-their torch reference otherwise; ``kernels.last_backend("cross_entropy_shard_stats")`` says which ran.
+their torch reference otherwise; ``kernel_backend.last["cross_entropy_shard_stats"]`` says which ran.
 
 Label smoothing follows ``torch.nn.functional.cross_entropy``: with smoothing ``eps`` over ``V`` classes the
 target distribution is ``(1 - eps) * onehot + eps / V``, so the loss is
@@ -39,7 +39,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, group, label_smoothing: float):
+    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, group, label_smoothing: float, kernel_backend):
         import kernels  # lazily: importing megatron_core never imports Triton
         tp_size, tp_rank = group_size(group), group_rank(group)
         vocab_size = logits.shape[-1] * tp_size
@@ -47,7 +47,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         check_ids_in_range(target, vocab_size, "cross-entropy target")
 
         stats = kernels.cross_entropy_shard_stats(logits, target, vocab_start=start,
-                                                  with_shifted_sum=label_smoothing > 0)  # [tokens] each, fp32
+                                                  with_shifted_sum=label_smoothing > 0,
+                                                  backend=kernel_backend)  # [tokens] each, fp32
         row_max = _all_reduce_(stats.row_max.clone(), group, dist.ReduceOp.MAX)
         stats = stats.rebase(row_max)  # sums relative to the global max: they now add up over shards
         pieces = [stats.target_logit, stats.sum_exp] + ([stats.shifted_sum] if label_smoothing > 0 else [])
@@ -57,7 +58,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
                                                      vocab_size=vocab_size, label_smoothing=label_smoothing)
         ctx.save_for_backward(logits, target, row_max, summed[1])
         ctx.label_smoothing, ctx.vocab_size, ctx.vocab_start = label_smoothing, vocab_size, start
-        ctx.backward_done = False
+        ctx.backward_done, ctx.kernel_backend = False, kernel_backend
         return loss.view(target.shape)
 
     @staticmethod
@@ -70,13 +71,13 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         logits, target, row_max, sum_exp = ctx.saved_tensors
         grad = kernels.cross_entropy_shard_backward(  # [..., V/tp] in the logits' dtype, written in place
             logits, target, row_max, sum_exp, grad_loss, vocab_start=ctx.vocab_start, vocab_size=ctx.vocab_size,
-            label_smoothing=ctx.label_smoothing)
-        return grad, None, None, None
+            label_smoothing=ctx.label_smoothing, backend=ctx.kernel_backend)
+        return grad, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(
     vocab_parallel_logits: torch.Tensor, target: torch.Tensor, *, tp_group: Optional[dist.ProcessGroup] = None,
-    label_smoothing: float = 0.0,
+    label_smoothing: float = 0.0, kernel_backend=None,
 ) -> torch.Tensor:
     """Per-token cross-entropy of logits split over the vocab dim.
 
@@ -86,6 +87,8 @@ def vocab_parallel_cross_entropy(
         target: ``[...]`` int64 ids in ``[0, V)``, V the full (padded) vocab.
         tp_group: the tensor-parallel group; None means the logits hold the whole vocab.
         label_smoothing: in ``[0, 1)``, as in ``torch.nn.functional.cross_entropy``.
+        kernel_backend: the ``kernels.KernelBackend`` that chooses and records the implementation (a model
+            passes its layout's ``ParallelState.kernel_backend``; default: a fresh "auto" one).
 
     Returns:
         fp32 loss with the shape of ``target`` (unreduced). Its backward yields the logits gradient in the
@@ -96,20 +99,21 @@ def vocab_parallel_cross_entropy(
     if vocab_parallel_logits.shape[:-1] != target.shape:
         raise ValueError(f"logits shape {tuple(vocab_parallel_logits.shape)} does not match target shape "
                          f"{tuple(target.shape)}: expected logits [*target.shape, V/tp]")
-    if group_size(tp_group) == 1 and _native_is_faster(vocab_parallel_logits):
+    from kernels import KernelBackend  # lazily: importing megatron_core never imports Triton
+    kernel_backend = kernel_backend if kernel_backend is not None else KernelBackend()
+    if group_size(tp_group) == 1 and _native_is_faster(vocab_parallel_logits, kernel_backend):
         # one rank holds the whole vocab and the Triton kernel cannot run: torch's fused log-softmax + nll is
         # the fastest path (its backward keeps the fp32 log-probabilities, as large as the fp32 logits)
         check_ids_in_range(target, vocab_parallel_logits.shape[-1], "cross-entropy target")
         logits = vocab_parallel_logits.reshape(-1, vocab_parallel_logits.shape[-1])
         return F.cross_entropy(logits, target.reshape(-1), reduction="none",
                                label_smoothing=label_smoothing).view(target.shape)
-    return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, tp_group, label_smoothing)
+    return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, tp_group, label_smoothing, kernel_backend)
 
 
-def _native_is_faster(logits: torch.Tensor) -> bool:
+def _native_is_faster(logits: torch.Tensor, kernel_backend) -> bool:
     """fp32 logits where Triton does not run (recorded as the kernels' "torch" backend)."""
-    from kernels import _dispatch  # lazily: importing megatron_core never imports Triton
-    if logits.dtype != torch.float32 or _dispatch.would_run_triton(logits.device):
+    if logits.dtype != torch.float32 or kernel_backend.would_run_triton(logits.device):
         return False
-    _dispatch.select("cross_entropy_shard_stats", logits.device)
+    kernel_backend.select("cross_entropy_shard_stats", logits.device)
     return True

@@ -179,6 +179,9 @@ def _io_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tensorboard-dir", default=None)
     g.add_argument("--metrics-file", default=None, help="JSON lines: one object per iteration and evaluation")
     g.add_argument("--loss-curve-png", default=None, help="write the training loss curve as a PNG at the end")
+    g.add_argument("--kernel-backend", choices=["auto", "torch", "triton"], default="auto",
+                   help="fused ops (norms, softmax, cross-entropy): auto = compiled Triton on CUDA, torch on the CPU; "
+                        "torch everywhere; or triton (on the CPU: the Triton interpreter, TRITON_INTERPRET=1)")
     g.add_argument("--no-progress", action="store_true",
                    help="no progress bar for evaluations of 10 or more iterations (drawn only on a terminal)")
     g.add_argument("--peak-tflops", type=float, default=None,

@@ -41,11 +41,11 @@ from megatron_core.transformer.moe.tracking import moe_loss_report, set_aux_loss
 logger = logging.getLogger(__name__)
 
 
-def kernel_report(*, compiled_layers: bool = False) -> str:
-    """``op=backend`` for every fused op run so far (``kernels.backend_report``; ops inside compiled layers are
-    not recorded: with ``compiled_layers`` the report says that inductor generated their kernels)."""
-    import kernels  # lazily: megatron_core imports Triton only where an op runs
-    report = ", ".join(f"{op}={backend}" for op, backend in sorted(kernels.backend_report().items())) or "none"
+def kernel_report(kernel_backend, *, compiled_layers: bool = False) -> str:
+    """``op=implementation`` for every fused op run so far through ``kernel_backend`` (the layout's
+    ``ParallelState.kernel_backend``; ops inside compiled layers are not recorded: with ``compiled_layers`` the
+    report says that inductor generated their kernels)."""
+    report = ", ".join(f"{op}={backend}" for op, backend in sorted(kernel_backend.report().items())) or "none"
     if compiled_layers:
         report += "; transformer layers: torch.compile (inductor kernels; causal attention without a mask: sdpa)"
     return report
@@ -74,7 +74,8 @@ def build_run(args: argparse.Namespace) -> Run:
     state = initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                                       config.virtual_pipeline_model_parallel_size, args.context_parallel_size,
                                       expert_model_parallel_size=args.expert_model_parallel_size,
-                                      timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes))
+                                      timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes),
+                                      kernel_backend=args.kernel_backend)
     config = config.bind_layout(state)
     micro_per_step = args.micro_batch_size * state.dp_size
     schedule = args.batch_schedule
@@ -350,7 +351,8 @@ def _train(run: Run) -> list[float]:
             lrs.append(result["lr"])
             _check_numerics(run, iteration, result)
             if len(losses) == 1 and run.is_logging_rank:  # which implementation ran each fused op, once
-                print(f" kernels used: {kernel_report(compiled_layers=run.config.compile)}", flush=True)
+                report = kernel_report(run.state.kernel_backend, compiled_layers=run.config.compile)
+                print(f" kernels used: {report}", flush=True)
             record = step_record(run, iteration, result, time.perf_counter() - begin)
             writer.write(record)
             if iteration % args.log_interval == 0 and run.is_logging_rank:

@@ -70,7 +70,7 @@ class DotProductAttention(nn.Module):
         path in fp32, which saves more for backward than the softmax path.
         ``"softmax"``: scores, the fused masked softmax of ``kernels`` (Triton where it runs), dropout, then
         ``probs @ v``: an explicit mask, a causal block with sq != sk, or CPU attention dropout.
-        The choice is recorded as the ``attention`` entry of ``kernels.backend_report()`` (pretrain_gpt's
+        The choice is recorded as the ``attention`` entry of ``kernel_backend.report()`` (pretrain_gpt's
         "kernels used:" line).
         """
         causal = attention_mask is None and sq == sk
@@ -104,7 +104,7 @@ class DotProductAttention(nn.Module):
             value = value.repeat_interleave(heads // groups, dim=2)
         dropout_p = self.attention_dropout if self.training else 0.0
         implementation = self.implementation(attention_mask, sq, sk, device=query.device, dropout_p=dropout_p)
-        kernels.record("attention", implementation)
+        self.parallel_state.kernel_backend.record("attention", implementation)
         if implementation == "sdpa":
             context = self.sdpa(query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3),
                                 dropout_p=dropout_p)  # [b, heads, sq, d]
@@ -114,9 +114,11 @@ class DotProductAttention(nn.Module):
         v = value.permute(1, 2, 0, 3).reshape(b * heads, sk, d)
         scores = torch.bmm(q, k.transpose(1, 2))  # [b*heads, sq, sk]
         if attention_mask is None:
-            probs = kernels.scaled_upper_triang_masked_softmax(scores, self.scale)
+            probs = kernels.scaled_upper_triang_masked_softmax(scores, self.scale,
+                                                               backend=self.parallel_state.kernel_backend)
         else:
-            probs = kernels.scaled_masked_softmax(scores.view(b, heads, sq, sk), attention_mask, self.scale)
+            probs = kernels.scaled_masked_softmax(scores.view(b, heads, sq, sk), attention_mask, self.scale,
+                                                  backend=self.parallel_state.kernel_backend)
             probs = probs.view(b * heads, sq, sk)
         probs = dropout_in_partitioned_region(probs, self.attention_dropout, self.training,
                                              rng_tracker=self.parallel_state.rng_tracker)
@@ -153,8 +155,10 @@ class SelfAttention(nn.Module):
         self.q_layernorm = self.k_layernorm = None
         if config.qk_layernorm:  # over each head's kv_channels; every tp rank sees its own heads only, so the
             # weight grads are partial sums over heads: tagged for the tp all-reduce of finalize_model_grads
-            self.q_layernorm = Norm(config, config.kv_channels, device=device)
-            self.k_layernorm = Norm(config, config.kv_channels, device=device)
+            self.q_layernorm = Norm(config, config.kv_channels, device=device,
+                                    kernel_backend=parallel_state.kernel_backend)
+            self.k_layernorm = Norm(config, config.kv_channels, device=device,
+                                    kernel_backend=parallel_state.kernel_backend)
             for param in (*self.q_layernorm.parameters(), *self.k_layernorm.parameters()):
                 param.sequence_parallel = parallel_state.tp_size > 1
         self.linear_proj = RowParallelLinear(

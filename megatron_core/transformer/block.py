@@ -56,7 +56,8 @@ class TransformerBlock(nn.Module):
             for layer in layers:
                 compile_layer(layer)
         self.layers = nn.ModuleList(layers)
-        self.final_layernorm = (spec.final_norm(config, config.hidden_size, device=parallel_state.device)
+        self.final_layernorm = (spec.final_norm(config, config.hidden_size, device=parallel_state.device,
+                                                kernel_backend=parallel_state.kernel_backend)
                                 if post_process else None)
         self.input_tensor: Optional[torch.Tensor] = None
 

@@ -7,7 +7,8 @@ layer (ZeRO-3's gather / release / prefetch hooks) run outside the compiled code
 layer ``gathers_all_parameters`` and ZeRO-3 then treats the whole layer as one gather unit and installs no
 hook inside it (a compiled region may not resize parameter storage or register autograd hooks).
 
-Inside a compiled layer the fused ops take their plain-torch path (``kernels.use_backend("torch")``): inductor
+Inside a compiled layer the fused ops take their plain-torch path (the layer's ``kernel_backend`` in mode
+"torch" for the call): inductor
 generates its own fused kernels from them (C++ on CPU, Triton on CUDA). What a layer does that dynamo cannot
 trace (tensor-parallel collectives on some backends, RNG-tracker forks for dropout, selective-recompute
 checkpoints) runs eagerly between compiled graphs ("graph breaks"), so results equal the eager layer's.
@@ -17,6 +18,7 @@ decoding (a call with an ``inference_cache``) runs the eager forward: its shapes
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from typing import Any
@@ -30,8 +32,6 @@ logger = logging.getLogger(__name__)
 def compile_layer(layer: nn.Module, **compile_kwargs: Any) -> nn.Module:
     """Replaces ``layer.forward`` by ``torch.compile(layer.forward, **compile_kwargs)`` (in place) and marks
     the layer as one ZeRO-3 gather unit. Returns ``layer``. Compiling twice is a no-op."""
-    import kernels  # lazily, as the rest of megatron_core does
-
     if getattr(layer, "compiled_forward", None) is not None:
         return layer
     eager = layer.forward
@@ -41,7 +41,9 @@ def compile_layer(layer: nn.Module, **compile_kwargs: Any) -> nn.Module:
     def forward(*args: Any, **kwargs: Any) -> Any:
         if kwargs.get("inference_cache") is not None:  # incremental decoding: a new shape every step, eager
             return eager(*args, **kwargs)
-        with kernels.use_backend("torch"):  # inductor fuses the torch ops; a Triton launch would break the graph
+        backend = getattr(layer, "kernel_backend", None)
+        # inductor fuses the torch ops; a Triton launch would break the graph
+        with backend.use("torch") if backend is not None else contextlib.nullcontext():
             return compiled(*args, **kwargs)
 
     layer.compiled_forward = compiled

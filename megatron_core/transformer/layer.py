@@ -35,11 +35,14 @@ class TransformerLayer(nn.Module):
         super().__init__()
         self.config, self.layer_number = config, layer_number
         self.rng_tracker = parallel_state.rng_tracker  # recompute replay; sequence-parallel dropout
+        self.kernel_backend = parallel_state.kernel_backend  # the fused ops' choice (torch inside a compiled layer)
         device = parallel_state.device
-        self.input_layernorm = spec.input_norm(config, config.hidden_size, device=device)
+        self.input_layernorm = spec.input_norm(config, config.hidden_size, device=device,
+                                               kernel_backend=parallel_state.kernel_backend)
         self.self_attention = spec.self_attention(config, layer_number=layer_number, parallel_state=parallel_state,
                                                   core_attention=spec.core_attention)
-        self.pre_mlp_layernorm = spec.pre_mlp_norm(config, config.hidden_size, device=device)
+        self.pre_mlp_layernorm = spec.pre_mlp_norm(config, config.hidden_size, device=device,
+                                                   kernel_backend=parallel_state.kernel_backend)
         self.mlp = spec.mlp(config, layer_number=layer_number, parallel_state=parallel_state)
 
     def forward(self, hidden: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,

@@ -7,7 +7,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import kernels
 from megatron_core import destroy_model_parallel, initialize_model_parallel
 from megatron_core.config import TransformerConfig
 from megatron_core.context_parallel import local_positions, split_sequence
@@ -48,36 +47,35 @@ def _run(attention, x, positions, mask, dout, rope):
 def _self_attention_parity(cp: int, comm_type: str, name: str) -> None:
     _, _, _, rope, padded = ATTENTION[name]
     torch.manual_seed(0)  # the same weights on every rank, whatever an earlier task left in this worker
-    with kernels.use_backend("torch"):
-        state = initialize_model_parallel(context_parallel_size=cp)
-        try:
-            single = dataclasses.replace(state, cp_size=1, cp_rank=0, cp_group=None, cp_ranks=(state.rank,))
-            reference = SelfAttention(_config(name), layer_number=1, parallel_state=single)
-            with torch.no_grad():
-                reference.linear_qkv.bias.normal_()
-                reference.linear_proj.bias.normal_()
-            sharded = SelfAttention(_config(name, context_parallel_size=cp, cp_comm_type=comm_type), layer_number=1,
-                                    parallel_state=state)
-            sharded.load_state_dict(reference.state_dict())
-            g = torch.Generator().manual_seed(1)
-            x = torch.randn(SEQ, BATCH, reference.config.hidden_size, generator=g, requires_grad=True)
-            dout = torch.randn(SEQ, BATCH, reference.config.hidden_size, generator=g)
-            mask = _padding_mask(SEQ) if padded else None
-            positions = torch.arange(SEQ).expand(BATCH, SEQ)
-            expected = _run(reference, x, positions, mask, dout, rope)
+    state = initialize_model_parallel(context_parallel_size=cp)
+    try:
+        single = dataclasses.replace(state, cp_size=1, cp_rank=0, cp_group=None, cp_ranks=(state.rank,))
+        reference = SelfAttention(_config(name), layer_number=1, parallel_state=single)
+        with torch.no_grad():
+            reference.linear_qkv.bias.normal_()
+            reference.linear_proj.bias.normal_()
+        sharded = SelfAttention(_config(name, context_parallel_size=cp, cp_comm_type=comm_type), layer_number=1,
+                                parallel_state=state)
+        sharded.load_state_dict(reference.state_dict())
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn(SEQ, BATCH, reference.config.hidden_size, generator=g, requires_grad=True)
+        dout = torch.randn(SEQ, BATCH, reference.config.hidden_size, generator=g)
+        mask = _padding_mask(SEQ) if padded else None
+        positions = torch.arange(SEQ).expand(BATCH, SEQ)
+        expected = _run(reference, x, positions, mask, dout, rope)
 
-            split = dict(dim=0, cp_size=cp, cp_rank=state.cp_rank)
-            x_local = split_sequence(x.detach(), **split).requires_grad_()
-            local = local_positions(SEQ, cp_size=cp, cp_rank=state.cp_rank).expand(BATCH, SEQ // cp)
-            out = _run(sharded, x_local, local, mask, split_sequence(dout, **split), rope)
-            torch.testing.assert_close(out, split_sequence(expected, **split), **TOL)
-            torch.testing.assert_close(x_local.grad, split_sequence(x.grad, **split), **TOL)
-            for (param_name, param), ref_param in zip(sharded.named_parameters(), reference.parameters()):
-                grad = param.grad.clone()
-                dist.all_reduce(grad, group=state.cp_group)  # each cp rank holds its tokens' share
-                torch.testing.assert_close(grad, ref_param.grad, **WEIGHT_GRAD_TOL, msg=lambda m: f"{param_name}: {m}")
-        finally:
-            destroy_model_parallel(state)
+        split = dict(dim=0, cp_size=cp, cp_rank=state.cp_rank)
+        x_local = split_sequence(x.detach(), **split).requires_grad_()
+        local = local_positions(SEQ, cp_size=cp, cp_rank=state.cp_rank).expand(BATCH, SEQ // cp)
+        out = _run(sharded, x_local, local, mask, split_sequence(dout, **split), rope)
+        torch.testing.assert_close(out, split_sequence(expected, **split), **TOL)
+        torch.testing.assert_close(x_local.grad, split_sequence(x.grad, **split), **TOL)
+        for (param_name, param), ref_param in zip(sharded.named_parameters(), reference.parameters()):
+            grad = param.grad.clone()
+            dist.all_reduce(grad, group=state.cp_group)  # each cp rank holds its tokens' share
+            torch.testing.assert_close(grad, ref_param.grad, **WEIGHT_GRAD_TOL, msg=lambda m: f"{param_name}: {m}")
+    finally:
+        destroy_model_parallel(state)
 
 
 @pytest.mark.parametrize("name", list(ATTENTION))

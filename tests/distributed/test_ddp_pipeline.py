@@ -4,7 +4,6 @@ copies stay identical."""
 import pytest
 import torch
 
-import kernels
 from megatron_core import destroy_model_parallel, initialize_model_parallel
 from megatron_core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron_core.optimizer import OptimizerConfig, get_optimizer
@@ -14,27 +13,26 @@ from tests.model_helpers import SEQ
 
 
 def _pipeline_ddp(stage: int):
-    with kernels.use_backend("torch"):
-        state = initialize_model_parallel(pipeline_model_parallel_size=2)
-        _, (model,) = _build_chunks(state, 4, None)
-        ddp = DistributedDataParallel(model, config=DistributedDataParallelConfig(zero_stage=stage, bucket_size=300),
-                                      dp_group=state.dp_group)
-        optimizer = get_optimizer(OptimizerConfig(lr=1e-2, weight_decay=0.1, clip_grad=0.5), ddp,
-                                  parallel_state=state)
-        schedule = get_forward_backward_func(2)
-        norms = []
-        for step in range(2):
-            optimizer.zero_grad()
-            batches = _batches(8)[state.dp_rank * 4:(state.dp_rank + 1) * 4]
-            schedule(forward_step_func=_forward_step, data_iterator=iter(batches), model=ddp, num_microbatches=4,
-                     seq_length=SEQ, micro_batch_size=MICRO_BATCH, parallel_state=state)
-            ok, norm, _ = optimizer.step()
-            assert ok
-            norms.append(norm)
-        params = ddp.state_dict()
-        tied = params["embedding.word_embeddings.weight" if state.is_pipeline_first_stage else "output_layer.weight"]
-        destroy_model_parallel(state)
-        return params, tied, norms
+    state = initialize_model_parallel(pipeline_model_parallel_size=2)
+    _, (model,) = _build_chunks(state, 4, None)
+    ddp = DistributedDataParallel(model, config=DistributedDataParallelConfig(zero_stage=stage, bucket_size=300),
+                                  dp_group=state.dp_group)
+    optimizer = get_optimizer(OptimizerConfig(lr=1e-2, weight_decay=0.1, clip_grad=0.5), ddp,
+                              parallel_state=state)
+    schedule = get_forward_backward_func(2)
+    norms = []
+    for step in range(2):
+        optimizer.zero_grad()
+        batches = _batches(8)[state.dp_rank * 4:(state.dp_rank + 1) * 4]
+        schedule(forward_step_func=_forward_step, data_iterator=iter(batches), model=ddp, num_microbatches=4,
+                 seq_length=SEQ, micro_batch_size=MICRO_BATCH, parallel_state=state)
+        ok, norm, _ = optimizer.step()
+        assert ok
+        norms.append(norm)
+    params = ddp.state_dict()
+    tied = params["embedding.word_embeddings.weight" if state.is_pipeline_first_stage else "output_layer.weight"]
+    destroy_model_parallel(state)
+    return params, tied, norms
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

@@ -7,10 +7,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-import kernels
 from megatron_core import initialize_model_parallel
 from megatron_core.distributed import finalize_model_grads
-from megatron_core.models import GPTModel, llama_config, llama_model
+from megatron_core.models import llama_config, llama_model
 from megatron_core.tensor_parallel import model_parallel_seed
 from megatron_core.transformer import MLP, TransformerLayerSpec
 from tests.model_helpers import (
@@ -30,13 +29,11 @@ GRAD_TOL = dict(rtol=1e-4, atol=1e-6)
 
 @pytest.fixture(autouse=True)
 def _torch_kernels():
-    with kernels.use_backend("torch"):  # parity of layouts; the kernels themselves are tested in tests/kernels
-        yield
+    yield
 
 
 def _in_worker(tp, overrides, model_kwargs=None):
-    with kernels.use_backend("torch"):
-        return run_tiny_model(tp, overrides, model_kwargs)
+    return run_tiny_model(tp, overrides, model_kwargs)
 
 
 def _assert_same(reference, results, what):
@@ -76,13 +73,12 @@ def test_sequence_parallel_matches_no_sequence_parallel(distributed):
 
 
 def _recompute_grads(recompute):
-    with kernels.use_backend("torch"):
-        state = initialize_model_parallel(tensor_model_parallel_size=dist.get_world_size())
-        config = tiny_config(num_layers=4, tensor_model_parallel_size=state.tp_size, hidden_dropout=0.2,
-                             attention_dropout=0.2, sequence_parallel=True, **recompute)
-        model = build_model(config, state)
-        model_parallel_seed(7, tp_rank=state.tp_rank, tracker=state.rng_tracker)
-        return loss_and_grads(model, state)
+    state = initialize_model_parallel(tensor_model_parallel_size=dist.get_world_size())
+    config = tiny_config(num_layers=4, tensor_model_parallel_size=state.tp_size, hidden_dropout=0.2,
+                         attention_dropout=0.2, sequence_parallel=True, **recompute)
+    model = build_model(config, state)
+    model_parallel_seed(7, tp_rank=state.tp_rank, tracker=state.rng_tracker)
+    return loss_and_grads(model, state)
 
 
 @pytest.mark.parametrize("recompute", [
@@ -100,14 +96,13 @@ def test_recompute_gives_identical_grads(distributed, recompute):
 
 
 def _hidden_dropout_outputs():
-    with kernels.use_backend("torch"):
-        tp = dist.get_world_size() if dist.is_initialized() else 1
-        state = initialize_model_parallel(tensor_model_parallel_size=tp)
-        model = build_model(tiny_config(tensor_model_parallel_size=tp, hidden_dropout=0.3), state,
-                            parallel_output=False)
-        model_parallel_seed(11, tp_rank=state.tp_rank, tracker=state.rng_tracker)
-        input_ids, positions, _ = make_batch()
-        return model(input_ids, positions).detach()
+    tp = dist.get_world_size() if dist.is_initialized() else 1
+    state = initialize_model_parallel(tensor_model_parallel_size=tp)
+    model = build_model(tiny_config(tensor_model_parallel_size=tp, hidden_dropout=0.3), state,
+                        parallel_output=False)
+    model_parallel_seed(11, tp_rank=state.tp_rank, tracker=state.rng_tracker)
+    input_ids, positions, _ = make_batch()
+    return model(input_ids, positions).detach()
 
 
 def test_replicated_dropout_masks_are_identical_across_tp(distributed):
@@ -132,15 +127,14 @@ def test_padded_vocab_never_affects_loss_or_predictions():
 
 
 def _llama(tp):
-    with kernels.use_backend("torch"):
-        state = initialize_model_parallel(tensor_model_parallel_size=tp)
-        config = llama_config(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
-                              ffn_hidden_size=48, tensor_model_parallel_size=tp)
-        torch.manual_seed(5)
-        model = llama_model(config, parallel_state=state, vocab_size=VOCAB, max_sequence_length=SEQ,
-                            make_vocab_size_divisible_by=16)
-        assert "embedding.position_embeddings.weight" not in dict(model.named_parameters())
-        return loss_and_grads(model, state)
+    state = initialize_model_parallel(tensor_model_parallel_size=tp)
+    config = llama_config(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                          ffn_hidden_size=48, tensor_model_parallel_size=tp)
+    torch.manual_seed(5)
+    model = llama_model(config, parallel_state=state, vocab_size=VOCAB, max_sequence_length=SEQ,
+                        make_vocab_size_divisible_by=16)
+    assert "embedding.position_embeddings.weight" not in dict(model.named_parameters())
+    return loss_and_grads(model, state)
 
 
 def test_llama_through_spec_matches_tp1(distributed):
@@ -216,29 +210,28 @@ def test_model_rejects_a_layout_mismatch():
 
 
 def _two_stage_pipeline(tied):
-    with kernels.use_backend("torch"):
-        state = initialize_model_parallel(pipeline_model_parallel_size=2)
-        first = state.is_pipeline_first_stage
-        model = build_model(tiny_config(num_layers=4, pipeline_model_parallel_size=2), state, pre_process=first,
-                            post_process=not first, share_embeddings_and_output_weights=tied)
-        input_ids, positions, labels = make_batch()
-        loss = None
-        if first:
-            sent = model(input_ids, positions)  # [s, b, h]
-            dist.send(sent.detach(), state.next_pipeline_rank)
-            grad = torch.empty_like(sent)
-            dist.recv(grad, state.next_pipeline_rank)
-            sent.backward(grad)
-        else:
-            received = torch.empty(SEQ, 2, 16)
-            dist.recv(received, state.prev_pipeline_rank)
-            received.requires_grad_()
-            model.set_input_tensor(received)
-            loss = model(None, positions, labels=labels)
-            loss.mean().backward()
-            dist.send(received.grad, state.prev_pipeline_rank)
-        finalize_model_grads(model, state)  # sums the tied embedding grads over ranks 0 and 1
-        return loss, {_global_name(n, 0 if first else 2): p.grad for n, p in model.named_parameters()}
+    state = initialize_model_parallel(pipeline_model_parallel_size=2)
+    first = state.is_pipeline_first_stage
+    model = build_model(tiny_config(num_layers=4, pipeline_model_parallel_size=2), state, pre_process=first,
+                        post_process=not first, share_embeddings_and_output_weights=tied)
+    input_ids, positions, labels = make_batch()
+    loss = None
+    if first:
+        sent = model(input_ids, positions)  # [s, b, h]
+        dist.send(sent.detach(), state.next_pipeline_rank)
+        grad = torch.empty_like(sent)
+        dist.recv(grad, state.next_pipeline_rank)
+        sent.backward(grad)
+    else:
+        received = torch.empty(SEQ, 2, 16)
+        dist.recv(received, state.prev_pipeline_rank)
+        received.requires_grad_()
+        model.set_input_tensor(received)
+        loss = model(None, positions, labels=labels)
+        loss.mean().backward()
+        dist.send(received.grad, state.prev_pipeline_rank)
+    finalize_model_grads(model, state)  # sums the tied embedding grads over ranks 0 and 1
+    return loss, {_global_name(n, 0 if first else 2): p.grad for n, p in model.named_parameters()}
 
 
 @pytest.mark.parametrize("tied", [True, False])

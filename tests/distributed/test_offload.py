@@ -3,13 +3,11 @@ bit for bit (dp 1 stage 0, dp 2 stages 1 and 2, fp32; bf16 against CPU offload);
 bytes during a step stay within three chunks while the files hold all of them; a checkpoint of an offloaded run
 resumes exactly; at ZeRO-3 with parameter offload (cpu, nvme) the run equals the in-memory one and no parameter
 shard stays in memory between uses; bad folders raise ``ValueError`` naming the path."""
-import contextlib
 import os
 
 import pytest
 import torch
 
-import kernels
 from megatron_core import initialize_model_parallel
 from megatron_core.checkpointing import load_model_weights, read_metadata, save_checkpoint
 from megatron_core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
@@ -52,10 +50,9 @@ def _train(state, ddp, optimizer, steps: range) -> list[float]:
 
 
 def train(stage: int, steps: int = 10, **kwargs):
-    with kernels.use_backend("torch"):
-        state, _, ddp, optimizer = _setup(stage, **kwargs)
-        losses = _train(state, ddp, optimizer, range(steps))
-        return losses, {k: v.float() for k, v in ddp.state_dict().items()}
+    state, _, ddp, optimizer = _setup(stage, **kwargs)
+    losses = _train(state, ddp, optimizer, range(steps))
+    return losses, {k: v.float() for k, v in ddp.state_dict().items()}
 
 
 @pytest.mark.parametrize("dp,stage", [(1, 0), (2, 1), (2, 2)])
@@ -87,40 +84,38 @@ def test_fused_host_adam_is_close(distributed, tmp_path):
 
 
 def test_nvme_states_are_not_in_memory(tmp_path):
-    with kernels.use_backend("torch"):
-        state, model, ddp, optimizer = _setup(0, nvme_dir=str(tmp_path))
-        _train(state, ddp, optimizer, range(1))
-        numel = sum(p.model.numel() for p in optimizer.pieces)
-        files = optimizer.optimizer.files
-        assert files.file_bytes() == 3 * numel * 4  # masters, exp_avg, exp_avg_sq: all of them on disk
-        chunk_bytes = 3 * CHUNK * 4
-        assert numel > 10 * CHUNK  # in memory they would be > 10 chunks, far above the bound below
-        with LiveMemoryTracker(categories=lambda: memory_categories(ddp, optimizer)) as tracker:
-            _train(state, ddp, optimizer, range(1, 3))
-        live = tracker.peak_by_category["master_weights"] + tracker.peak_by_category["optimizer_states"]
-        assert 0 < live <= 3 * chunk_bytes, f"{live} live state bytes, 3 chunks are {3 * chunk_bytes}"
-        report = memory_report(ddp, optimizer, tracker=tracker)
-        assert report.master_weights == report.optimizer_states == 0
-        assert report.nvme_master_weights == numel * 4 and report.nvme_optimizer_states == 2 * numel * 4
-        assert report.tiers["optimizer_states"] == "nvme" and report.tiers["parameters"] == "cpu"
-        in_memory = _setup(0)
-        _train(in_memory[0], in_memory[2], in_memory[3], range(1))
-        assert memory_report(in_memory[2], in_memory[3]).optimizer_states > 3 * chunk_bytes
+    state, model, ddp, optimizer = _setup(0, nvme_dir=str(tmp_path))
+    _train(state, ddp, optimizer, range(1))
+    numel = sum(p.model.numel() for p in optimizer.pieces)
+    files = optimizer.optimizer.files
+    assert files.file_bytes() == 3 * numel * 4  # masters, exp_avg, exp_avg_sq: all of them on disk
+    chunk_bytes = 3 * CHUNK * 4
+    assert numel > 10 * CHUNK  # in memory they would be > 10 chunks, far above the bound below
+    with LiveMemoryTracker(categories=lambda: memory_categories(ddp, optimizer)) as tracker:
+        _train(state, ddp, optimizer, range(1, 3))
+    live = tracker.peak_by_category["master_weights"] + tracker.peak_by_category["optimizer_states"]
+    assert 0 < live <= 3 * chunk_bytes, f"{live} live state bytes, 3 chunks are {3 * chunk_bytes}"
+    report = memory_report(ddp, optimizer, tracker=tracker)
+    assert report.master_weights == report.optimizer_states == 0
+    assert report.nvme_master_weights == numel * 4 and report.nvme_optimizer_states == 2 * numel * 4
+    assert report.tiers["optimizer_states"] == "nvme" and report.tiers["parameters"] == "cpu"
+    in_memory = _setup(0)
+    _train(in_memory[0], in_memory[2], in_memory[3], range(1))
+    assert memory_report(in_memory[2], in_memory[3]).optimizer_states > 3 * chunk_bytes
 
 
 def resume(stage: int, ckpt: str, nvme_dir: str, *, save_offloaded: bool = True):
     """5 steps, checkpoint, 5 more; a fresh NVMe-offloaded run loads the checkpoint and repeats the last 5."""
-    with kernels.use_backend("torch"):
-        state, model, ddp, optimizer = _setup(stage, nvme_dir=nvme_dir if save_offloaded else None)
-        _train(state, ddp, optimizer, range(5))
-        save_checkpoint(ckpt, iteration=5, model_chunks=[ddp], config=model.config, state=state,
-                        true_vocab_size=VOCAB, consumed_samples=20, optimizer=optimizer)
-        expected = _train(state, ddp, optimizer, range(5, 10))
-        state, model, ddp, optimizer = _setup(stage, nvme_dir=nvme_dir)
-        folder, metadata = read_metadata(ckpt)
-        load_model_weights(folder, metadata, model_chunks=[ddp], config=model.config, state=state,
-                           optimizer=optimizer)
-        return expected, _train(state, ddp, optimizer, range(5, 10))
+    state, model, ddp, optimizer = _setup(stage, nvme_dir=nvme_dir if save_offloaded else None)
+    _train(state, ddp, optimizer, range(5))
+    save_checkpoint(ckpt, iteration=5, model_chunks=[ddp], config=model.config, state=state,
+                    true_vocab_size=VOCAB, consumed_samples=20, optimizer=optimizer)
+    expected = _train(state, ddp, optimizer, range(5, 10))
+    state, model, ddp, optimizer = _setup(stage, nvme_dir=nvme_dir)
+    folder, metadata = read_metadata(ckpt)
+    load_model_weights(folder, metadata, model_chunks=[ddp], config=model.config, state=state,
+                       optimizer=optimizer)
+    return expected, _train(state, ddp, optimizer, range(5, 10))
 
 
 @pytest.mark.parametrize("dp,stage,save_offloaded", [(1, 0, True), (2, 1, True), (1, 0, False)])
@@ -160,16 +155,15 @@ def test_zero3_param_offload_equals_in_memory(distributed, tmp_path, tier):
 
 def param_memory(tier: str, param_dir: str):
     """The live device bytes of parameter shards during forward/backward and between steps."""
-    with kernels.use_backend("torch"):
-        state, model, ddp, optimizer = _setup(3, param_offload=tier, param_dir=param_dir)
-        shards = sorted((b.shard_size * b.kind.param_dtype.itemsize for b in ddp.buckets), reverse=True)
-        _train(state, ddp, optimizer, range(1))
-        input_ids, positions, labels = make_batch(seed=1, batch=4)
-        with LiveMemoryTracker(categories=lambda: memory_categories(ddp, optimizer)) as tracker:
-            ddp(input_ids[:2], positions[:2], labels=labels[:2]).mean().backward()
-        between = sum(b.param_shard.untyped_storage().nbytes() for b in ddp.buckets)
-        report = memory_report(ddp, optimizer)
-        return tracker.peak_by_category["parameters"], between, shards, report.tiers["parameters"]
+    state, model, ddp, optimizer = _setup(3, param_offload=tier, param_dir=param_dir)
+    shards = sorted((b.shard_size * b.kind.param_dtype.itemsize for b in ddp.buckets), reverse=True)
+    _train(state, ddp, optimizer, range(1))
+    input_ids, positions, labels = make_batch(seed=1, batch=4)
+    with LiveMemoryTracker(categories=lambda: memory_categories(ddp, optimizer)) as tracker:
+        ddp(input_ids[:2], positions[:2], labels=labels[:2]).mean().backward()
+    between = sum(b.param_shard.untyped_storage().nbytes() for b in ddp.buckets)
+    report = memory_report(ddp, optimizer)
+    return tracker.peak_by_category["parameters"], between, shards, report.tiers["parameters"]
 
 
 def test_zero3_param_offload_frees_shards(distributed, tmp_path):
@@ -179,10 +173,9 @@ def test_zero3_param_offload_frees_shards(distributed, tmp_path):
 
 
 def norm_after(stage: int, **kwargs) -> float:
-    with kernels.use_backend("torch"):
-        state, _, ddp, optimizer = _setup(stage, **kwargs)
-        _train(state, ddp, optimizer, range(2))
-        return optimizer.params_norm()
+    state, _, ddp, optimizer = _setup(stage, **kwargs)
+    _train(state, ddp, optimizer, range(2))
+    return optimizer.params_norm()
 
 
 def test_params_norm_with_offload(distributed, tmp_path):

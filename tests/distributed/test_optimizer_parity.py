@@ -9,7 +9,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import kernels
 from megatron_core import initialize_model_parallel
 from megatron_core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron_core.optimizer import OptimizerConfig, get_optimizer, memory_report
@@ -135,30 +134,28 @@ def _gpt_loss(model, step, rows=slice(None)):
 
 
 def train_gpt(stage: int, tp: int):
-    with kernels.use_backend("torch"):
-        state = initialize_model_parallel(tensor_model_parallel_size=tp)
-        model = build_model(tiny_config(tensor_model_parallel_size=tp, sequence_parallel=tp > 1), state)
-        dims = {n: (p.partition_dim if getattr(p, "tensor_model_parallel", False) else None, p.partition_stride)
-                for n, p in model.named_parameters()}
-        ddp = DistributedDataParallel(model, config=DistributedDataParallelConfig(zero_stage=stage, bucket_size=500),
-                                      dp_group=state.dp_group)
-        optimizer = get_optimizer(OptimizerConfig(**OPT), ddp, parallel_state=state)
-        rows = 4 // state.dp_size
-        for step in range(STEPS):
-            optimizer.zero_grad()
-            for i in range(MICRO):
-                lo = state.dp_rank * rows + i * rows // MICRO
-                with ddp.no_sync() if i < MICRO - 1 else contextlib.nullcontext():
-                    (_gpt_loss(ddp, step, slice(lo, lo + rows // MICRO)) / MICRO).backward()
-            finalize_model_grads([ddp], state)
-            optimizer.step()
-        return {n: (t, *dims[n]) for n, t in ddp.state_dict().items() if n in dims}
+    state = initialize_model_parallel(tensor_model_parallel_size=tp)
+    model = build_model(tiny_config(tensor_model_parallel_size=tp, sequence_parallel=tp > 1), state)
+    dims = {n: (p.partition_dim if getattr(p, "tensor_model_parallel", False) else None, p.partition_stride)
+            for n, p in model.named_parameters()}
+    ddp = DistributedDataParallel(model, config=DistributedDataParallelConfig(zero_stage=stage, bucket_size=500),
+                                  dp_group=state.dp_group)
+    optimizer = get_optimizer(OptimizerConfig(**OPT), ddp, parallel_state=state)
+    rows = 4 // state.dp_size
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        for i in range(MICRO):
+            lo = state.dp_rank * rows + i * rows // MICRO
+            with ddp.no_sync() if i < MICRO - 1 else contextlib.nullcontext():
+                (_gpt_loss(ddp, step, slice(lo, lo + rows // MICRO)) / MICRO).backward()
+        finalize_model_grads([ddp], state)
+        optimizer.step()
+    return {n: (t, *dims[n]) for n, t in ddp.state_dict().items() if n in dims}
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_gpt_dp2_tp2_matches_adamw(distributed, stage):
-    with kernels.use_backend("torch"):
-        reference, _ = reference_adamw(build_model(tiny_config(), initialize_model_parallel()), _gpt_loss)
+    reference, _ = reference_adamw(build_model(tiny_config(), initialize_model_parallel()), _gpt_loss)
     results = distributed(4, train_gpt, stage, 2)
     tp_group = [results[0], results[1]]  # ranks 0, 1: tp shards of dp rank 0 (ranks 2, 3: dp rank 1)
     full = {n: unshard([r[n][0] for r in tp_group], tp_group[0][n][1], tp_group[0][n][2]) for n in results[0]}

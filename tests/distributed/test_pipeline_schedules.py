@@ -6,9 +6,7 @@ import time
 
 import pytest
 import torch
-import torch.distributed as dist
 
-import kernels
 from megatron_core import destroy_model_parallel, initialize_model_parallel
 from megatron_core.models import GPTModel
 from megatron_core.pipeline_parallel import PipelineError, Timeline, get_forward_backward_func
@@ -65,42 +63,40 @@ def _global_grads(config, state, chunks):
 
 
 def _pipeline_run(tp, pp, vpp, num_layers, num_microbatches, forward_only=False, tied=True, fail_at=None):
-    with kernels.use_backend("torch"):
-        state = initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                          virtual_pipeline_model_parallel_size=vpp)
-        config, chunks = _build_chunks(state, num_layers, vpp, tied)
-        batches = _batches(num_microbatches)
-        iterators = [iter(batches) for _ in chunks] if vpp else iter(batches)
-        step = _forward_step
-        if fail_at is not None and state.pp_rank == fail_at[0]:
-            def step(data_iterator, model, _count=[0]):  # noqa: B006 - a per-run counter
-                _count[0] += 1
-                if _count[0] == fail_at[1]:
-                    raise ValueError(f"boom on pipeline rank {state.pp_rank}")
-                return _forward_step(data_iterator, model)
-        timeline = Timeline()
-        schedule = get_forward_backward_func(pp, vpp)
-        losses = schedule(forward_step_func=step, data_iterator=iterators, model=chunks if vpp else chunks[0],
-                          num_microbatches=num_microbatches, seq_length=SEQ, micro_batch_size=MICRO_BATCH,
-                          forward_only=forward_only, parallel_state=state, timeline=timeline)
-        grads = {} if forward_only else _global_grads(config, state, chunks)
-        result = dict(losses=[l["lm loss"] for l in losses], grads=grads, pp_rank=state.pp_rank, tp_rank=state.tp_rank,
-                      max_in_flight=timeline.max_in_flight)
-        destroy_model_parallel(state)
-        return result
+    state = initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                      virtual_pipeline_model_parallel_size=vpp)
+    config, chunks = _build_chunks(state, num_layers, vpp, tied)
+    batches = _batches(num_microbatches)
+    iterators = [iter(batches) for _ in chunks] if vpp else iter(batches)
+    step = _forward_step
+    if fail_at is not None and state.pp_rank == fail_at[0]:
+        def step(data_iterator, model, _count=[0]):  # noqa: B006 - a per-run counter
+            _count[0] += 1
+            if _count[0] == fail_at[1]:
+                raise ValueError(f"boom on pipeline rank {state.pp_rank}")
+            return _forward_step(data_iterator, model)
+    timeline = Timeline()
+    schedule = get_forward_backward_func(pp, vpp)
+    losses = schedule(forward_step_func=step, data_iterator=iterators, model=chunks if vpp else chunks[0],
+                      num_microbatches=num_microbatches, seq_length=SEQ, micro_batch_size=MICRO_BATCH,
+                      forward_only=forward_only, parallel_state=state, timeline=timeline)
+    grads = {} if forward_only else _global_grads(config, state, chunks)
+    result = dict(losses=[l["lm loss"] for l in losses], grads=grads, pp_rank=state.pp_rank, tp_rank=state.tp_rank,
+                  max_in_flight=timeline.max_in_flight)
+    destroy_model_parallel(state)
+    return result
 
 
 def _reference(num_layers, num_microbatches, forward_only=False, tied=True):
     """The whole model on one process through forward_backward_no_pipelining."""
-    with kernels.use_backend("torch"):
-        state = initialize_model_parallel()
-        config, (model,) = _build_chunks(state, num_layers, None, tied)
-        schedule = get_forward_backward_func(1)
-        losses = schedule(forward_step_func=_forward_step, data_iterator=iter(_batches(num_microbatches)), model=model,
-                          num_microbatches=num_microbatches, seq_length=SEQ, micro_batch_size=MICRO_BATCH,
-                          forward_only=forward_only, parallel_state=state)
-        grads = {} if forward_only else {name: g for name, (g, _, _) in _global_grads(config, state, [model]).items()}
-        return [l["lm loss"] for l in losses], grads
+    state = initialize_model_parallel()
+    config, (model,) = _build_chunks(state, num_layers, None, tied)
+    schedule = get_forward_backward_func(1)
+    losses = schedule(forward_step_func=_forward_step, data_iterator=iter(_batches(num_microbatches)), model=model,
+                      num_microbatches=num_microbatches, seq_length=SEQ, micro_batch_size=MICRO_BATCH,
+                      forward_only=forward_only, parallel_state=state)
+    grads = {} if forward_only else {name: g for name, (g, _, _) in _global_grads(config, state, [model]).items()}
+    return [l["lm loss"] for l in losses], grads
 
 
 def _check_against_reference(results, reference, tp, tied=True):
@@ -163,17 +159,16 @@ def test_failing_rank_makes_the_others_fail_with_its_error(distributed):
 
 
 def _tied_after_step():
-    with kernels.use_backend("torch"):
-        state = initialize_model_parallel(pipeline_model_parallel_size=2)
-        config, (model,) = _build_chunks(state, 4, None)
-        schedule = get_forward_backward_func(2)
-        schedule(forward_step_func=_forward_step, data_iterator=iter(_batches(4)), model=model, num_microbatches=4,
-                 seq_length=SEQ, micro_batch_size=MICRO_BATCH, parallel_state=state)
-        torch.optim.SGD(model.parameters(), lr=0.5).step()
-        weight = (model.embedding.word_embeddings.weight if state.is_pipeline_first_stage
-                  else model.output_layer.weight).detach().clone()
-        destroy_model_parallel(state)
-        return weight
+    state = initialize_model_parallel(pipeline_model_parallel_size=2)
+    config, (model,) = _build_chunks(state, 4, None)
+    schedule = get_forward_backward_func(2)
+    schedule(forward_step_func=_forward_step, data_iterator=iter(_batches(4)), model=model, num_microbatches=4,
+             seq_length=SEQ, micro_batch_size=MICRO_BATCH, parallel_state=state)
+    torch.optim.SGD(model.parameters(), lr=0.5).step()
+    weight = (model.embedding.word_embeddings.weight if state.is_pipeline_first_stage
+              else model.output_layer.weight).detach().clone()
+    destroy_model_parallel(state)
+    return weight
 
 
 def test_tied_embeddings_stay_identical_after_a_step(distributed):
@@ -182,19 +177,18 @@ def test_tied_embeddings_stay_identical_after_a_step(distributed):
 
 
 def _timeline_files(directory):
-    with kernels.use_backend("torch"):
-        state = initialize_model_parallel(pipeline_model_parallel_size=2)
-        _, (model,) = _build_chunks(state, 4, None)
-        timeline = Timeline()
-        get_forward_backward_func(2)(forward_step_func=_forward_step, data_iterator=iter(_batches(4)), model=model,
-                                     num_microbatches=4, seq_length=SEQ, micro_batch_size=MICRO_BATCH,
-                                     parallel_state=state, timeline=timeline)
-        per_rank = gather_timelines(timeline, state.pp_group)
-        if state.pp_rank == 0:
-            write_chrome_trace(per_rank, f"{directory}/trace.json")
-            write_png(per_rank, f"{directory}/schedule.png")
-        destroy_model_parallel(state)
-        return summarize(per_rank, (2 - 1) / 4), [e["kind"] for e in per_rank[state.pp_rank]]
+    state = initialize_model_parallel(pipeline_model_parallel_size=2)
+    _, (model,) = _build_chunks(state, 4, None)
+    timeline = Timeline()
+    get_forward_backward_func(2)(forward_step_func=_forward_step, data_iterator=iter(_batches(4)), model=model,
+                                 num_microbatches=4, seq_length=SEQ, micro_batch_size=MICRO_BATCH,
+                                 parallel_state=state, timeline=timeline)
+    per_rank = gather_timelines(timeline, state.pp_group)
+    if state.pp_rank == 0:
+        write_chrome_trace(per_rank, f"{directory}/trace.json")
+        write_png(per_rank, f"{directory}/schedule.png")
+    destroy_model_parallel(state)
+    return summarize(per_rank, (2 - 1) / 4), [e["kind"] for e in per_rank[state.pp_rank]]
 
 
 def test_timeline_writes_trace_and_picture(distributed, tmp_path):

@@ -4,7 +4,6 @@ backward (``SavedActivationTracker``) for the activations. Tiny bf16 GPT, CPU dr
 import pytest
 import torch
 
-import kernels
 from megatron_core.config import TransformerConfig
 from megatron_core.planning.measure import measure_layout
 from megatron_core.planning.planner import (
@@ -42,10 +41,9 @@ LAYOUTS = [  # tp, pp, dp, vpp, zero stage, sequence parallel, recompute
 
 
 def _measure(layout: Layout, model: dict, steps: int = 1, track_live: bool = False):
-    with kernels.use_backend("torch"):
-        return measure_layout(model, tp=layout.tp, pp=layout.pp, zero_stage=layout.zero_stage, vocab_size=V,
-                              seq_length=S, micro_batch_size=B, num_microbatches=M, vpp=layout.vpp, steps=steps,
-                              track_live=track_live, cp=layout.cp)
+    return measure_layout(model, tp=layout.tp, pp=layout.pp, zero_stage=layout.zero_stage, vocab_size=V,
+                          seq_length=S, micro_batch_size=B, num_microbatches=M, vpp=layout.vpp, steps=steps,
+                          track_live=track_live, cp=layout.cp)
 
 
 def predicted_and_measured(distributed, layout: Layout, model: dict = MODEL) -> list[tuple[float, float]]:

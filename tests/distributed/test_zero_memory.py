@@ -7,7 +7,6 @@ import contextlib
 import pytest
 import torch
 
-import kernels
 from megatron_core import destroy_model_parallel, initialize_model_parallel
 from megatron_core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron_core.optimizer import OptimizerConfig, get_optimizer
@@ -15,7 +14,7 @@ from megatron_core.optimizer.memory import memory_categories
 from megatron_core.pipeline_parallel import get_forward_backward_func
 from megatron_core.utils.live_memory import LiveMemoryTracker
 from tests.distributed.test_pipeline_schedules import MICRO_BATCH, _batches, _build_chunks, _forward_step
-from tests.model_helpers import SEQ, VOCAB, build_model, make_batch, tiny_config
+from tests.model_helpers import SEQ, build_model, make_batch, tiny_config
 
 CONFIG = dict(num_layers=4, hidden_size=32, num_attention_heads=4, ffn_hidden_size=128)
 OPT = dict(lr=1e-2, weight_decay=0.1, clip_grad=0.5)
@@ -41,39 +40,38 @@ def _full_model_bytes(ddp: DistributedDataParallel) -> int:
 
 def _train_tracked(stage: int, *, steps: int = 2, micro: int = 2, reshard: bool = True, **config):
     """Trains the GPT at dp 2 under a tracker; returns the final weights and the measured numbers."""
-    with kernels.use_backend("torch"):
-        state = initialize_model_parallel()
-        model = build_model(tiny_config(**{**CONFIG, **config}), state)
-        ddp = DistributedDataParallel(model, config=DistributedDataParallelConfig(
-            zero_stage=stage, bucket_size=3000, reshard_after_forward=reshard), dp_group=state.dp_group)
-        optimizer = get_optimizer(OptimizerConfig(**OPT), ddp, parallel_state=state)
-        rows = 4 // state.dp_size
-        after_forward = []
-        tracker = LiveMemoryTracker(categories=lambda: memory_categories(ddp, optimizer))
-        with tracker:
-            for step in range(steps):
-                optimizer.zero_grad()
-                for i in range(micro):
-                    lo = state.dp_rank * rows + i * rows // micro
-                    input_ids, positions, labels = make_batch(seed=step, batch=4)
-                    batch = slice(lo, lo + rows // micro)
-                    with ddp.no_sync() if i < micro - 1 else contextlib.nullcontext():
-                        loss = ddp(input_ids[batch], positions[batch], labels=labels[batch]).mean() / micro
-                        after_forward.append(tracker.sample())
-                        loss.backward()
-                        after_backward = tracker.sample()
-                finalize_model_grads([ddp], state)
-                optimizer.step()
-        measured = dict(after_forward=after_forward, after_backward=after_backward,
-                        peak=dict(tracker.peak_by_category), peak_total=tracker.peak_total,
-                        persistent=sum(after_backward.get(c, 0) for c in PERSISTENT))
-        if stage == 3:
-            measured.update(bound=_gather_bound(ddp), full=_full_model_bytes(ddp))
-        if stage >= 2:
-            measured.update(max_bucket=max(b.numel * b.kind.grad_dtype.itemsize for b in ddp.buckets),
-                            max_param_grad=max(p.numel() * 4 for b in ddp.buckets for p in b.params),
-                            num_buckets=len(ddp.buckets))
-        return ddp.state_dict(), measured
+    state = initialize_model_parallel()
+    model = build_model(tiny_config(**{**CONFIG, **config}), state)
+    ddp = DistributedDataParallel(model, config=DistributedDataParallelConfig(
+        zero_stage=stage, bucket_size=3000, reshard_after_forward=reshard), dp_group=state.dp_group)
+    optimizer = get_optimizer(OptimizerConfig(**OPT), ddp, parallel_state=state)
+    rows = 4 // state.dp_size
+    after_forward = []
+    tracker = LiveMemoryTracker(categories=lambda: memory_categories(ddp, optimizer))
+    with tracker:
+        for step in range(steps):
+            optimizer.zero_grad()
+            for i in range(micro):
+                lo = state.dp_rank * rows + i * rows // micro
+                input_ids, positions, labels = make_batch(seed=step, batch=4)
+                batch = slice(lo, lo + rows // micro)
+                with ddp.no_sync() if i < micro - 1 else contextlib.nullcontext():
+                    loss = ddp(input_ids[batch], positions[batch], labels=labels[batch]).mean() / micro
+                    after_forward.append(tracker.sample())
+                    loss.backward()
+                    after_backward = tracker.sample()
+            finalize_model_grads([ddp], state)
+            optimizer.step()
+    measured = dict(after_forward=after_forward, after_backward=after_backward,
+                    peak=dict(tracker.peak_by_category), peak_total=tracker.peak_total,
+                    persistent=sum(after_backward.get(c, 0) for c in PERSISTENT))
+    if stage == 3:
+        measured.update(bound=_gather_bound(ddp), full=_full_model_bytes(ddp))
+    if stage >= 2:
+        measured.update(max_bucket=max(b.numel * b.kind.grad_dtype.itemsize for b in ddp.buckets),
+                        max_param_grad=max(p.numel() * 4 for b in ddp.buckets for p in b.params),
+                        num_buckets=len(ddp.buckets))
+    return ddp.state_dict(), measured
 
 
 @pytest.fixture(scope="module")
@@ -137,28 +135,27 @@ def test_zero2_frees_gradient_buckets_during_backward(distributed, stage0):
 def _pipeline_zero3(stage: int, vpp=None):
     """pp 2 x dp 2, 1F1B (or interleaved with ``vpp`` chunks) with 4 micro-batches: the most gathered bytes
     seen on this rank, against the bound (the sum of each chunk's: chunks are gathered independently)."""
-    with kernels.use_backend("torch"):
-        state = initialize_model_parallel(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=vpp)
-        _, chunks = _build_chunks(state, 4, vpp, **{k: v for k, v in CONFIG.items() if k != "num_layers"})
-        ddps = [DistributedDataParallel(c, config=DistributedDataParallelConfig(zero_stage=stage, bucket_size=3000),
-                                        dp_group=state.dp_group) for c in chunks]
-        optimizer = get_optimizer(OptimizerConfig(**OPT), ddps, parallel_state=state)
-        tracker = LiveMemoryTracker(categories=lambda: memory_categories(ddps, optimizer))
-        with tracker:
-            for step in range(2):
-                optimizer.zero_grad()
-                batches = _batches(8)[state.dp_rank * 4:(state.dp_rank + 1) * 4]
-                get_forward_backward_func(2, vpp)(
-                    forward_step_func=_forward_step, model=ddps if vpp else ddps[0], num_microbatches=4,
-                    data_iterator=[iter(batches) for _ in ddps] if vpp else iter(batches),
-                    seq_length=SEQ, micro_batch_size=MICRO_BATCH, parallel_state=state)
-                assert optimizer.step()[0]
-        gathered = tracker.peak_by_category.get("gathered_parameters", 0)
-        activations = tracker.peak_by_category.get("activations", 0)
-        bound = sum(_gather_bound(d) for d in ddps) if stage == 3 else 0
-        params = [d.state_dict() for d in ddps]
-        destroy_model_parallel(state)
-        return params, (gathered, activations), bound
+    state = initialize_model_parallel(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=vpp)
+    _, chunks = _build_chunks(state, 4, vpp, **{k: v for k, v in CONFIG.items() if k != "num_layers"})
+    ddps = [DistributedDataParallel(c, config=DistributedDataParallelConfig(zero_stage=stage, bucket_size=3000),
+                                    dp_group=state.dp_group) for c in chunks]
+    optimizer = get_optimizer(OptimizerConfig(**OPT), ddps, parallel_state=state)
+    tracker = LiveMemoryTracker(categories=lambda: memory_categories(ddps, optimizer))
+    with tracker:
+        for step in range(2):
+            optimizer.zero_grad()
+            batches = _batches(8)[state.dp_rank * 4:(state.dp_rank + 1) * 4]
+            get_forward_backward_func(2, vpp)(
+                forward_step_func=_forward_step, model=ddps if vpp else ddps[0], num_microbatches=4,
+                data_iterator=[iter(batches) for _ in ddps] if vpp else iter(batches),
+                seq_length=SEQ, micro_batch_size=MICRO_BATCH, parallel_state=state)
+            assert optimizer.step()[0]
+    gathered = tracker.peak_by_category.get("gathered_parameters", 0)
+    activations = tracker.peak_by_category.get("activations", 0)
+    bound = sum(_gather_bound(d) for d in ddps) if stage == 3 else 0
+    params = [d.state_dict() for d in ddps]
+    destroy_model_parallel(state)
+    return params, (gathered, activations), bound
 
 
 @pytest.mark.parametrize("vpp", [None, 2], ids=["1f1b", "interleaved"])

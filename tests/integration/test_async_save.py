@@ -11,11 +11,9 @@ KEEP = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"
 
 
 def _train(argv):
-    import kernels
     from megatron_core.training.arguments import parse_args
     from megatron_core.training.loop import pretrain
-    with kernels.use_backend("torch"):
-        return pretrain(parse_args(list(argv)))
+    return pretrain(parse_args(list(argv)))
 
 
 def _files(directory):
@@ -48,7 +46,6 @@ def test_async_save_writes_the_same_files_as_sync_save(distributed, tmp_path):
 
 def test_every_file_and_folder_is_fsynced_before_the_pointer_moves(tmp_path, monkeypatch):
     """The order of fsyncs, renames and writes of one save (single process)."""
-    from megatron_core.checkpointing import durable
     events = []
     real_fsync, real_replace = os.fsync, os.replace
 
@@ -62,20 +59,18 @@ def test_every_file_and_folder_is_fsynced_before_the_pointer_moves(tmp_path, mon
 
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(os, "replace", replace)
-    import kernels
     from megatron_core.training.arguments import parse_args
     from megatron_core.training.loop import build_run, save
     from megatron_core import destroy_model_parallel
     os.environ.update(MASTER_PORT=str(_free_port()))
-    with kernels.use_backend("torch"):
-        run = build_run(parse_args([*KEEP, "--save", str(tmp_path), "--train-iters", "1"]))
-        try:
-            events.clear()
-            save(run, 1)
-        finally:
-            destroy_model_parallel(run.state)
-            import torch.distributed as dist
-            dist.destroy_process_group()
+    run = build_run(parse_args([*KEEP, "--save", str(tmp_path), "--train-iters", "1"]))
+    try:
+        events.clear()
+        save(run, 1)
+    finally:
+        destroy_model_parallel(run.state)
+        import torch.distributed as dist
+        dist.destroy_process_group()
     names = [e[1] for e in events]
     published = events.index(("rename", "iter_0000001.partial", "iter_0000001"))
     for shard in ("model_tp00_pp000.safetensors", "rng_rank00000.safetensors", "metadata.json.tmp",

@@ -7,7 +7,6 @@ import os
 import pytest
 import torch
 
-import kernels
 from tests.data.conftest import load_tool
 
 BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
@@ -19,8 +18,7 @@ TOKENS = torch.tensor([[5, 17, 3, 99, 42, 8, 0, 64, 23, 11], [1, 2, 3, 4, 5, 6, 
 def _train(argv):
     from megatron_core.training.arguments import parse_args
     from megatron_core.training.loop import pretrain
-    with kernels.use_backend("torch"):
-        return pretrain(parse_args(BASE + list(argv)))
+    return pretrain(parse_args(BASE + list(argv)))
 
 
 def _convert(load, save, tp, pp, loader="mcore", saver="mcore", extra=()):
@@ -28,10 +26,9 @@ def _convert(load, save, tp, pp, loader="mcore", saver="mcore", extra=()):
             str(save), "--target-tensor-parallel-size", str(tp), "--target-pipeline-parallel-size", str(pp),
             "--no-progress", *extra]
     tool = load_tool("checkpoint_convert")
-    with kernels.use_backend("torch"):
-        args = tool.build_parser().parse_args(argv)
-        folder = tool.convert(args)
-        return folder, (tool.check(args, tool.read_source(args)) if "--check" in extra else None)
+    args = tool.build_parser().parse_args(argv)
+    folder = tool.convert(args)
+    return folder, (tool.check(args, tool.read_source(args)) if "--check" in extra else None)
 
 
 def _tensors(directory):
@@ -47,7 +44,7 @@ def _logits_at_layout(directory, tokens, max_new_tokens):
     _, metadata = read_metadata(directory)
     layout = metadata["layout"]
     state = initialize_model_parallel(layout["tp"], layout["pp"])
-    with kernels.use_backend("torch"), torch.no_grad():
+    with torch.no_grad():
         model, _ = load_gpt_from_checkpoint(directory, state)
         logits = pipeline_forward(model, state, tokens)
         result = generate(model, state, tokens[0, :4].tolist(), max_new_tokens=max_new_tokens, greedy=True)
@@ -167,11 +164,10 @@ def test_bad_inputs_name_the_file_and_tensor(trained, hf_model, tmp_path):
 def test_generate_cli_writes_json(trained, tmp_path):
     tool = load_tool("generate")
     out = tmp_path / "out.json"
-    with kernels.use_backend("torch"):
-        assert tool.main(["--load", str(trained), "--prompt", "def f(", "--max-new-tokens", "5", "--greedy",
-                          "--output-json", str(out)]) == 0
-        assert tool.main(["--load", str(trained), "--prompt-ids", "1,2,3", "--max-new-tokens", "4",
-                          "--temperature", "0.8", "--top-k", "5", "--top-p", "0.9", "--seed", "1"]) == 0
+    assert tool.main(["--load", str(trained), "--prompt", "def f(", "--max-new-tokens", "5", "--greedy",
+                      "--output-json", str(out)]) == 0
+    assert tool.main(["--load", str(trained), "--prompt-ids", "1,2,3", "--max-new-tokens", "4",
+                      "--temperature", "0.8", "--top-k", "5", "--top-p", "0.9", "--seed", "1"]) == 0
     payload = json.loads(out.read_text())
     assert len(payload["tokens"]) == 5 and len(payload["generated_logprobs"]) == 5
     assert len(payload["prompt_logprobs"]) == len(payload["prompt_ids"]) - 1
@@ -202,7 +198,7 @@ def _moe_logits_at_layout(directory, tokens, ep=None):
     _, metadata = read_metadata(directory)
     layout = metadata["layout"]
     state = initialize_model_parallel(layout["tp"], layout["pp"], expert_model_parallel_size=ep or layout.get("ep", 1))
-    with kernels.use_backend("torch"), torch.no_grad():
+    with torch.no_grad():
         model, _ = load_gpt_from_checkpoint(directory, state)
         return pipeline_forward(model, state, tokens)
 

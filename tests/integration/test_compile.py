@@ -28,18 +28,16 @@ def _eager_and_compiled(argv):
     import torch._dynamo
     import torch._inductor.config
 
-    import kernels
     from megatron_core.training.arguments import parse_args
     from megatron_core.training.loop import pretrain
 
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), f"megatron_core_inductor_{os.getuid()}")
     torch._inductor.config.compile_threads = 1  # no compile worker pool inside the test's worker processes
-    with kernels.use_backend("torch"):
-        eager = pretrain(parse_args(BASE + argv))
-        torch._dynamo.reset()
-        counters = torch._dynamo.utils.counters
-        counters.clear()
-        compiled = pretrain(parse_args(BASE + argv + ["--compile"]))
+    eager = pretrain(parse_args(BASE + argv))
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    compiled = pretrain(parse_args(BASE + argv + ["--compile"]))
     return eager, compiled, counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
 
 

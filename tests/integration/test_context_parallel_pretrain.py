@@ -14,11 +14,9 @@ ROPE_GQA = ["--position-embedding-type", "rope", "--group-query-attention", "--n
 
 
 def _train(argv):
-    import kernels
     from megatron_core.training.arguments import parse_args
     from megatron_core.training.loop import pretrain
-    with kernels.use_backend("torch"):
-        return pretrain(parse_args(BASE + list(argv)))
+    return pretrain(parse_args(BASE + list(argv)))
 
 
 @pytest.fixture(scope="module")

@@ -264,11 +264,9 @@ def test_mixtral_example_flags_parse_into_an_moe_model():
 
 
 def _losses(argv):
-    import kernels
     from megatron_core.training.arguments import parse_args
     from megatron_core.training.loop import pretrain
-    with kernels.use_backend("torch"):
-        return pretrain(parse_args(argv))
+    return pretrain(parse_args(argv))
 
 
 def test_per_token_loss_is_layout_independent(distributed, tmp_path):

@@ -9,11 +9,9 @@ ARGV = [*TINY, "--global-batch-size", "8", "--train-iters", "4"]
 
 
 def _train(argv):
-    import kernels
     from megatron_core.training.arguments import parse_args
     from megatron_core.training.loop import pretrain
-    with kernels.use_backend("torch"):
-        return pretrain(parse_args(list(argv)))
+    return pretrain(parse_args(list(argv)))
 
 
 def _losses(path):

@@ -16,11 +16,9 @@ BASE = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4"
 
 
 def _train(argv):
-    import kernels
     from megatron_core.training.arguments import parse_args
     from megatron_core.training.loop import pretrain
-    with kernels.use_backend("torch"):
-        return pretrain(parse_args(BASE + list(argv)))
+    return pretrain(parse_args(BASE + list(argv)))
 
 
 @pytest.fixture(scope="module")

@@ -18,11 +18,9 @@ A2A = ["--moe-token-dispatcher-type", "alltoall"]
 
 
 def _train(argv):
-    import kernels
     from megatron_core.training.arguments import parse_args
     from megatron_core.training.loop import pretrain
-    with kernels.use_backend("torch"):
-        return pretrain(parse_args(MOE + list(argv)))
+    return pretrain(parse_args(MOE + list(argv)))
 
 
 def _records(path):

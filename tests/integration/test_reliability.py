@@ -26,10 +26,9 @@ def run_main(argv):
     import contextlib
     import io
 
-    import kernels
     from megatron_core.training import main
     err = io.StringIO()
-    with contextlib.redirect_stderr(err), kernels.use_backend("torch"):
+    with contextlib.redirect_stderr(err):
         try:
             status = main(list(argv))
         except SystemExit as exit_:

@@ -11,11 +11,10 @@ from tests.integration.test_pretrain import BASE, _layout
 
 
 def _train_and_capture(argv, png):
-    import kernels
     from megatron_core.training.arguments import parse_args
     from megatron_core.training.loop import pretrain
     out = io.StringIO()
-    with kernels.use_backend("torch"), contextlib.redirect_stdout(out):
+    with contextlib.redirect_stdout(out):
         pretrain(parse_args(BASE + ["--train-iters", "3", "--eval-interval", "3", "--eval-iters", "1",
                                     "--loss-curve-png", png] + list(argv)))
     return out.getvalue()

@@ -20,15 +20,16 @@ TOL = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rtol=1.6e
        torch.float16: dict(rtol=2e-3, atol=1e-3)}
 
 
-def run(fn: Callable, inputs: Sequence, grad_out: torch.Tensor, backend: str):
-    """``fn(*inputs)`` forward and backward on ``backend``; returns (output, grads of the float inputs)."""
+def run(fn: Callable, inputs: Sequence, grad_out: torch.Tensor, mode: str):
+    """``fn(*inputs, backend=KernelBackend(mode))`` forward and backward; returns (output, grads of the float
+    inputs, ``{op: implementation}`` the backend recorded)."""
     leaves = [t.detach().clone().requires_grad_() if isinstance(t, torch.Tensor) and t.is_floating_point()
               else t for t in inputs]
-    with kernels.use_backend(backend):
-        out = fn(*leaves)
-        out.backward(grad_out)
+    backend = kernels.KernelBackend(mode)
+    out = fn(*leaves, backend=backend)
+    out.backward(grad_out)
     grads = [t.grad for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()]
-    return out.detach(), grads
+    return out.detach(), grads, backend.report()
 
 
 def torch_op(fn: Callable, inputs: Sequence, grad_out: torch.Tensor):

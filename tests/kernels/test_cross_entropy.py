@@ -28,12 +28,12 @@ def _torch_ce(logits, target, label_smoothing):
 
 
 def _check(logits, target, grad_loss, label_smoothing, tol):
-    fn = lambda x: kernels.cross_entropy(x, target, label_smoothing=label_smoothing)  # noqa: E731
-    loss, grads = run(fn, (logits,), grad_loss, "triton")
-    assert kernels.last_backend("cross_entropy_shard_stats") == "triton"
-    assert kernels.last_backend("cross_entropy_shard_backward") == "triton"
+    fn = lambda x, **k: kernels.cross_entropy(x, target, label_smoothing=label_smoothing, **k)  # noqa: E731
+    loss, grads, used = run(fn, (logits,), grad_loss, "triton")
+    assert used["cross_entropy_shard_stats"] == "triton"
+    assert used["cross_entropy_shard_backward"] == "triton"
     assert loss.dtype == torch.float32 and grads[0].dtype == logits.dtype
-    ref_loss, ref_grads = run(fn, (logits,), grad_loss, "torch")
+    ref_loss, ref_grads, used = run(fn, (logits,), grad_loss, "torch")
     assert_close_all([loss, *grads], [ref_loss, *ref_grads], tol, "vs reference")
     torch_loss, torch_grads = torch_op(lambda x: _torch_ce(x, target, label_smoothing), (logits,), grad_loss)
     assert_close_all([loss, *grads], [torch_loss, *torch_grads], tol, "vs F.cross_entropy")
@@ -85,15 +85,18 @@ def test_shard_pieces_combine_to_the_full_loss_and_write_in_place():
         torch.testing.assert_close(buffer, torch_grad[..., 20 * i:20 * (i + 1)], rtol=1e-5, atol=1e-6)
 
 
+def _vocab_parallel(logits, target, *, backend):
+    return vocab_parallel_cross_entropy(logits, target, kernel_backend=backend)
+
+
 def test_vocab_parallel_cross_entropy_dispatches_to_the_kernel():
     logits, target, grad_loss = _inputs(torch.float32, vocab=16)
     target[1, 2] = 3
-    kernels.clear_backend_report()
-    loss, (grad,) = run(vocab_parallel_cross_entropy, (logits, target), grad_loss, "auto")
-    assert kernels.last_backend("cross_entropy_shard_stats") == "triton"
-    assert kernels.last_backend("cross_entropy_shard_backward") == "triton"
-    ref_loss, (ref_grad,) = run(vocab_parallel_cross_entropy, (logits, target), grad_loss, "torch")
-    assert kernels.backend_report()["cross_entropy_shard_stats"] == "torch"
+    loss, (grad,), used = run(_vocab_parallel, (logits, target), grad_loss, "triton")
+    assert used["cross_entropy_shard_stats"] == "triton"
+    assert used["cross_entropy_shard_backward"] == "triton"
+    ref_loss, (ref_grad,), used = run(_vocab_parallel, (logits, target), grad_loss, "torch")
+    assert used["cross_entropy_shard_stats"] == "torch"
     assert_close_all([loss, grad], [ref_loss, ref_grad], TOL[torch.float32], "triton vs torch backend")
 
 

@@ -21,10 +21,12 @@ def _inputs(dtype, rows=(2, 3), hidden=HIDDEN):
 
 
 def _check_layer_norm(x, weight, bias, grad_out, tol):
-    out, grads = run(lambda *a: kernels.layer_norm(*a, EPS), (x, weight, bias), grad_out, "triton")
-    assert kernels.last_backend("layer_norm") == "triton"
+    out, grads, used = run(lambda *a, **k: kernels.layer_norm(*a, EPS, **k), (x, weight, bias), grad_out,
+                           "triton")
+    assert used["layer_norm"] == "triton"
     assert out.dtype == x.dtype and [g.dtype for g in grads] == [x.dtype, weight.dtype, bias.dtype]
-    ref_out, ref_grads = run(lambda *a: kernels.layer_norm(*a, EPS), (x, weight, bias), grad_out, "torch")
+    ref_out, ref_grads, used = run(lambda *a, **k: kernels.layer_norm(*a, EPS, **k), (x, weight, bias), grad_out,
+                                   "torch")
     assert_close_all([out, *grads], [ref_out, *ref_grads], tol, "vs reference")
     torch_out, torch_grads = torch_op(lambda x_, w, b: F.layer_norm(x_, x_.shape[-1:], w, b, EPS),
                                       (x, weight, bias), grad_out)
@@ -32,9 +34,9 @@ def _check_layer_norm(x, weight, bias, grad_out, tol):
 
 
 def _check_rms_norm(x, weight, grad_out, tol):
-    out, grads = run(lambda *a: kernels.rms_norm(*a, EPS), (x, weight), grad_out, "triton")
-    assert kernels.last_backend("rms_norm") == "triton"
-    ref_out, ref_grads = run(lambda *a: kernels.rms_norm(*a, EPS), (x, weight), grad_out, "torch")
+    out, grads, used = run(lambda *a, **k: kernels.rms_norm(*a, EPS, **k), (x, weight), grad_out, "triton")
+    assert used["rms_norm"] == "triton"
+    ref_out, ref_grads, used = run(lambda *a, **k: kernels.rms_norm(*a, EPS, **k), (x, weight), grad_out, "torch")
     assert_close_all([out, *grads], [ref_out, *ref_grads], tol, "vs reference")
     torch_out, torch_grads = torch_op(lambda x_, w: F.rms_norm(x_, x_.shape[-1:], w, EPS), (x, weight), grad_out)
     assert_close_all([out, *grads], [torch_out, *torch_grads], tol, "vs F.rms_norm")
@@ -67,7 +69,8 @@ def test_looped_path_and_several_rows_per_program(monkeypatch):
 def test_fp32_weight_with_bf16_input_and_no_bias():
     x, weight, _, grad_out = _inputs(torch.bfloat16, rows=(5,), hidden=24)
     weight = weight.float()
-    out, grads = run(lambda x_, w: kernels.layer_norm(x_, w, None, EPS), (x, weight), grad_out, "triton")
+    out, grads, used = run(lambda x_, w, **k: kernels.layer_norm(x_, w, None, EPS, **k), (x, weight), grad_out,
+                           "triton")
     assert out.dtype == torch.bfloat16 and grads[1].dtype == torch.float32
     torch_out, torch_grads = torch_op(lambda x_, w: F.layer_norm(x_, x_.shape[-1:], w, None, EPS), (x, weight),
                                       grad_out)

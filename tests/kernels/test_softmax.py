@@ -33,11 +33,11 @@ def _torch_causal_softmax(x, scale):
 
 def _check_masked(x, mask, dtype, scale=SCALE):
     grad_out = torch.randn(x.shape).to(dtype)
-    out, grads = run(kernels.scaled_masked_softmax, (x, mask, scale), grad_out, "triton")
-    assert kernels.last_backend("scaled_masked_softmax") == "triton"
+    out, grads, used = run(kernels.scaled_masked_softmax, (x, mask, scale), grad_out, "triton")
+    assert used["scaled_masked_softmax"] == "triton"
     assert out.dtype == dtype
-    ref_out, ref_grads = run(kernels.scaled_masked_softmax, (x, mask, scale), grad_out, "torch")
-    assert kernels.last_backend("scaled_masked_softmax") == "torch"
+    ref_out, ref_grads, used = run(kernels.scaled_masked_softmax, (x, mask, scale), grad_out, "torch")
+    assert used["scaled_masked_softmax"] == "torch"
     assert_close_all([out, *grads], [ref_out, *ref_grads], TOL[dtype], "vs reference")
     torch_out, torch_grads = torch_op(lambda x_: _torch_masked_softmax(x_, mask, scale), (x,), grad_out)
     assert_close_all([out, *grads], [torch_out, *torch_grads], TOL[dtype], "vs F.softmax")
@@ -57,9 +57,9 @@ def test_masked_softmax_matches_reference_and_torch(dtype):
 def test_causal_softmax_matches_reference_and_torch(dtype):
     x = (torch.randn(3, 7, 7) * 4).to(dtype)
     grad_out = torch.randn(x.shape).to(dtype)
-    out, grads = run(kernels.scaled_upper_triang_masked_softmax, (x, SCALE), grad_out, "triton")
-    assert kernels.last_backend("scaled_upper_triang_masked_softmax") == "triton"
-    ref_out, ref_grads = run(kernels.scaled_upper_triang_masked_softmax, (x, SCALE), grad_out, "torch")
+    out, grads, used = run(kernels.scaled_upper_triang_masked_softmax, (x, SCALE), grad_out, "triton")
+    assert used["scaled_upper_triang_masked_softmax"] == "triton"
+    ref_out, ref_grads, used = run(kernels.scaled_upper_triang_masked_softmax, (x, SCALE), grad_out, "torch")
     assert_close_all([out, *grads], [ref_out, *ref_grads], TOL[dtype], "vs reference")
     torch_out, torch_grads = torch_op(lambda x_: _torch_causal_softmax(x_, SCALE), (x,), grad_out)
     assert_close_all([out, *grads], [torch_out, *torch_grads], TOL[dtype], "vs F.softmax")
@@ -73,7 +73,7 @@ def test_looped_path_for_rows_longer_than_one_block(monkeypatch):
     assert (out[0, :, 1] == 0).all()
     causal = torch.randn(2, 20, 20) * 4
     grad_out = torch.randn(causal.shape)
-    out, grads = run(kernels.scaled_upper_triang_masked_softmax, (causal, SCALE), grad_out, "triton")
+    out, grads, used = run(kernels.scaled_upper_triang_masked_softmax, (causal, SCALE), grad_out, "triton")
     torch_out, torch_grads = torch_op(lambda x_: _torch_causal_softmax(x_, SCALE), (causal,), grad_out)
     assert_close_all([out, *grads], [torch_out, *torch_grads], TOL[torch.float32], "looped causal")
 

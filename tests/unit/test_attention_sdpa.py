@@ -5,7 +5,6 @@ so it equals the softmax path's mask, repeats from the same tracker state and re
 import pytest
 import torch
 
-import kernels
 from megatron_core import initialize_model_parallel
 from megatron_core.tensor_parallel import checkpoint, model_parallel_seed
 from megatron_core.transformer import DotProductAttention
@@ -31,17 +30,22 @@ def _sdpa(attention):
         assert mask is None
         out = attention.sdpa(*(t.permute(1, 2, 0, 3) for t in (q, k, v)), dropout_p=attention.attention_dropout)
         return out.permute(2, 0, 1, 3).reshape(SEQ, BATCH, HEADS * DIM)
+    run.parallel_state = attention.parallel_state
     return run
 
 
 def _run(function, mask, *, recompute=False, seed=11):
     """Output and q/k/v grads from a freshly seeded tracker (the default generator is seeded too)."""
-    tracker = model_parallel_seed(seed, tp_rank=0)
+    tracker = model_parallel_seed(seed, tp_rank=0, tracker=function.parallel_state.rng_tracker)
     q, k, v = _inputs()
-    with kernels.use_backend("torch"):
-        out = checkpoint(function, q, k, v, mask, rng_tracker=tracker) if recompute else function(q, k, v, mask)
-        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+    out = checkpoint(function, q, k, v, mask, rng_tracker=tracker) if recompute else function(q, k, v, mask)
+    (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
     return out.detach(), [t.grad for t in (q, k, v)]
+
+
+def _used(attention) -> str:
+    """The implementation the module's last forward ran (its layout's kernel backend records it)."""
+    return attention.parallel_state.kernel_backend.last["attention"]
 
 
 def _assert_same(got, want, tol=dict(rtol=1e-5, atol=1e-6)):
@@ -53,15 +57,16 @@ def _assert_same(got, want, tol=dict(rtol=1e-5, atol=1e-6)):
 def test_causal_attention_without_mask_runs_sdpa_and_matches_the_softmax_path():
     attention = _attention(0.0)
     sdpa = _run(attention, None)
-    assert kernels.last_backend("attention") == "sdpa"
+    assert _used(attention) == "sdpa"
     softmax = _run(attention, CAUSAL)
-    assert kernels.last_backend("attention") == "softmax"
+    assert _used(attention) == "softmax"
     _assert_same(sdpa, softmax)
 
 
 def test_attention_dropout_uses_sdpa_on_cuda_and_the_softmax_path_on_cpu():
-    _run(_attention(0.3), None)
-    assert kernels.last_backend("attention") == "softmax"  # CPU SDPA dropout: unfused fp32 math, more memory
+    attention = _attention(0.3)
+    _run(attention, None)
+    assert _used(attention) == "softmax"  # CPU SDPA dropout: unfused fp32 math, more memory
     choose = DotProductAttention.implementation
     assert choose(None, SEQ, SEQ, device=torch.device("cuda"), dropout_p=0.3) == "sdpa"
     assert choose(CAUSAL, SEQ, SEQ, device=torch.device("cuda"), dropout_p=0.0) == "softmax"

@@ -3,7 +3,6 @@ forward, the ZeRO-3 units of a compiled layer (one unit, no hooks inside), the f
 (eager inside compiled layers). The compiled numerics are tested in tests/integration/test_compile.py."""
 import torch
 
-import kernels
 from megatron_core import initialize_model_parallel
 from megatron_core.distributed.zero3 import plan_units
 from megatron_core.training.arguments import parse_args, transformer_config
@@ -37,7 +36,7 @@ def test_incremental_decoding_of_a_compiled_model_runs_eager_and_matches():
     model = build_model(tiny_config(compile=True), state).eval()
     reference = build_model(tiny_config(), state).eval()
     tokens = torch.randint(0, VOCAB, (2, SEQ))
-    with kernels.use_backend("torch"), torch.no_grad():
+    with torch.no_grad():
         full = reference(tokens, torch.arange(SEQ).expand(2, SEQ))
         cache = InferenceCache(max_sequence_length=SEQ, batch_size=2)
         steps = [model(tokens[:, :4], None, inference_cache=cache)]

@@ -4,7 +4,6 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-import kernels
 from megatron_core import initialize_model_parallel
 from megatron_core.checkpointing.streaming import StreamingSafetensorsWriter
 from megatron_core.inference import sample_token
@@ -20,7 +19,7 @@ def test_incremental_decoding_equals_full_forward(overrides):
     model = build_model(tiny_config(**overrides), state).eval()
     tokens = torch.randint(0, VOCAB, (2, SEQ))
     positions = torch.arange(SEQ).unsqueeze(0).expand(2, SEQ)
-    with kernels.use_backend("torch"), torch.no_grad():
+    with torch.no_grad():
         full = model(tokens, positions)
         cache = InferenceCache(max_sequence_length=SEQ, batch_size=2)
         steps = [model(tokens[:, :3], None, inference_cache=cache)]

@@ -3,7 +3,6 @@
 import pytest
 import torch
 
-import kernels
 from megatron_core import initialize_model_parallel
 from megatron_core.transformer.attention import SelfAttention
 from megatron_core.transformer.rope import RotaryEmbedding, apply_rotary_pos_emb
@@ -14,9 +13,8 @@ def _loss_and_grads(config):
     state = initialize_model_parallel()
     model = build_model(config, state)
     input_ids, positions, labels = make_batch()
-    with kernels.use_backend("torch"):
-        loss = model(input_ids, positions, labels=labels).mean()
-        loss.backward()
+    loss = model(input_ids, positions, labels=labels).mean()
+    loss.backward()
     return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
 
 
@@ -38,14 +36,13 @@ def test_qk_layernorm_normalizes_each_head():
     attention = SelfAttention(config, layer_number=1, parallel_state=initialize_model_parallel())
     assert attention.q_layernorm.weight.shape == (config.kv_channels,)
     x = torch.randn(5, 2, config.hidden_size)
-    with kernels.use_backend("torch"):
-        out, _ = attention(x)
-        with torch.no_grad():  # scale q and k of every head: RMS-normalized, the output does not change
-            d, heads_per_group = config.kv_channels, config.num_heads_per_group
-            rows = attention.linear_qkv.weight.view(config.num_query_groups, heads_per_group + 2, d, -1)
-            rows[:, : heads_per_group + 1] *= 3.0
-            attention.linear_qkv.bias.view(config.num_query_groups, heads_per_group + 2, d)[:, : heads_per_group + 1] *= 3.0
-        scaled, _ = attention(x)
+    out, _ = attention(x)
+    with torch.no_grad():  # scale q and k of every head: RMS-normalized, the output does not change
+        d, heads_per_group = config.kv_channels, config.num_heads_per_group
+        rows = attention.linear_qkv.weight.view(config.num_query_groups, heads_per_group + 2, d, -1)
+        rows[:, : heads_per_group + 1] *= 3.0
+        attention.linear_qkv.bias.view(config.num_query_groups, heads_per_group + 2, d)[:, : heads_per_group + 1] *= 3.0
+    scaled, _ = attention(x)
     torch.testing.assert_close(scaled, out, rtol=1e-4, atol=1e-5)
 
 

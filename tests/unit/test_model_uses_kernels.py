@@ -1,6 +1,6 @@
-"""The model's hot path (norms, vocab-parallel loss; attention runs SDPA) runs the fused Triton kernels when they can run: here under
-the interpreter (tests/conftest.py sets TRITON_INTERPRET=1), on a GPU compiled. Tiny shapes: each launch is
-interpreted."""
+"""The model's hot path (norms, vocab-parallel loss; attention runs SDPA) runs the fused Triton kernels of its
+layout's kernel backend: here in mode "triton" under the interpreter (tests/conftest.py sets TRITON_INTERPRET=1),
+on a GPU compiled in mode "auto". Tiny shapes: each launch is interpreted."""
 import pytest
 import torch
 
@@ -17,17 +17,26 @@ pytestmark = pytest.mark.skipif(kernels.triton_unavailable_reason(torch.device("
     (dict(normalization="RMSNorm", position_embedding_type="rope"), "rms_norm"),
 ])
 def test_forward_and_backward_dispatch_to_triton(overrides, norm_op):
-    state = initialize_model_parallel()
+    state = initialize_model_parallel(kernel_backend="triton")
     model = build_model(tiny_config(num_layers=1, **overrides), state)
     input_ids, positions, labels = make_batch(batch=1, seq=4)
-    kernels.clear_backend_report()
-    with kernels.use_backend("auto"):
-        loss = model(input_ids, positions, labels=labels)
-        loss.sum().backward()
-    assert kernels.last_backend("attention") == "sdpa"  # causal without a mask: SDPA; the softmax serves masks
-    assert kernels.last_backend(norm_op) == "triton"
-    assert kernels.last_backend("cross_entropy_shard_stats") == "triton"
-    assert kernels.last_backend("cross_entropy_shard_backward") == "triton"
-    with kernels.use_backend("torch"):
-        reference = build_model(tiny_config(num_layers=1, **overrides), state)(input_ids, positions, labels=labels)
+    loss = model(input_ids, positions, labels=labels)
+    loss.sum().backward()
+    used = state.kernel_backend.report()
+    assert used["attention"] == "sdpa"  # causal without a mask: SDPA; the softmax serves masks
+    assert used[norm_op] == "triton"
+    assert used["cross_entropy_shard_stats"] == "triton" and used["cross_entropy_shard_backward"] == "triton"
+    torch_state = initialize_model_parallel(kernel_backend="torch")
+    reference = build_model(tiny_config(num_layers=1, **overrides), torch_state)(input_ids, positions, labels=labels)
+    assert set(torch_state.kernel_backend.report().values()) <= {"torch", "sdpa"}
     torch.testing.assert_close(loss, reference, rtol=1e-5, atol=1e-5)
+
+
+def test_auto_runs_torch_on_the_cpu_and_each_state_records_its_own():
+    """Mode "auto" never runs the Triton interpreter on the CPU (it is a testing tool, not a fast path), and the
+    record is per layout: no process-wide backend report."""
+    auto, other = initialize_model_parallel(), initialize_model_parallel(kernel_backend="triton")
+    input_ids, positions, labels = make_batch(batch=1, seq=4)
+    build_model(tiny_config(num_layers=1), auto)(input_ids, positions, labels=labels).sum().backward()
+    assert auto.kernel_backend.report()["layer_norm"] == "torch"
+    assert other.kernel_backend.report() == {}
