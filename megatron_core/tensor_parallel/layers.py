@@ -222,7 +222,7 @@ class RowParallelLinear(nn.Module):
             output = reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)  # [s/tp, b, out]
         else:
             partial = F.linear(input_parallel, self.weight)  # [..., out], a partial sum on each tp rank
-            output = reduce_from_tensor_model_parallel_region(partial, self.tp_group)
+            output = reduce_from_tensor_model_parallel_region(partial, self.tp_group, inplace=True)
         if self.skip_bias_add or self.bias is None:
             return output, (self.bias if self.skip_bias_add else None)
         return output + self.bias, None
@@ -265,16 +265,18 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, input_: torch.Tensor) -> torch.Tensor:
         check_ids_in_range(input_, self.num_embeddings, "token ids")
+        if self.reduce_scatter_embeddings:
+            input_ = input_.t()  # looked up as [s, b]: the embedding comes out [s, b, h], no transpose copy
         if self.tp_size > 1:
             outside = (input_ < self.vocab_start_index) | (input_ >= self.vocab_end_index)
             local_ids = (input_ - self.vocab_start_index).masked_fill(outside, 0)
-            partial = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+            # in place: the embedding's backward does not read its output
+            partial = F.embedding(local_ids, self.weight).masked_fill_(outside.unsqueeze(-1), 0.0)
         else:
             partial = F.embedding(input_, self.weight)
         if self.reduce_scatter_embeddings:
-            partial = partial.transpose(0, 1).contiguous()  # [s, b, h]
             return reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)  # [s/tp, b, h]
-        return reduce_from_tensor_model_parallel_region(partial, self.tp_group)  # [b, s, h]
+        return reduce_from_tensor_model_parallel_region(partial, self.tp_group, inplace=True)  # [b, s, h]
 
     def extra_repr(self) -> str:
         return f"num_embeddings={self.num_embeddings}, embedding_dim={self.embedding_dim}, tp={self.tp_size}"
