@@ -7,7 +7,8 @@ at tp 2, on 2 gloo ranks, steps alternated.
 Every variant lives in the same two ranks; one round runs one train step (forward, backward, grad
 finalization over tp, torch AdamW) of each variant in turn, a barrier before each step. Prints the median
 step time of each variant, its ratio to megatron-core's and to our plain
-tp 2 step. One thread per rank; gloo on this machine.
+tp 2 step, and the CPU time per step of a rank's process (all threads; mean over ranks), which other jobs on
+a shared machine disturb far less than wall-clock time. One thread per rank; gloo on this machine.
 """
 from __future__ import annotations
 
@@ -38,10 +39,10 @@ def _batch(args):
 
 
 def _ours(args, state, *, sp: bool, overlap: bool):
+    overlap_flag = {"tp_comm_overlap": overlap} if overlap else {}  # (also runs against trees without the flag)
     config = TransformerConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
                                max_position_embeddings=args.seq, hidden_dropout=0.0, attention_dropout=0.0,
-                               tensor_model_parallel_size=state.tp_size, sequence_parallel=sp,
-                               tp_comm_overlap=overlap)
+                               tensor_model_parallel_size=state.tp_size, sequence_parallel=sp, **overlap_flag)
     torch.manual_seed(0)
     model = GPTModel(config, parallel_state=state, vocab_size=args.vocab, max_sequence_length=args.seq)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -100,20 +101,22 @@ def _bench(args) -> dict[str, float]:
     mps.initialize_model_parallel(dist.get_world_size(), 1)
     state = initialize_model_parallel(tensor_model_parallel_size=dist.get_world_size())
     steps = {"ours": _ours(args, state, sp=False, overlap=False),
-             "ours sp": _ours(args, state, sp=True, overlap=False),
-             "ours sp+overlap": _ours(args, state, sp=True, overlap=True),
-             "megatron-core": _megatron(args)}
-    times: dict[str, list[float]] = {name: [] for name in steps}
+             "ours sp": _ours(args, state, sp=True, overlap=False)}
+    if "tp_comm_overlap" in TransformerConfig.__dataclass_fields__:
+        steps["ours sp+overlap"] = _ours(args, state, sp=True, overlap=True)
+    steps["megatron-core"] = _megatron(args)
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in steps}
     for round_ in range(args.steps + 1):  # round 0 warms up
         for name, step in steps.items():
             dist.barrier()
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             step()
             if round_:
-                times[name].append(time.perf_counter() - start)
+                times[name].append((time.perf_counter() - start, time.process_time() - cpu))
     destroy_model_parallel(state)
     mps.destroy_model_parallel()
-    return {name: statistics.median(values) for name, values in times.items()}
+    return {name: (statistics.median(v[0] for v in values), statistics.median(v[1] for v in values))
+            for name, values in times.items()}
 
 
 def main() -> None:
@@ -123,13 +126,17 @@ def main() -> None:
         parser.add_argument(f"--{flag}", type=int, default=default)
     args = parser.parse_args()
     results = run_distributed(args.tp, _bench, args, timeout_s=1200)
-    medians = {name: max(r[name] for r in results) for name in VARIANTS}  # the slower rank sets the step
+    # the slower rank sets the step; CPU time: of the rank's process (all its threads), insensitive to other jobs
+    medians = {name: max(r[name][0] for r in results) for name in VARIANTS if name in results[0]}
+    cpu = {name: statistics.mean(r[name][1] for r in results) for name in medians}
     print(f"GPT {args.layers} layers, hidden {args.hidden}, {args.heads} heads, seq {args.seq}, vocab {args.vocab}, "
           f"batch {args.batch}; tp {args.tp} on gloo, 1 thread per rank; median of {args.steps} alternating rounds")
-    print(f"{'variant':<20}{'s/step':>9}{'/ megatron-core':>17}{'/ ours tp':>11}")
-    for name in VARIANTS:
+    print(f"{'variant':<20}{'s/step':>9}{'/ megatron-core':>17}{'/ ours tp':>11}{'CPU s/step':>12}"
+          f"{'CPU / megatron-core':>21}")
+    for name in medians:
         peer = medians["megatron-core"]
-        print(f"{name:<20}{medians[name]:>9.4f}{medians[name] / peer:>17.3f}{medians[name] / medians['ours']:>11.3f}")
+        print(f"{name:<20}{medians[name]:>9.4f}{medians[name] / peer:>17.3f}{medians[name] / medians['ours']:>11.3f}"
+              f"{cpu[name]:>12.4f}{cpu[name] / cpu['megatron-core']:>21.3f}")
 
 
 if __name__ == "__main__":
