@@ -4,10 +4,12 @@ the same GPT, micro-batches and gloo ranks, side by side in one run.
     python scripts/bench_pipeline.py [--pp 2 --microbatches 8 --layers 8 --hidden 128 --seq 128 --steps 3]
 
 Steps of ours and torch's alternate in the same ranks (a barrier before each). Prints the median step time
-of each schedule and its ratio to torch's, our measured bubble (mean over ranks of the per-step median)
-next to the bubble replayed from the measured pass times (``simulate``: free transfers, no overhead) and the
-formula (p-1)/(v*m), and each rank's peak resident memory (RSS, both schedules' models). Ranks are forked gloo processes on this
-machine (megatron_core.testing), one thread each; the model runs its torch reference kernels.
+of each schedule and its ratio to torch's; our measured bubble (mean over ranks of the per-step median) next
+to the bubble replayed from the measured pass times (``simulate``: free transfers, no overhead) and the
+formula (p-1)/(v*m); the ratio of CPU time per step (all ranks' processes, all threads: little disturbed by
+other jobs on a shared machine); and each rank's peak resident memory (RSS, both schedules' models). Ranks
+are forked gloo processes on this machine (megatron_core.testing), one thread each; the model runs its torch
+reference kernels.
 """
 from __future__ import annotations
 
@@ -130,27 +132,29 @@ def _peak_rss_mb() -> float:
 def _bench(args, vpp):
     """Alternates one step of ours and one of torch's (after a warm-up step of each); a barrier before each
     step lines the ranks up. Returns (our median s/step, torch's, our median measured bubble, our bubble
-    without the first stage's wait for its first gradient, peak RSS MB)."""
+    replayed from the measured passes, peak RSS MB, our and torch's median CPU s/step of this process)."""
     torch.set_num_threads(1)
     with kernels.use_backend("torch"):
         state = initialize_model_parallel(pipeline_model_parallel_size=dist.get_world_size(),
                                           virtual_pipeline_model_parallel_size=vpp)
         ours, theirs = _our_step(args, state, vpp), _torch_step(args, state, vpp)
-        our_times, their_times, bubbles = [], [], []
+        our_times, their_times, bubbles, our_cpu, their_cpu = [], [], [], [], []
         for index in range(args.steps + 1):  # the first step of each warms up
             dist.barrier(group=state.pp_group)
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             timeline = ours()
             our_times.append(time.perf_counter() - start)
+            our_cpu.append(time.process_time() - cpu)
             bubbles.append((timeline.measured_bubble(), _replayed_bubble(timeline, state, vpp, args.microbatches)))
             dist.barrier(group=state.pp_group)
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             theirs()
             their_times.append(time.perf_counter() - start)
+            their_cpu.append(time.process_time() - cpu)
         destroy_model_parallel(state)
     return (statistics.median(our_times[1:]), statistics.median(their_times[1:]),
             statistics.median(b[0] for b in bubbles[1:]), statistics.median(b[1] for b in bubbles[1:]),
-            _peak_rss_mb())
+            _peak_rss_mb(), statistics.median(our_cpu[1:]), statistics.median(their_cpu[1:]))
 
 
 def _replayed_bubble(timeline: Timeline, state, vpp, num_microbatches: int) -> float:
@@ -180,14 +184,15 @@ def main() -> None:
     print(f"GPT {args.layers} layers, hidden {args.hidden}, seq {args.seq}; pp={args.pp}, {args.microbatches} "
           f"micro-batches of {args.micro_batch}; gloo on this machine, 1 thread per rank")
     print(f"{'schedule':<28}{'ours s/step':>12}{'torch s/step':>14}{'ours/torch':>11}{'bubble':>8}{'replayed':>9}"
-          f"{'formula':>9}{'peak RSS MB/rank':>20}")
+          f"{'formula':>9}{'CPU ours/torch':>16}{'peak RSS MB/rank':>20}")
     for name, vpp in (("1F1B", None), (f"interleaved 1F1B (v={args.vpp})", args.vpp)):
         results = run_distributed(args.pp, _bench, args, vpp, timeout_s=600)
         ours_t, theirs_t = max(r[0] for r in results), max(r[1] for r in results)
         bubble, replayed = statistics.mean(r[2] for r in results), statistics.mean(r[3] for r in results)
         rss = " ".join(f"{r[4]:.0f}" for r in results)
+        cpu = sum(r[5] for r in results) / sum(r[6] for r in results)
         print(f"{name:<28}{ours_t:>12.3f}{theirs_t:>14.3f}{ours_t / theirs_t:>11.2f}{bubble:>8.3f}{replayed:>9.3f}"
-              f"{bubble_fraction_formula(args.pp, args.microbatches, vpp):>9.3f}{rss:>20}")
+              f"{bubble_fraction_formula(args.pp, args.microbatches, vpp):>9.3f}{cpu:>16.2f}{rss:>20}")
 
 
 if __name__ == "__main__":
