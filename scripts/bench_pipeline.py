@@ -129,7 +129,25 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _bench(args, vpp):
+def _bench(which: str, args, vpp):
+    """One schedule alone ("ours" or "torch"), as scripts/benchmark.py runs it: (median s/step, our measured
+    bubble or None, peak RSS MB)."""
+    torch.set_num_threads(1)
+    with kernels.use_backend("torch"):
+        state = initialize_model_parallel(pipeline_model_parallel_size=dist.get_world_size(),
+                                          virtual_pipeline_model_parallel_size=vpp)
+        step = (_our_step if which == "ours" else _torch_step)(args, state, vpp)
+        times, bubbles = [], []
+        for _ in range(args.steps + 1):  # the first step warms up
+            start = time.perf_counter()
+            timeline = step()
+            times.append(time.perf_counter() - start)
+            bubbles.append(timeline.measured_bubble() if timeline is not None else None)
+        destroy_model_parallel(state)
+    return statistics.median(times[1:]), bubbles[-1], _peak_rss_mb()
+
+
+def _bench_alternating(args, vpp):
     """Alternates one step of ours and one of torch's (after a warm-up step of each); a barrier before each
     step lines the ranks up. Returns (our median s/step, torch's, our median measured bubble, our bubble
     replayed from the measured passes, peak RSS MB, our and torch's median CPU s/step of this process)."""
@@ -186,7 +204,7 @@ def main() -> None:
     print(f"{'schedule':<28}{'ours s/step':>12}{'torch s/step':>14}{'ours/torch':>11}{'bubble':>8}{'replayed':>9}"
           f"{'formula':>9}{'CPU ours/torch':>16}{'peak RSS MB/rank':>20}")
     for name, vpp in (("1F1B", None), (f"interleaved 1F1B (v={args.vpp})", args.vpp)):
-        results = run_distributed(args.pp, _bench, args, vpp, timeout_s=600)
+        results = run_distributed(args.pp, _bench_alternating, args, vpp, timeout_s=600)
         ours_t, theirs_t = max(r[0] for r in results), max(r[1] for r in results)
         bubble, replayed = statistics.mean(r[2] for r in results), statistics.mean(r[3] for r in results)
         rss = " ".join(f"{r[4]:.0f}" for r in results)
