@@ -23,6 +23,8 @@ import torch.nn.functional as F
 _CPU_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 _HALF = (torch.bfloat16, torch.float16)
 _EFFICIENT_LSE_ROWS = 32
+_ATEN = torch.ops.aten
+"""The operator namespace the kernels are called from (a constant; tests put CPU stand-ins here)."""
 
 
 def kernel_for(q: torch.Tensor) -> Optional[str]:
@@ -48,7 +50,7 @@ def lse_dtype(dtype: torch.dtype) -> torch.dtype:
 def piece_forward(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
                   causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out [b, h, sq, d]`` in q's dtype, ``lse [b, h, sq])`` of one piece (see the module docstring)."""
-    aten = torch.ops.aten
+    aten = _ATEN
     if kernel == "cpu":
         return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
     if kernel == "cuda_flash":
@@ -63,7 +65,7 @@ def piece_backward(kernel: str, dout: torch.Tensor, q: torch.Tensor, k: torch.Te
                    causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` of one piece in q's dtype, from the final ``out`` (q's dtype, contiguous) and ``lse``
     (``lse_dtype``, contiguous) of these query rows over every key."""
-    aten = torch.ops.aten
+    aten = _ATEN
     if kernel == "cpu":
         return aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, causal,
                                                                          scale=scale)
