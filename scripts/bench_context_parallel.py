@@ -102,15 +102,16 @@ def _measure(args: argparse.Namespace, cp: int, comm_type: str, seq: int, track:
 
 def _machine_rates() -> dict:
     """This machine as the planner sees it, measured on the calling rank: the fp32 matmul rate of one thread
-    (the planner's peak, efficiency 1) and the send/recv bandwidth between two gloo ranks (cp's link)."""
+    in thread time (the planner's peak, efficiency 1; compare its step times with the compute column) and
+    the send/recv bandwidth between two gloo ranks (cp's link)."""
     torch.set_num_threads(1)
     a, b = torch.randn(512, 512), torch.randn(512, 512)
     tflops = 0.0
-    for _ in range(5):  # the best of 5 (the machine is shared)
-        start = time.perf_counter()
+    for _ in range(5):  # thread time, the best of 5: the rate of this thread whatever else the machine runs
+        start = time.thread_time()
         for _ in range(10):
             a @ b
-        tflops = max(tflops, 10 * 2 * 512**3 / (time.perf_counter() - start) / 1e12)
+        tflops = max(tflops, 10 * 2 * 512**3 / (time.thread_time() - start) / 1e12)
     x = torch.zeros(4 * 2**20 // 4)
     seconds = []
     for _ in range(5):
