@@ -45,10 +45,17 @@ def plan_units(root: nn.Module) -> dict[nn.Module, list[nn.Parameter]]:
     in each of their lists. A module with ``gathers_small_parameters = True`` (``TransformerLayer``) takes the
     1-D parameters of everything inside it (norm weights, biases) into its own unit, gathered for its whole
     forward and backward: one small gather instead of one per norm and bias, and a bias returned to the
-    layer (``skip_bias_add``) needs no special keeping. Leaf modules without parameters are units with an
+    layer (``skip_bias_add``) needs no special keeping. A module with ``gathers_all_parameters = True``
+    (``LocalExperts``, whose forward reads its experts' weights itself) takes every parameter inside it
+    (before any ``gathers_small_parameters`` module above it): one unit, one gather. Leaf modules without parameters are units with an
     empty list (they may borrow parameters passed to their forward).
     """
     claimed: dict[nn.Parameter, nn.Module] = {}
+    for module in root.modules():  # a module that reads its children's weights itself (LocalExperts)
+        if getattr(module, "gathers_all_parameters", False):
+            for param in module.parameters():
+                if param.requires_grad:
+                    claimed.setdefault(param, module)
     for module in root.modules():
         if getattr(module, "gathers_small_parameters", False):
             for param in module.parameters():
@@ -56,7 +63,7 @@ def plan_units(root: nn.Module) -> dict[nn.Module, list[nn.Parameter]]:
                     claimed.setdefault(param, module)
     units: dict[nn.Module, list[nn.Parameter]] = {root: []}
     for module in root.modules():
-        if getattr(module, "gathers_small_parameters", False):
+        if getattr(module, "gathers_small_parameters", False) or getattr(module, "gathers_all_parameters", False):
             units.setdefault(module, []).extend(dict.fromkeys(p for p, owner in claimed.items() if owner is module))
         for param in module.parameters(recurse=False):
             if param.requires_grad and param not in claimed:

@@ -102,9 +102,5 @@ def validate_moe_flags(args: argparse.Namespace) -> None:
     if args.tensor_model_parallel_size > 1 and not args.sequence_parallel:
         raise ValueError(f"--num-experts with --tensor-model-parallel-size {args.tensor_model_parallel_size} needs "
                          "--sequence-parallel (as Megatron-LM): each tp rank routes its own chunk of the sequence")
-    if args.zero_stage == 3:
-        raise ValueError(f"--num-experts {args.num_experts} with ZeRO-3 (--zero-stage 3 / --use-megatron-fsdp) is "
-                         "not built: the experts' weights are read outside their modules' forward, which ZeRO-3 "
-                         "gathers around; use --use-distributed-optimizer or --zero-stage 1-2")
     config = moe_config(args)  # topk, choices, capacity (ValueError naming them, in flag terms)
     config.is_moe_layer(1, args.num_layers)

@@ -71,7 +71,12 @@ class LocalExperts(nn.Module):
     forward: tokens ``[N, h]`` sorted by local expert, ``tokens_per_expert`` (one count per local expert,
     summing to N) -> ``[N, h]``. No collective. With ``moe_grouped_gemm`` the experts run as two batched
     matmuls over their token groups padded to the largest group (``torch.bmm``); otherwise a loop.
+
+    The forward reads the experts' weights itself (the ``ExpertLinear`` modules never run), so under ZeRO-3
+    this module is one unit gathering every local expert (``gathers_all_parameters``), over expert-dp.
     """
+
+    gathers_all_parameters = True
 
     def __init__(self, config: TransformerConfig, *, expert_ids: Sequence[int], expert_seeds: Sequence[int],
                  device) -> None:
