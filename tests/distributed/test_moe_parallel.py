@@ -50,7 +50,7 @@ def _sum_over(tensor, group):
     return tensor
 
 
-def _ep_body(ep, option_sets):
+def _ep_body(ep, option_sets, uneven=False):
     from megatron_core import destroy_model_parallel, initialize_model_parallel
     from megatron_core.transformer.moe import MoELayer
     state = initialize_model_parallel(expert_model_parallel_size=ep)
@@ -62,7 +62,8 @@ def _ep_body(ep, option_sets):
             torch.manual_seed(5)
             ref = MoELayer(_config(**options), layer_number=1, parallel_state=_single(state))
             gen = torch.Generator().manual_seed(100 + state.rank)
-            x, g = torch.randn(S, B, H, generator=gen), torch.randn(S, B, H, generator=gen)
+            seq = S - 2 * state.ep_rank if uneven else S  # uneven: a different token count on every ep rank
+            x, g = torch.randn(seq, B, H, generator=gen), torch.randn(seq, B, H, generator=gen)
             out, dx, grads, losses = _run(layer, x, g)
             ref_out, ref_dx, ref_grads, ref_losses = _run(ref, x, g)
             torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-6)
@@ -84,6 +85,20 @@ def _ep_body(ep, option_sets):
 @pytest.mark.parametrize("ep", [2, 4])
 def test_expert_parallel_layer_matches_single_process(distributed, ep):
     worst = distributed(ep, _ep_body, ep, OPTION_SETS)
+    assert max(worst) < 1e-5
+
+
+UNEVEN_SETS = [
+    {"moe_token_dispatcher_type": "allgather"},
+    {"moe_token_dispatcher_type": "allgather", "moe_grouped_gemm": True, "moe_expert_capacity_factor": 0.5},
+    {"moe_token_dispatcher_type": "alltoall"},
+]
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+def test_uneven_token_counts_per_ep_rank_match_single_process(distributed, ep):
+    """Ep rank r routes S - 2r positions: the allgather dispatcher pads to the group's largest count."""
+    worst = distributed(ep, _ep_body, ep, UNEVEN_SETS, True)
     assert max(worst) < 1e-5
 
 
