@@ -13,6 +13,7 @@ group of each kind)::
     cp groups:        [0] [1] [2] [3] [4] [5] [6] [7]
     dp groups:        [0, 2] [1, 3] [4, 6] [5, 7]
     dp x cp groups:   [0, 2] [1, 3] [4, 6] [5, 7]
+    tp x cp groups:   [0, 1] [2, 3] [4, 5] [6, 7]    (the ranks splitting one sequence under tp SP x cp)
     pp groups:        [0, 4] [1, 5] [2, 6] [3, 7]
     model-parallel:   [0, 1, 4, 5] [2, 3, 6, 7]      (tp x pp: the ranks holding one model replica)
     embedding groups: [0, 4] [1, 5] [2, 6] [3, 7]    (first and last stage of each pipeline)
@@ -79,6 +80,10 @@ class ParallelState:
     dp_cp_group: Optional[ProcessGroup]
     """Data and context parallel ranks together: gradients of a replica are reduced over this group."""
     dp_cp_ranks: tuple[int, ...]
+    tp_cp_group: Optional[ProcessGroup] = dataclasses.field(default=None, kw_only=True)
+    """Tensor and context parallel ranks together: with sequence parallelism they hold the parts of one
+    micro-batch's sequences (the MoE router's aux-loss token counts are summed over this group)."""
+    tp_cp_ranks: tuple[int, ...] = dataclasses.field(default=(0,), kw_only=True)
     pp_size: int
     pp_rank: int
     pp_group: Optional[ProcessGroup]
@@ -204,7 +209,7 @@ def _groups_along(grid: torch.Tensor, axes: Sequence[str]) -> list[tuple[int, ..
 
 def layout_groups(world_size: int, tp: int, pp: int, cp: int = 1,
                   ep: Optional[int] = None) -> dict[str, list[tuple[int, ...]]]:
-    """Every group of the layout as lists of global ranks, keyed tp, cp, dp, dp_cp, pp, mp, embedding, and,
+    """Every group of the layout as lists of global ranks, keyed tp, cp, dp, dp_cp, tp_cp, pp, mp, embedding, and,
     when ``ep`` is given, ep, expert_dp, expert_mp."""
     _validate_sizes(world_size, tp, pp, cp, None, ep or 1)
     grid = rank_grid(world_size, tp, pp, cp)
@@ -213,6 +218,7 @@ def layout_groups(world_size: int, tp: int, pp: int, cp: int = 1,
         "cp": _groups_along(grid, ["cp"]),
         "dp": _groups_along(grid, ["dp"]),
         "dp_cp": _groups_along(grid, ["dp", "cp"]),
+        "tp_cp": _groups_along(grid, ["tp", "cp"]),
         "pp": _groups_along(grid, ["pp"]),
         "mp": _groups_along(grid, ["pp", "tp"]),
     }

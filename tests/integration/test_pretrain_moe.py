@@ -49,6 +49,9 @@ LAYOUTS = {
     "ep2-tp2-sp": (2, [*_ep(2), *A2A, "--tensor-model-parallel-size", "2", "--sequence-parallel"]),
     "ep2-pp2": (4, [*_ep(2), *A2A, "--pipeline-model-parallel-size", "2"]),
     "ep2-edp2-distopt": (4, [*_ep(2), *A2A, "--use-distributed-optimizer"]),
+    "ep2-cp2": (2, [*_ep(2), *A2A, "--context-parallel-size", "2"]),
+    "ep2-cp2-tp2-sp": (4, [*_ep(2), "--context-parallel-size", "2", "--tensor-model-parallel-size", "2",
+                           "--sequence-parallel"]),
     "ep2-edp2-zero3": (4, [*_ep(2), *A2A, "--zero-stage", "3", "--init-model-with-meta-device"]),
 }
 
