@@ -13,27 +13,35 @@ These are upper bounds that a real run reaches (tested against ``LiveMemoryTrack
 from __future__ import annotations
 
 from megatron_core.config import TransformerConfig
+from megatron_core.planning.moe import expert_units, moe_layers_on_stage
 from megatron_core.tensor_parallel.utils import vocab_size_with_padding
 
 DEFAULT_STAGE2_BUCKET = 4_000_000  # DistributedDataParallelConfig's default bucket at ZeRO-2, in elements
 
 
 def stage_units(config: TransformerConfig, *, vocab_size: int, make_vocab_size_divisible_by: int,
-                first: bool, last: bool) -> tuple[list[float], float]:
+                first: bool, last: bool, moe_layers: int = 0, ep: int = 1) -> tuple[list[float], float]:
     """(elements of each weight unit, elements of one layer's small unit: its norms and biases) on one tp
     rank of a pipeline stage of ``GPTModel``. A tied output layer on the embedding's stage borrows the
-    embedding's unit."""
+    embedding's unit. ``moe_layers`` of the stage's layers are MoE layers (``planning.moe.expert_units``:
+    router, all local experts as one unit, shared expert) at expert-parallel size ``ep``."""
     tp, pp = config.tensor_model_parallel_size, config.pipeline_model_parallel_size
     h = config.hidden_size
     ffn = config.ffn_hidden_size * (2 if config.activation == "swiglu" else 1)
     qkv = config.kv_channels * (config.num_attention_heads + 2 * config.num_query_groups)
     q_dim = config.kv_channels * config.num_attention_heads
     norm = h * (2 if config.normalization == "LayerNorm" else 1)
-    layer_units = [qkv * h / tp, h * q_dim / tp, ffn * h / tp, h * config.ffn_hidden_size / tp]
-    units = layer_units * (config.num_layers // pp)
+    layers = config.num_layers // pp
+    units = [qkv * h / tp, h * q_dim / tp] * layers + [ffn * h / tp, h * config.ffn_hidden_size / tp] * (
+        layers - moe_layers)
     # a layer's norms and biases: one small unit of the layer (gathers_small_parameters)
     small = 2 * norm + (qkv / tp if config.add_qkv_bias else 0) + (
         (2 * h + ffn / tp) if config.add_bias_linear else 0)
+    if moe_layers:
+        moe_units, moe_small = expert_units(config, tp=tp, ep=ep)
+        units += moe_units * moe_layers
+        if moe_layers == layers:  # the small unit: attention's biases and the shared expert's
+            small += moe_small - ((h + ffn / tp) if config.add_bias_linear else 0)
     padded = vocab_size_with_padding(vocab_size, make_vocab_size_divisible_by=make_vocab_size_divisible_by,
                                      tensor_model_parallel_size=tp)
     tied = not config.untie_embeddings_and_output_weights
@@ -50,13 +58,14 @@ def stage_units(config: TransformerConfig, *, vocab_size: int, make_vocab_size_d
 
 def zero_transient_bytes(config: TransformerConfig, *, vocab_size: int, make_vocab_size_divisible_by: int,
                          pp_rank: int, zero_stage: int, stage_params: float,
-                         bucket_size: int = DEFAULT_STAGE2_BUCKET) -> float:
+                         bucket_size: int = DEFAULT_STAGE2_BUCKET, ep: int = 1) -> float:
     """Peak transient bytes on one rank of pipeline stage ``pp_rank`` (see the module docstring)."""
     pp = config.pipeline_model_parallel_size
     param_bytes = 2 if (config.bf16 or config.fp16) else 4
     units, small = stage_units(config, vocab_size=vocab_size,
                                   make_vocab_size_divisible_by=make_vocab_size_divisible_by,
-                                  first=pp_rank == 0, last=pp_rank == pp - 1)
+                                  first=pp_rank == 0, last=pp_rank == pp - 1,
+                                  moe_layers=moe_layers_on_stage(config, pp_rank=pp_rank), ep=ep)
     largest = sorted(units, reverse=True)
     transient = param_bytes * largest[0]  # autograd's grad of one parameter, before it moves into a bucket
     if zero_stage == 3:
