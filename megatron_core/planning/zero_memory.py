@@ -66,7 +66,6 @@ def zero_transient_bytes(config: TransformerConfig, *, vocab_size: int, make_voc
                                make_vocab_size_divisible_by=make_vocab_size_divisible_by,
                                first=pp_rank == 0, last=pp_rank == pp - 1,
                                moe_layers=moe_layers_on_stage(config, pp_rank=pp_rank), ep=ep)
-
     largest = max(units)
     pair = max((a + b for a, b in zip(units, units[1:])), default=largest)
     moe_layers = moe_layers_on_stage(config, pp_rank=pp_rank)
