@@ -52,7 +52,7 @@ LAYOUTS = {
     "ep2-cp2": (2, [*_ep(2), *A2A, "--context-parallel-size", "2"]),
     "ep2-cp2-tp2-sp": (4, [*_ep(2), "--context-parallel-size", "2", "--tensor-model-parallel-size", "2",
                            "--sequence-parallel"]),
-    "ep2-edp2-zero3": (4, [*_ep(2), *A2A, "--zero-stage", "3", "--init-model-with-meta-device"]),
+    "ep2-edp2-zero3": (4, [*_ep(2), *A2A, "--zero-stage", "3", "--init-model-with-meta-device", "--moe-grouped-gemm"]),
 }
 
 
