@@ -171,6 +171,25 @@ def _reduce_scatter(x, group, stats):
     return out
 
 
+def gather_routed_tokens(tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor,
+                         group: Optional[dist.ProcessGroup], stats: Optional[CommStats] = None):
+    """``[T, h]``, ``[T, E]``, ``[T, E]`` of every rank of ``group`` (same T on each) concatenated in rank
+    order. Collectives: all-gathers (backward: reduce-scatter of the tokens' and probs' grads); the routing
+    map has no gradient."""
+    size = group_size(group)
+    tokens = _GatherFromEP.apply(tokens, group, stats)                                  # [size T, h]
+    probs = _GatherFromEP.apply(probs, group, stats)                                    # [size T, E]
+    gathered_map = routing_map.new_empty(size * routing_map.shape[0], routing_map.shape[1], dtype=torch.uint8)
+    dist.all_gather_single(gathered_map, routing_map.to(torch.uint8).contiguous(), group=group)
+    return tokens, probs, gathered_map.bool()
+
+
+def reduce_scatter_tokens(x: torch.Tensor, group: Optional[dist.ProcessGroup],
+                          stats: Optional[CommStats] = None) -> torch.Tensor:
+    """``[size T, h]`` partial sums -> this rank's ``[T, h]`` of their sum (backward: all-gather)."""
+    return _ReduceScatterToEP.apply(x, group, stats)
+
+
 class AllGatherDispatcher:
     """All-gather every ep rank's tokens, run the local experts on those routed to them, reduce-scatter.
 
@@ -205,12 +224,8 @@ class AllGatherDispatcher:
         local_tokens = tokens.shape[0]
         if self.ep > 1:
             tokens, probs, routing_map = self._pad_to_group_max(tokens, probs, routing_map)
-            tokens = _GatherFromEP.apply(tokens, self.ep_group, self.stats)               # [ep T_max, h]
-            probs = _GatherFromEP.apply(probs, self.ep_group, self.stats)                 # [ep T_max, E]
-            gathered_map = routing_map.new_empty(self.ep * routing_map.shape[0], routing_map.shape[1],
-                                                 dtype=torch.uint8)
-            dist.all_gather_single(gathered_map, routing_map.to(torch.uint8).contiguous(), group=self.ep_group)
-            routing_map = gathered_map.bool()
+            tokens, probs, routing_map = gather_routed_tokens(tokens, probs, routing_map, self.ep_group,
+                                                              self.stats)                 # [ep T_max, .]
         local = slice(self.first, self.first + self.num_local)
         permuted, token_index, permuted_probs, counts = permute(tokens, routing_map[:, local], probs[:, local])
         handle = _Handle(token_index, permuted_probs, tokens.shape[0], local_tokens=local_tokens)
