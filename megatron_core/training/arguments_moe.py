@@ -20,7 +20,8 @@ def add_moe_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--num-experts", type=int, default=None, help="routed experts per MoE layer (default: dense)")
     g.add_argument("--expert-model-parallel-size", type=int, default=1)
     g.add_argument("--expert-tensor-parallel-size", type=int, default=None,
-                   help="only 1: experts are whole on each rank (Megatron-LM's default is the tp size)")
+                   help="1 (default: experts whole on each rank) or the tp size (each expert's fc1/fc2 split over "
+                        "the tp group; Megatron-LM's default)")
     g.add_argument("--moe-router-topk", type=int, default=2)
     g.add_argument("--moe-router-load-balancing-type", choices=LOAD_BALANCING_TYPES, default="aux_loss")
     g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0)
@@ -87,11 +88,21 @@ def moe_config(args: argparse.Namespace) -> Optional[MoEConfig]:
 def validate_moe_flags(args: argparse.Namespace) -> None:
     """Checks that need no process group (ValueError naming the values and the fix); the world-size checks
     run in ``initialize_model_parallel`` and the MoE layer."""
-    ep = args.expert_model_parallel_size
+    ep, etp, tp = args.expert_model_parallel_size, args.expert_tensor_parallel_size or 1, args.tensor_model_parallel_size
     if ep < 1:
         raise ValueError(f"--expert-model-parallel-size must be >= 1, got {ep}")
+    if etp not in (1, tp):
+        raise ValueError(f"--expert-tensor-parallel-size {etp} must be 1 or --tensor-model-parallel-size {tp}: "
+                         "experts are split over the tp group or not at all")
+    if etp > 1 and (args.save or args.load):
+        raise ValueError(f"--expert-tensor-parallel-size {etp} with --save/--load is not built: checkpoints store "
+                         "whole experts; train with --expert-tensor-parallel-size 1 to checkpoint")
+    if etp > 1 and args.zero_stage == 3:
+        raise ValueError(f"--expert-tensor-parallel-size {etp} with ZeRO-3 is not built; use "
+                         "--use-distributed-optimizer or --expert-tensor-parallel-size 1")
     if args.num_experts is None:
         given = [f for f, v in (("--expert-model-parallel-size", ep != 1), ("--moe-grouped-gemm", args.moe_grouped_gemm),
+                                ("--expert-tensor-parallel-size", etp != 1),
                                 ("--moe-expert-capacity-factor", args.moe_expert_capacity_factor is not None)) if v]
         if given:
             raise ValueError(f"{', '.join(given)} need a mixture-of-experts model: add --num-experts")

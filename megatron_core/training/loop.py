@@ -68,6 +68,7 @@ def build_run(args: argparse.Namespace) -> Run:
     state = initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                                       config.virtual_pipeline_model_parallel_size, args.context_parallel_size,
                                       expert_model_parallel_size=args.expert_model_parallel_size,
+                                      expert_tensor_parallel_size=args.expert_tensor_parallel_size or 1,
                                       timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes))
     micro_per_step = args.micro_batch_size * state.dp_size
     schedule = args.batch_schedule

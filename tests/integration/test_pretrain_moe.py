@@ -42,6 +42,7 @@ def _ep(size):
     return ["--expert-model-parallel-size", str(size)]
 
 
+TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
 LAYOUTS = {
     "ep2": (2, [*_ep(2), *A2A]),
     "ep4": (4, [*_ep(4), *A2A, "--moe-grouped-gemm"]),
@@ -52,6 +53,9 @@ LAYOUTS = {
     "ep2-cp2": (2, [*_ep(2), *A2A, "--context-parallel-size", "2"]),
     "ep2-cp2-tp2-sp": (4, [*_ep(2), "--context-parallel-size", "2", "--tensor-model-parallel-size", "2",
                            "--sequence-parallel"]),
+    "etp2-tp2-sp": (2, [*A2A, *TP2_SP, "--expert-tensor-parallel-size", "2"]),
+    "ep2-etp2-tp2-sp-distopt": (4, [*_ep(2), *TP2_SP, "--expert-tensor-parallel-size", "2",
+                                    "--use-distributed-optimizer"]),
     "ep2-edp2-zero3": (4, [*_ep(2), *A2A, "--zero-stage", "3", "--init-model-with-meta-device", "--moe-grouped-gemm"]),
 }
 
@@ -84,7 +88,10 @@ def test_checkpoint_saved_at_ep2_continues_at_ep1(distributed, reference, tmp_pa
     (["--num-experts", "3", "--expert-model-parallel-size", "2"], "--num-experts 3 is not divisible by "
                                                                   "--expert-model-parallel-size 2"),
     (["--num-experts", "4", "--moe-router-topk", "5"], "moe_router_topk 5 must lie in [1, num_moe_experts 4]"),
-    (["--num-experts", "4", "--expert-tensor-parallel-size", "2"], "--expert-tensor-parallel-size 2"),
+    (["--num-experts", "4", "--expert-tensor-parallel-size", "2"], "--expert-tensor-parallel-size 2 must be 1 or "
+                                                                   "--tensor-model-parallel-size 1"),
+    (["--num-experts", "4", *TP2_SP, "--expert-tensor-parallel-size", "2", "--save", "/tmp/x"],
+     "--expert-tensor-parallel-size 2 with --save/--load is not built"),
     (["--num-experts", "4", "--moe-router-num-groups", "2"], "--moe-router-num-groups 2"),
 ])
 def test_bad_moe_input_exits_2_naming_the_values(argv, named):
