@@ -90,8 +90,8 @@ def test_checkpoint_saved_at_ep2_continues_at_ep1(distributed, reference, tmp_pa
     (["--num-experts", "4", "--moe-router-topk", "5"], "moe_router_topk 5 must lie in [1, num_moe_experts 4]"),
     (["--num-experts", "4", "--expert-tensor-parallel-size", "2"], "--expert-tensor-parallel-size 2 must be 1 or "
                                                                    "--tensor-model-parallel-size 1"),
-    (["--num-experts", "4", *TP2_SP, "--expert-tensor-parallel-size", "2", "--save", "/tmp/x"],
-     "--expert-tensor-parallel-size 2 with --save/--load is not built"),
+    (["--num-experts", "4", *TP2_SP, "--expert-tensor-parallel-size", "2", "--zero-stage", "3"],
+     "--expert-tensor-parallel-size 2 with ZeRO-3 is not built"),
     (["--num-experts", "4", "--moe-router-num-groups", "2"], "--moe-router-num-groups 2"),
 ])
 def test_bad_moe_input_exits_2_naming_the_values(argv, named):
@@ -99,6 +99,18 @@ def test_bad_moe_input_exits_2_naming_the_values(argv, named):
                              f"parse_args({argv!r})"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 2, result.stderr
     assert named in result.stderr and "Traceback" not in result.stderr
+
+
+def test_checkpoint_saved_at_etp2_continues_at_ep1_and_back(distributed, reference, tmp_path):
+    """Experts split over etp (= tp 2) are saved as tp shards: 3 iterations at ep2 x etp2 x tp2 with the
+    distributed optimizer, 2 at one rank, 3 at etp2 x tp2 equal the uninterrupted single-process run."""
+    etp = [*TP2_SP, "--expert-tensor-parallel-size", "2"]
+    first = distributed(4, _train, [*_ep(2), *A2A, *etp, "--use-distributed-optimizer", "--save", str(tmp_path),
+                                    "--exit-interval", "3"])[0]
+    second = distributed(1, _train, ["--load", str(tmp_path), "--save", str(tmp_path), "--exit-interval", "5"])[0]
+    third = distributed(2, _train, [*etp, "--load", str(tmp_path)])[0]
+    ref_losses, _ = reference
+    torch.testing.assert_close(torch.tensor(first + second + third), torch.tensor(ref_losses), rtol=1e-5, atol=0)
 
 
 BIAS = ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
