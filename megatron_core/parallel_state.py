@@ -31,6 +31,14 @@ tp=2, pp=2, dp=2 and ep=2::
     expert-dp groups:  [0, 2] [1, 3] [4, 6] [5, 7]
     expert-mp groups:  [0, 1, 4, 5] [2, 3, 6, 7]    (ep x pp: one copy of every expert of every stage)
 
+Expert tensor parallelism (etp, 1 or tp) splits each expert over the tp group: the expert grid becomes
+``view(pp, expert_dp, ep, etp)``, etp fastest, so the etp groups are the tp groups, ep groups stride etp and
+expert-mp groups (ep x etp x pp) hold one copy of every expert. World size 8, tp=2, dp=4, ep=2, etp=2::
+
+    ep groups:         [0, 2] [1, 3] [4, 6] [5, 7]
+    expert-dp groups:  [0, 4] [1, 5] [2, 6] [3, 7]
+    expert-mp groups:  [0, 1, 2, 3] [4, 5, 6, 7]
+
 Nothing in megatron_core reads a global to find its group: the ``ParallelState`` returned here is passed to
 the layers, schedules and optimizers that need it, so two layouts can live in one process.
 """
