@@ -94,9 +94,6 @@ def validate_moe_flags(args: argparse.Namespace) -> None:
     if etp not in (1, tp):
         raise ValueError(f"--expert-tensor-parallel-size {etp} must be 1 or --tensor-model-parallel-size {tp}: "
                          "experts are split over the tp group or not at all")
-    if etp > 1 and args.zero_stage == 3:
-        raise ValueError(f"--expert-tensor-parallel-size {etp} with ZeRO-3 is not built; use "
-                         "--use-distributed-optimizer or --expert-tensor-parallel-size 1")
     if args.num_experts is None:
         given = [f for f, v in (("--expert-model-parallel-size", ep != 1), ("--moe-grouped-gemm", args.moe_grouped_gemm),
                                 ("--expert-tensor-parallel-size", etp != 1),

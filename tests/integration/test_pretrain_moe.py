@@ -1,7 +1,9 @@
-"""pretrain_gpt's loop with --num-experts 4 --moe-router-topk 2 at ep 2 and 4 (alltoall and allgather),
-ep2 x tp2 with sequence parallelism, ep2 x pp2 and ep2 x expert-dp 2 with the distributed optimizer and with ZeRO-3 equals
-the single-process MoE run (8 iterations, fp32, losses to 1e-5 relative); the MoE losses are logged; a
-checkpoint saved at ep 2 continues at ep 1; bad MoE input exits 2 naming the values."""
+"""pretrain_gpt's loop with --num-experts 4 --moe-router-topk 2 equals the single-process MoE run (8 iterations,
+fp32, losses, logged MoE losses and grad norms to 1e-5 relative) at: ep 2 and 4 (alltoall and allgather),
+ep2 x tp2 with sequence parallelism, ep2 x pp2, ep2 x cp2 (and x tp2), ep2 x expert-dp 2 with the distributed
+optimizer and with ZeRO-3, expert tensor parallelism (etp = tp 2; with ep 2, and with ZeRO-3 at expert-dp 2).
+Checkpoints saved at ep 2 continue at ep 1, at ep2 x etp2 at one rank and back; bad MoE input exits 2 naming
+the values."""
 import json
 import subprocess
 import sys
@@ -56,6 +58,7 @@ LAYOUTS = {
     "etp2-tp2-sp": (2, [*A2A, *TP2_SP, "--expert-tensor-parallel-size", "2"]),
     "ep2-etp2-tp2-sp-distopt": (4, [*_ep(2), *TP2_SP, "--expert-tensor-parallel-size", "2",
                                     "--use-distributed-optimizer"]),
+    "etp2-edp2-zero3": (4, [*A2A, *TP2_SP, "--expert-tensor-parallel-size", "2", "--zero-stage", "3"]),
     "ep2-edp2-zero3": (4, [*_ep(2), *A2A, "--zero-stage", "3", "--init-model-with-meta-device", "--moe-grouped-gemm"]),
 }
 
@@ -90,8 +93,8 @@ def test_checkpoint_saved_at_ep2_continues_at_ep1(distributed, reference, tmp_pa
     (["--num-experts", "4", "--moe-router-topk", "5"], "moe_router_topk 5 must lie in [1, num_moe_experts 4]"),
     (["--num-experts", "4", "--expert-tensor-parallel-size", "2"], "--expert-tensor-parallel-size 2 must be 1 or "
                                                                    "--tensor-model-parallel-size 1"),
-    (["--num-experts", "4", *TP2_SP, "--expert-tensor-parallel-size", "2", "--zero-stage", "3"],
-     "--expert-tensor-parallel-size 2 with ZeRO-3 is not built"),
+    (["--num-experts", "4", *TP2_SP, "--expert-tensor-parallel-size", "4"],
+     "--expert-tensor-parallel-size 4 must be 1 or --tensor-model-parallel-size 2"),
     (["--num-experts", "4", "--moe-router-num-groups", "2"], "--moe-router-num-groups 2"),
 ])
 def test_bad_moe_input_exits_2_naming_the_values(argv, named):
