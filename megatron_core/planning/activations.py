@@ -66,6 +66,8 @@ class ActivationShape:
     cp_comm_type: str = "p2p"
     ep: int = 1
     """Expert-parallel size (MoE layers: ``E / ep`` experts per rank)."""
+    etp: int = 1
+    """Expert tensor-parallel size (1 or tp)."""
 
     @property
     def local_seq_length(self) -> float:
@@ -99,7 +101,7 @@ def layer_activation_bytes(config: TransformerConfig, shape: ActivationShape, *,
     moe_bytes = 0.0
     if moe_layer:
         moe_bytes = moe_mlp_activation_bytes(config, tokens=s * b / replicated_div, element_bytes=e, ep=shape.ep,
-                                             tp=t, sequence_tokens=s * b)
+                                             tp=t, sequence_tokens=s * b, etp=shape.etp)
     elif config.activation == "swiglu":
         partitioned += e * s * b * ffn * 4                          # [gate; up], silu(gate), fc2 input
     else:

@@ -43,10 +43,11 @@ def _gated(config: TransformerConfig) -> int:
     return 2 if config.activation == "swiglu" else 1
 
 
-def expert_parameters_per_rank(config: TransformerConfig, *, ep: int) -> float:
-    """Elements of one MoE layer's routed experts on one rank (``E / ep`` experts, biases included)."""
+def expert_parameters_per_rank(config: TransformerConfig, *, ep: int, etp: int = 1) -> float:
+    """Elements of one MoE layer's routed experts on one rank (``E / ep`` experts, biases included; with
+    expert tensor parallelism 1/etp of fc1 and fc2, the fc2 bias whole)."""
     h, f = config.hidden_size, expert_ffn(config)
-    one = _gated(config) * f * h + h * f + ((_gated(config) * f + h) if config.add_bias_linear else 0)
+    one = (_gated(config) * f * h + h * f) / etp + ((_gated(config) * f / etp + h) if config.add_bias_linear else 0)
     return config.moe.num_moe_experts // ep * one
 
 
@@ -80,11 +81,12 @@ def assignments(config: TransformerConfig, tokens: float) -> float:
 
 
 def moe_mlp_activation_bytes(config: TransformerConfig, *, tokens: float, element_bytes: int, ep: int,
-                             tp: int, sequence_tokens: float) -> float:
+                             tp: int, sequence_tokens: float, etp: int = 1) -> float:
     """Bytes one MoE MLP saves for backward on one rank (router, dispatch, experts, shared expert).
 
     ``tokens``: T routed on this rank; ``sequence_tokens``: ``s / cp * b`` (the shared expert's input is
-    tp-partitioned like the dense MLP's)."""
+    tp-partitioned like the dense MLP's). With expert tensor parallelism the experts run on the etp group's
+    ``etp x`` assignments, with ``f / etp`` of their hidden width."""
     moe, e, h = config.moe, element_bytes, config.hidden_size
     E, k, f = moe.num_moe_experts, moe.moe_router_topk, expert_ffn(config)
     r = {"fp32": 4, "fp64": 8}.get(moe.moe_router_dtype, e)
@@ -94,14 +96,15 @@ def moe_mlp_activation_bytes(config: TransformerConfig, *, tokens: float, elemen
         router += r * tokens * E                                # the scores over all experts
     if moe.moe_z_loss_coeff:
         router += r * tokens * E                                # the logits (logsumexp)
-    m = assignments(config, tokens)
+    m = etp * assignments(config, tokens)
     experts = e * m * h                                         # expert input (received from the all-to-all)
-    experts += e * m * f * (4 if config.activation == "swiglu" else 2)  # fc1 output, activation output
+    experts += e * m * f / etp * (4 if config.activation == "swiglu" else 2)  # fc1 output, activation output
+    experts += etp * tokens * E if etp > 1 else 0               # the routing map gathered over etp
     experts += e * m * h + e * m + 8 * m                        # expert output (all-to-all back), probs, index
     if moe.moe_token_dispatcher_type == "allgather" and ep > 1:
-        experts += ep * tokens * E                              # the gathered routing map
+        experts += ep * etp * tokens * E                        # the gathered routing map
     if moe.moe_grouped_gemm:                                    # the stacked expert weights bmm saves
-        experts += e * expert_parameters_per_rank(config, ep=ep)
+        experts += e * expert_parameters_per_rank(config, ep=ep, etp=etp)
     shared = moe.moe_shared_expert_intermediate_size or 0
     shared_bytes = e * sequence_tokens * shared * (4 if config.activation == "swiglu" else 2) / tp
     return router + experts + shared_bytes
@@ -109,6 +112,7 @@ def moe_mlp_activation_bytes(config: TransformerConfig, *, tokens: float, elemen
 
 def ep_comm_bytes(config: TransformerConfig, *, tokens: float, element_bytes: int, ep: int,
                   recompute_full: bool) -> float:
+    # (with expert tensor parallelism pass the etp group's tokens, etp x T; ``etp_comm_bytes`` adds the rest)
     """Bytes one rank sends over ep in one micro-batch's forward and backward of one MoE layer.
 
     alltoall: the M assignments' hidden states out and back in forward, their grads in backward, each
@@ -125,12 +129,23 @@ def ep_comm_bytes(config: TransformerConfig, *, tokens: float, element_bytes: in
     return (2 + (1 if recompute_full else 0)) * forward
 
 
-def expert_units(config: TransformerConfig, *, tp: int, ep: int) -> tuple[list[float], float]:
+def etp_comm_bytes(config: TransformerConfig, *, tokens: float, element_bytes: int, etp: int,
+                   recompute_full: bool) -> float:
+    """Bytes one rank sends over the etp (= tp) group per micro-batch and MoE layer: the T tokens and their
+    ``[T, E]`` probabilities all-gathered and the ``[etp T, h]`` partial outputs reduce-scattered in
+    forward, the reverse in backward (full recompute: the forward's again)."""
+    if etp == 1:
+        return 0.0
+    forward = (etp - 1) * element_bytes * tokens * (2 * config.hidden_size + config.moe.num_moe_experts)
+    return (2 + (1 if recompute_full else 0)) * forward
+
+
+def expert_units(config: TransformerConfig, *, tp: int, ep: int, etp: int = 1) -> tuple[list[float], float]:
     """ZeRO-3 units of one MoE layer outside attention: (elements of each weight unit, of its share of the
     layer's small unit). The router and the shared expert's fc1 / fc2 are units; ``LocalExperts`` is one unit
     holding every local expert (biases included)."""
     h = config.hidden_size
-    units = [config.moe.num_moe_experts * h, expert_parameters_per_rank(config, ep=ep)]
+    units = [config.moe.num_moe_experts * h, expert_parameters_per_rank(config, ep=ep, etp=etp)]
     shared = config.moe.moe_shared_expert_intermediate_size or 0
     small = 0.0
     if shared:
@@ -139,5 +154,6 @@ def expert_units(config: TransformerConfig, *, tp: int, ep: int) -> tuple[list[f
     return units, small
 
 
-__all__ = ["assignments", "dense_mlp_parameters", "ep_comm_bytes", "expert_parameters_per_rank", "expert_units",
+__all__ = ["assignments", "dense_mlp_parameters", "ep_comm_bytes", "etp_comm_bytes", "expert_parameters_per_rank",
+           "expert_units",
            "moe_dense_parameters", "moe_layers_on_stage", "moe_mlp_activation_bytes"]

@@ -20,7 +20,8 @@ DEFAULT_STAGE2_BUCKET = 4_000_000  # DistributedDataParallelConfig's default buc
 
 
 def stage_units(config: TransformerConfig, *, vocab_size: int, make_vocab_size_divisible_by: int,
-                first: bool, last: bool, moe_layers: int = 0, ep: int = 1) -> tuple[list[float], float]:
+                first: bool, last: bool, moe_layers: int = 0, ep: int = 1,
+                etp: int = 1) -> tuple[list[float], float]:
     """(elements of each weight unit in forward order, elements of one layer's small unit: its norms and
     biases) on one tp rank of a pipeline stage of ``GPTModel``. A tied output layer on the embedding's stage
     borrows the embedding's unit (listed again at its place). ``moe_layers`` of the stage's layers are MoE
@@ -34,7 +35,7 @@ def stage_units(config: TransformerConfig, *, vocab_size: int, make_vocab_size_d
     norm = h * (2 if config.normalization == "LayerNorm" else 1)
     layers = config.num_layers // pp
     attention = [qkv * h / tp, h * q_dim / tp]
-    moe_units, moe_small = expert_units(config, tp=tp, ep=ep) if moe_layers else ([], 0.0)
+    moe_units, moe_small = expert_units(config, tp=tp, ep=ep, etp=etp) if moe_layers else ([], 0.0)
     units: list[float] = []
     padded = vocab_size_with_padding(vocab_size, make_vocab_size_divisible_by=make_vocab_size_divisible_by,
                                      tensor_model_parallel_size=tp)
@@ -57,7 +58,7 @@ def stage_units(config: TransformerConfig, *, vocab_size: int, make_vocab_size_d
 
 def zero_transient_bytes(config: TransformerConfig, *, vocab_size: int, make_vocab_size_divisible_by: int,
                          pp_rank: int, zero_stage: int, stage_params: float,
-                         bucket_size: int = DEFAULT_STAGE2_BUCKET, ep: int = 1) -> float:
+                         bucket_size: int = DEFAULT_STAGE2_BUCKET, ep: int = 1, etp: int = 1) -> float:
     """Peak transient bytes on one rank of pipeline stage ``pp_rank`` (see the module docstring). The two
     units gathered at once are neighbours in forward order (the current one and its prefetch)."""
     pp = config.pipeline_model_parallel_size
@@ -65,18 +66,19 @@ def zero_transient_bytes(config: TransformerConfig, *, vocab_size: int, make_voc
     units, small = stage_units(config, vocab_size=vocab_size,
                                make_vocab_size_divisible_by=make_vocab_size_divisible_by,
                                first=pp_rank == 0, last=pp_rank == pp - 1,
-                               moe_layers=moe_layers_on_stage(config, pp_rank=pp_rank), ep=ep)
+                               moe_layers=moe_layers_on_stage(config, pp_rank=pp_rank), ep=ep, etp=etp)
     largest = max(units)
     pair = max((a + b for a, b in zip(units, units[1:])), default=largest)
     moe_layers = moe_layers_on_stage(config, pp_rank=pp_rank)
     largest_param = largest
     if moe_layers:
-        experts = expert_parameters_per_rank(config, ep=ep)
+        experts = expert_parameters_per_rank(config, ep=ep, etp=etp)
         if moe_layers > 1:  # backward gathers the previous MoE layer's experts while this one's still are
             pair = max(pair, 2 * experts)
         # the experts' unit holds many parameters: autograd's largest single grad is one expert's fc1
         gated = 2 if config.activation == "swiglu" else 1
-        largest_param = max([u for u in units if u != experts] + [gated * expert_ffn(config) * config.hidden_size])
+        largest_param = max([u for u in units if u != experts]
+                            + [gated * expert_ffn(config) * config.hidden_size / etp])
     transient = param_bytes * largest_param  # autograd's grad of one parameter, before it moves into a bucket
     if zero_stage == 3:
         transient += param_bytes * (2 * small + pair)  # two units, this and the next layer's small

@@ -45,7 +45,7 @@ def _measure(layout: Layout, model: dict, steps: int = 1, track_live: bool = Fal
     with kernels.use_backend("torch"):
         return measure_layout(model, tp=layout.tp, pp=layout.pp, zero_stage=layout.zero_stage, vocab_size=V,
                               seq_length=S, micro_batch_size=B, num_microbatches=M, vpp=layout.vpp, steps=steps,
-                              track_live=track_live, cp=layout.cp, ep=layout.ep)
+                              track_live=track_live, cp=layout.cp, ep=layout.ep, etp=layout.etp)
 
 
 def predicted_and_measured(distributed, layout: Layout, model: dict = MODEL) -> list[tuple[float, float]]:
@@ -59,9 +59,9 @@ def predicted_and_measured(distributed, layout: Layout, model: dict = MODEL) -> 
     pairs = []
     for result in results:
         predicted = (model_state_bytes(config, workload, pp_rank=result.pp_rank, dp=layout.dp_cp,
-                                       zero_stage=layout.zero_stage, ep=layout.ep)
+                                       zero_stage=layout.zero_stage, ep=layout.ep, etp=layout.etp)
                      + rank_activation_bytes(config, workload, pp_rank=result.pp_rank, num_microbatches=M,
-                                             ep=layout.ep))
+                                             ep=layout.ep, etp=layout.etp))
         pairs.append((predicted, result.model_state_bytes + result.activation_bytes))
     return pairs
 
@@ -85,6 +85,8 @@ MOE_CASES = [  # layout (ep last), MoE options
     (Layout(1, 1, 2, None, 3, False, None, 1, 2), {}),                      # ep 2, ZeRO-3, allgather dispatcher
     (Layout(1, 1, 2, None, 2, False, None, 1, 1), {**A2A, "moe_grouped_gemm": True}),  # expert-dp 2
     (Layout(2, 1, 1, None, 0, True, None, 1, 2), {**A2A, "moe_shared_expert_intermediate_size": 64}),  # tp2 SP
+    (Layout(2, 1, 1, None, 0, True, None, 1, 1, 2), A2A),                   # etp 2 (= tp 2)
+    (Layout(2, 1, 2, None, 1, True, None, 1, 2, 2), {}),                    # ep 2 x etp 2, allgather
 ]
 
 
@@ -97,7 +99,8 @@ def test_predicted_moe_memory_within_ten_percent(distributed, layout, options):
 
 ZERO_LAYOUTS = [(Layout(1, 1, 2, None, 2, False, None), False), (Layout(1, 1, 2, None, 3, False, None), False),
                 (Layout(2, 1, 2, None, 3, True, None), False), (Layout(1, 2, 2, None, 3, False, None), False),
-                (Layout(1, 1, 2, None, 3, False, None, 1, 2), True), (Layout(1, 1, 2, None, 3, False, None), True)]
+                (Layout(1, 1, 2, None, 3, False, None, 1, 2), True), (Layout(1, 1, 2, None, 3, False, None), True),
+                (Layout(2, 1, 2, None, 3, True, None, 1, 1, 2), True)]
 
 
 @pytest.mark.parametrize("layout, moe", ZERO_LAYOUTS, ids=str)
@@ -113,7 +116,7 @@ def test_predicted_zero_transients_match_the_measured_peaks(distributed, layout,
     kwargs = {**model, "sequence_parallel": layout.sequence_parallel}
     for result in distributed(layout.tp * layout.pp * layout.dp * layout.cp, _measure, layout, kwargs, 1, True):
         predicted = rank_transient_bytes(config, workload, pp_rank=result.pp_rank, zero_stage=layout.zero_stage,
-                                         ep=layout.ep)
+                                         ep=layout.ep, etp=layout.etp)
         assert result.transient_bytes > 0
         assert 0.9 < result.transient_bytes / predicted <= 1.0, (layout, result.transient_bytes, predicted)
 

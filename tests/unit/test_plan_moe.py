@@ -1,5 +1,6 @@
 """The planner knows expert parallelism: for an MoE model it enumerates every ep dividing the experts and
-tp x cp x dp, shards the experts' states over expert-dp, counts the ep traffic, and the tool prints the ep
+tp x cp x dp (and expert tensor parallelism 1 or tp), shards the experts' states over expert-dp, counts the
+ep traffic, and the tool prints the ep
 column and the ``--expert-model-parallel-size`` of the best layout. (Memory against measured runs:
 tests/distributed/test_planner.py.)"""
 import contextlib
@@ -36,7 +37,9 @@ def _base(**moe):
 def test_moe_layouts_enumerate_ep_with_sequence_parallel_tp():
     plans = rank_plans(_base(), WORKLOAD, HARDWARE)
     assert {p.layout.ep for p in plans} == {1, 2, 4, 8}
-    assert all((p.layout.tp * p.layout.cp * p.layout.dp) % p.layout.ep == 0 for p in plans)
+    assert all((p.layout.tp * p.layout.cp * p.layout.dp) % (p.layout.ep * p.layout.etp) == 0 for p in plans)
+    assert {p.layout.etp for p in plans if p.layout.tp == 2} == {1, 2}  # expert tensor parallelism: 1 or tp
+    assert all(p.layout.etp in (1, p.layout.tp) for p in plans)
     assert all(p.layout.sequence_parallel for p in plans if p.layout.tp > 1)  # the MoE layer needs SP with tp
     dense = rank_plans(TransformerConfig(num_layers=4, hidden_size=256, num_attention_heads=8,
                                          max_position_embeddings=256, params_dtype=torch.bfloat16, bf16=True),
