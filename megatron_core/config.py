@@ -39,6 +39,9 @@ class ModelParallelConfig:
     """How attention communicates over cp: "p2p" (ring attention), "a2a" (Ulysses) or "allgather"."""
     sequence_parallel: bool = False
     """Split layernorm/dropout regions along the sequence (needs tensor parallelism)."""
+    tp_comm_overlap: bool = False
+    """Overlap the sequence-parallel all-gather / reduce-scatter of the column- and row-parallel linear layers
+    with their GEMMs, chunk by chunk (Megatron's ``--tp-comm-overlap``; needs sequence_parallel)."""
     params_dtype: torch.dtype = torch.float32
     """dtype the parameters are created in."""
     bf16: bool = False
@@ -55,6 +58,9 @@ class ModelParallelConfig:
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:  # None: checked when bound
             raise ValueError("sequence_parallel=True needs tensor_model_parallel_size > 1 (got 1): "
                              "sequence parallelism splits the tensor-parallel regions' activations")
+        if self.tp_comm_overlap and not self.sequence_parallel:
+            raise ValueError("tp_comm_overlap=True needs sequence_parallel=True: it overlaps the sequence-parallel "
+                             "all-gather / reduce-scatter with the GEMMs")
 
     def bind_layout(self, state) -> "ModelParallelConfig":
         """This config with the layout sizes of ``state`` (a ``ParallelState``): fields left at None take the

@@ -13,6 +13,7 @@ group of each kind)::
     cp groups:        [0] [1] [2] [3] [4] [5] [6] [7]
     dp groups:        [0, 2] [1, 3] [4, 6] [5, 7]
     dp x cp groups:   [0, 2] [1, 3] [4, 6] [5, 7]
+    tp x cp groups:   [0, 1] [2, 3] [4, 5] [6, 7]    (the ranks splitting one sequence under tp SP x cp)
     pp groups:        [0, 4] [1, 5] [2, 6] [3, 7]
     model-parallel:   [0, 1, 4, 5] [2, 3, 6, 7]      (tp x pp: the ranks holding one model replica)
     embedding groups: [0, 4] [1, 5] [2, 6] [3, 7]    (first and last stage of each pipeline)
@@ -29,6 +30,14 @@ tp=2, pp=2, dp=2 and ep=2::
     ep groups:         [0, 1] [2, 3] [4, 5] [6, 7]
     expert-dp groups:  [0, 2] [1, 3] [4, 6] [5, 7]
     expert-mp groups:  [0, 1, 4, 5] [2, 3, 6, 7]    (ep x pp: one copy of every expert of every stage)
+
+Expert tensor parallelism (etp, 1 or tp) splits each expert over the tp group: the expert grid becomes
+``view(pp, expert_dp, ep, etp)``, etp fastest, so the etp groups are the tp groups, ep groups stride etp and
+expert-mp groups (ep x etp x pp) hold one copy of every expert. World size 8, tp=2, dp=4, ep=2, etp=2::
+
+    ep groups:         [0, 2] [1, 3] [4, 6] [5, 7]
+    expert-dp groups:  [0, 4] [1, 5] [2, 6] [3, 7]
+    expert-mp groups:  [0, 1, 2, 3] [4, 5, 6, 7]
 
 Nothing in megatron_core reads a global to find its group: the ``ParallelState`` returned here is passed to
 the layers, schedules and optimizers that need it, so two layouts can live in one process.
@@ -79,6 +88,10 @@ class ParallelState:
     dp_cp_group: Optional[ProcessGroup]
     """Data and context parallel ranks together: gradients of a replica are reduced over this group."""
     dp_cp_ranks: tuple[int, ...]
+    tp_cp_group: Optional[ProcessGroup] = dataclasses.field(default=None, kw_only=True)
+    """Tensor and context parallel ranks together: with sequence parallelism they hold the parts of one
+    micro-batch's sequences (the MoE router's aux-loss token counts are summed over this group)."""
+    tp_cp_ranks: tuple[int, ...] = dataclasses.field(default=(0,), kw_only=True)
     pp_size: int
     pp_rank: int
     pp_group: Optional[ProcessGroup]
@@ -103,8 +116,12 @@ class ParallelState:
     expert_dp_group: Optional[ProcessGroup] = None
     expert_dp_ranks: tuple[int, ...] = (0,)
     expert_mp_group: Optional[ProcessGroup] = None
-    """ep x pp ranks holding one copy of every expert (expert grad norms are summed over it)."""
+    """ep x etp x pp ranks holding one copy of every expert (expert grad norms are summed over it)."""
     expert_mp_ranks: tuple[int, ...] = (0,)
+    etp_size: int = 1
+    """Expert tensor-parallel size: 1 (whole experts) or tp (each expert's fc1 / fc2 split over the tp group,
+    which is then also the expert-tp group)."""
+
     rng_tracker: Any = dataclasses.field(default=None, compare=False, repr=False)
     """This layout's ``RNGStatesTracker`` (the tensor-parallel dropout stream; seeded by ``model_parallel_seed``).
     Modules built with the state use it; created with the state, on its device."""
@@ -178,7 +195,8 @@ class ParallelState:
                 f"(world {self.world_size})")
 
 
-def _validate_sizes(world_size: int, tp: int, pp: int, cp: int, vpp: Optional[int], ep: int = 1) -> None:
+def _validate_sizes(world_size: int, tp: int, pp: int, cp: int, vpp: Optional[int], ep: int = 1,
+                    etp: int = 1) -> None:
     values = (
         f"world_size={world_size}, tensor_model_parallel_size={tp}, pipeline_model_parallel_size={pp}, "
         f"context_parallel_size={cp}, virtual_pipeline_model_parallel_size={vpp}, expert_model_parallel_size={ep}"
@@ -208,6 +226,12 @@ def _validate_sizes(world_size: int, tp: int, pp: int, cp: int, vpp: Optional[in
             f"{world_size} / pipeline_model_parallel_size {pp} = tp x cp x dp) ({values}); choose an ep that "
             "divides tp x cp x dp"
         )
+    if etp not in (1, tp):
+        raise ValueError(f"expert_tensor_parallel_size {etp} must be 1 or tensor_model_parallel_size {tp} ({values}): "
+                         "experts are split over the tp group or not at all")
+    if per_stage % (ep * etp) != 0:
+        raise ValueError(f"expert_model_parallel_size {ep} x expert_tensor_parallel_size {etp} does not divide the "
+                         f"{per_stage} ranks of a pipeline stage ({values}); choose an ep that divides cp x dp")
 
 
 def rank_grid(world_size: int, tp: int, pp: int, cp: int = 1) -> torch.Tensor:
@@ -226,26 +250,28 @@ def _groups_along(grid: torch.Tensor, axes: Sequence[str]) -> list[tuple[int, ..
 
 
 def layout_groups(world_size: int, tp: int, pp: int, cp: int = 1,
-                  ep: Optional[int] = None) -> dict[str, list[tuple[int, ...]]]:
-    """Every group of the layout as lists of global ranks, keyed tp, cp, dp, dp_cp, pp, mp, embedding, and,
-    when ``ep`` is given, ep, expert_dp, expert_mp."""
-    _validate_sizes(world_size, tp, pp, cp, None, ep or 1)
+                  ep: Optional[int] = None, etp: int = 1) -> dict[str, list[tuple[int, ...]]]:
+    """Every group of the layout as lists of global ranks, keyed tp, cp, dp, dp_cp, tp_cp, pp, mp, embedding, and,
+    when ``ep`` is given, ep, expert_dp, expert_mp (expert grid ``[pp, expert_dp, ep, etp]``, etp fastest)."""
+    _validate_sizes(world_size, tp, pp, cp, None, ep or 1, etp)
     grid = rank_grid(world_size, tp, pp, cp)
     groups = {
         "tp": _groups_along(grid, ["tp"]),
         "cp": _groups_along(grid, ["cp"]),
         "dp": _groups_along(grid, ["dp"]),
         "dp_cp": _groups_along(grid, ["dp", "cp"]),
+        "tp_cp": _groups_along(grid, ["tp", "cp"]),
         "pp": _groups_along(grid, ["pp"]),
         "mp": _groups_along(grid, ["pp", "tp"]),
     }
     groups["embedding"] = [tuple(sorted({ranks[0], ranks[-1]})) for ranks in groups["pp"]]
     if ep is None:
         return groups
-    expert_grid = torch.arange(world_size).view(pp, world_size // (pp * ep), ep)  # [pp, expert_dp, ep]
-    groups["ep"] = [tuple(row.tolist()) for row in expert_grid.reshape(-1, ep)]
-    groups["expert_dp"] = [tuple(row.tolist()) for row in expert_grid.permute(0, 2, 1).reshape(-1, expert_grid.shape[1])]
-    groups["expert_mp"] = [tuple(sorted(row.tolist())) for row in expert_grid.permute(1, 0, 2).reshape(expert_grid.shape[1], -1)]
+    expert_dp = world_size // (pp * ep * etp)
+    expert_grid = torch.arange(world_size).view(pp, expert_dp, ep, etp)  # [pp, expert_dp, ep, etp]
+    groups["ep"] = [tuple(row.tolist()) for row in expert_grid.permute(0, 1, 3, 2).reshape(-1, ep)]
+    groups["expert_dp"] = [tuple(row.tolist()) for row in expert_grid.permute(0, 2, 3, 1).reshape(-1, expert_dp)]
+    groups["expert_mp"] = [tuple(sorted(row.tolist())) for row in expert_grid.permute(1, 0, 2, 3).reshape(expert_dp, -1)]
     return groups
 
 
@@ -262,6 +288,7 @@ def initialize_model_parallel(
     context_parallel_size: int = 1,
     *,
     expert_model_parallel_size: int = 1,
+    expert_tensor_parallel_size: int = 1,
     timeout: Optional[datetime.timedelta] = None,
     kernel_backend: Any = "auto",
 ) -> ParallelState:
@@ -275,6 +302,8 @@ def initialize_model_parallel(
     ``--distributed-timeout-minutes``); None keeps torch's default for the backend.
 
     ``expert_model_parallel_size`` (ep) adds the expert groups (module docstring); it must divide tp * cp * dp.
+    ``expert_tensor_parallel_size`` (etp, 1 or tp) splits each expert over the tp group; ep x etp must divide
+    tp * cp * dp.
 
     ``kernel_backend`` (``"auto"``, ``"torch"``, ``"triton"`` or a ``kernels.KernelBackend``) is the fused-op
     choice of the modules built with this state (``state.kernel_backend``).
@@ -284,16 +313,17 @@ def initialize_model_parallel(
             tp * cp * dp, or vpp > 1 without pp > 1.
     """
     tp, pp, cp = tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size
-    vpp, ep = virtual_pipeline_model_parallel_size, expert_model_parallel_size
+    vpp, ep, etp = virtual_pipeline_model_parallel_size, expert_model_parallel_size, expert_tensor_parallel_size
     if not dist.is_initialized():
-        _validate_sizes(1, tp, pp, cp, vpp, ep)
+        _validate_sizes(1, tp, pp, cp, vpp, ep, etp)
         return _single_process_state(vpp, kernel_backend)
     world_size, rank, backend = dist.get_world_size(), dist.get_rank(), dist.get_backend()
-    _validate_sizes(world_size, tp, pp, cp, vpp, ep)
+    _validate_sizes(world_size, tp, pp, cp, vpp, ep, etp)
     fields: dict = {}
     # Middle pipeline stages hold no embedding: their group is None, their ranks those of their pipeline's ends.
     fields["embedding_group"] = None
-    for kind, all_ranks in layout_groups(world_size, tp, pp, cp, ep).items():
+    fields["etp_size"] = etp
+    for kind, all_ranks in layout_groups(world_size, tp, pp, cp, ep, etp).items():
         for ranks in all_ranks:  # Same creation order on every rank: new_group is collective.
             if kind in _EXPERT_KINDS and len(ranks) == 1:  # no group for a lone rank (None = no parallelism)
                 group = None

@@ -3,9 +3,13 @@ the same GPT, micro-batches and gloo ranks, side by side in one run.
 
     python scripts/bench_pipeline.py [--pp 2 --microbatches 8 --layers 8 --hidden 128 --seq 128 --steps 3]
 
-Prints the median step time of each schedule and its ratio to torch's, the measured bubble next to the
-formula (p-1)/(v*m), and each rank's peak resident memory (RSS). Ranks are forked gloo processes on this
-machine (megatron_core.testing), one thread each; the model runs its torch reference kernels.
+Steps of ours and torch's alternate in the same ranks (a barrier before each). Prints the median step time
+of each schedule and its ratio to torch's; our measured bubble (mean over ranks of the per-step median) next
+to the bubble replayed from the measured pass times (``simulate``: free transfers, no overhead) and the
+formula (p-1)/(v*m); the ratio of CPU time per step (all ranks' processes, all threads: little disturbed by
+other jobs on a shared machine); and each rank's peak resident memory (RSS, both schedules' models). Ranks
+are forked gloo processes on this machine (megatron_core.testing), one thread each; the model runs its torch
+reference kernels.
 """
 from __future__ import annotations
 
@@ -23,7 +27,12 @@ from megatron_core import destroy_model_parallel, initialize_model_parallel
 from megatron_core.config import TransformerConfig
 from megatron_core.models import GPTModel
 from megatron_core.pipeline_parallel import Timeline, get_forward_backward_func
-from megatron_core.pipeline_parallel.schedule_plan import bubble_fraction_formula
+from megatron_core.pipeline_parallel.schedule_plan import (
+    bubble_fraction_formula,
+    interleaved_ops,
+    one_f_one_b_ops,
+    simulate,
+)
 from megatron_core.testing import run_distributed
 
 VOCAB = 512
@@ -53,10 +62,8 @@ def _batch(args):
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def _ours(args, vpp):
-    """Step times and timeline of our schedule on this rank."""
-    state = initialize_model_parallel(pipeline_model_parallel_size=dist.get_world_size(),
-                                      virtual_pipeline_model_parallel_size=vpp)
+def _our_step(args, state, vpp):
+    """A function running one step of our schedule on this rank; it returns that step's Timeline."""
     chunks = _chunks(args, state, vpp)
     tokens, labels = _batch(args)
     positions = torch.arange(args.seq).expand(args.micro_batch, args.seq)
@@ -67,16 +74,14 @@ def _ours(args, vpp):
         return model(t, positions, labels=l), lambda loss: (loss.mean(), {"lm loss": loss.mean().detach()})
 
     schedule = get_forward_backward_func(state.pp_size, vpp)
-    times, timeline = [], None
-    for _ in range(args.steps + 1):  # the first step warms up
+
+    def step() -> Timeline:
         timeline = Timeline()
-        start = time.perf_counter()
         schedule(forward_step_func=forward_step, data_iterator=[iter(micro) for _ in chunks] if vpp else iter(micro),
                  model=chunks if vpp else chunks[0], num_microbatches=args.microbatches, seq_length=args.seq,
                  micro_batch_size=args.micro_batch, parallel_state=state, timeline=timeline)
-        times.append(time.perf_counter() - start)
-    destroy_model_parallel(state)
-    return statistics.median(times[1:]), timeline.measured_bubble(), _peak_rss_mb()
+        return timeline
+    return step
 
 
 class _TorchStage(nn.Module):
@@ -94,10 +99,9 @@ class _TorchStage(nn.Module):
         return self.model(None, self.positions)  # hidden [s, b, h], or logits [b, s, V] on the last stage
 
 
-def _torch_pipelining(args, vpp):
+def _torch_step(args, state, vpp):
+    """A function running one step of torch.distributed.pipelining's schedule on this rank."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
-    state = initialize_model_parallel(pipeline_model_parallel_size=dist.get_world_size(),
-                                      virtual_pipeline_model_parallel_size=vpp)
     chunks = _chunks(args, state, vpp)
     p, v = state.pp_size, vpp or 1
     stages = [PipelineStage(_TorchStage(chunk, args.seq, args.micro_batch), state.pp_rank + vp * p, p * v,
@@ -109,27 +113,81 @@ def _torch_pipelining(args, vpp):
     schedule = (ScheduleInterleaved1F1B(stages, args.microbatches, loss_fn=loss_fn) if vpp
                 else Schedule1F1B(stages[0], args.microbatches, loss_fn=loss_fn))
     tokens, labels = _batch(args)
-    times = []
-    for _ in range(args.steps + 1):
-        start = time.perf_counter()
+
+    def step() -> None:
         if state.is_pipeline_first_stage:
             schedule.step(tokens)
         elif state.is_pipeline_last_stage:
             schedule.step(target=labels, losses=[])
         else:
             schedule.step()
-        times.append(time.perf_counter() - start)
-    destroy_model_parallel(state)
-    return statistics.median(times[1:]), None, _peak_rss_mb()
+    return step
 
 
 def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _bench(which, args, vpp):
+def _bench(which: str, args, vpp):
+    """One schedule alone ("ours" or "torch"), as scripts/benchmark.py runs it: (median s/step, our measured
+    bubble or None, peak RSS MB)."""
     torch.set_num_threads(1)
-    return (_ours if which == "ours" else _torch_pipelining)(args, vpp)
+    state = initialize_model_parallel(pipeline_model_parallel_size=dist.get_world_size(),
+                                      virtual_pipeline_model_parallel_size=vpp)
+    step = (_our_step if which == "ours" else _torch_step)(args, state, vpp)
+    times, bubbles = [], []
+    for _ in range(args.steps + 1):  # the first step warms up
+        start = time.perf_counter()
+        timeline = step()
+        times.append(time.perf_counter() - start)
+        bubbles.append(timeline.measured_bubble() if timeline is not None else None)
+    destroy_model_parallel(state)
+    return statistics.median(times[1:]), bubbles[-1], _peak_rss_mb()
+
+
+def _bench_alternating(args, vpp):
+    """Alternates one step of ours and one of torch's (after a warm-up step of each); a barrier before each
+    step lines the ranks up. Returns (our median s/step, torch's, our median measured bubble, our bubble
+    replayed from the measured passes, peak RSS MB, our and torch's median CPU s/step of this process)."""
+    torch.set_num_threads(1)
+    state = initialize_model_parallel(pipeline_model_parallel_size=dist.get_world_size(),
+                                      virtual_pipeline_model_parallel_size=vpp)
+    ours, theirs = _our_step(args, state, vpp), _torch_step(args, state, vpp)
+    our_times, their_times, bubbles, our_cpu, their_cpu = [], [], [], [], []
+    for index in range(args.steps + 1):  # the first step of each warms up
+        dist.barrier(group=state.pp_group)
+        start, cpu = time.perf_counter(), time.process_time()
+        timeline = ours()
+        our_times.append(time.perf_counter() - start)
+        our_cpu.append(time.process_time() - cpu)
+        bubbles.append((timeline.measured_bubble(), _replayed_bubble(timeline, state, vpp, args.microbatches)))
+        dist.barrier(group=state.pp_group)
+        start, cpu = time.perf_counter(), time.process_time()
+        theirs()
+        their_times.append(time.perf_counter() - start)
+        their_cpu.append(time.process_time() - cpu)
+    destroy_model_parallel(state)
+    return (statistics.median(our_times[1:]), statistics.median(their_times[1:]),
+            statistics.median(b[0] for b in bubbles[1:]), statistics.median(b[1] for b in bubbles[1:]),
+            _peak_rss_mb(), statistics.median(our_cpu[1:]), statistics.median(their_cpu[1:]))
+
+
+def _replayed_bubble(timeline: Timeline, state, vpp, num_microbatches: int) -> float:
+    """The bubble this rank would have with the passes as long as measured (every rank's) but free
+    transfers and no per-pass overhead: ``simulate`` of the schedule's orders. The gap between it and the
+    measured bubble is what communication and the executor cost; the gap between it and the formula is
+    stage imbalance (embedding on the first stage, output layer and loss on the last) and B != 2 F."""
+    mine = {(e.kind[0].upper(), e.chunk or 0, e.microbatch): e.end - e.start
+            for e in timeline.events if e.kind in ("forward", "backward")}
+    everyone: list = [None] * state.pp_size
+    dist.all_gather_object(everyone, mine, group=state.pp_group)
+    durations = {(rank, *key): value for rank, passes in enumerate(everyone) for key, value in passes.items()}
+    p, v = state.pp_size, vpp or 1
+    orders = [interleaved_ops(r, p, v, num_microbatches) if vpp else one_f_one_b_ops(r, p, num_microbatches)
+              for r in range(p)]
+    finish = simulate(orders, v, durations=durations)[state.pp_rank]
+    compute = sum(mine.values())
+    return (finish - compute) / compute
 
 
 def main() -> None:
@@ -140,16 +198,16 @@ def main() -> None:
     args = parser.parse_args()
     print(f"GPT {args.layers} layers, hidden {args.hidden}, seq {args.seq}; pp={args.pp}, {args.microbatches} "
           f"micro-batches of {args.micro_batch}; gloo on this machine, 1 thread per rank")
-    print(f"{'schedule':<28}{'ours s/step':>12}{'torch s/step':>14}{'ours/torch':>11}{'bubble':>8}{'formula':>9}"
-          f"{'peak RSS MB/rank (ours | torch)':>34}")
+    print(f"{'schedule':<28}{'ours s/step':>12}{'torch s/step':>14}{'ours/torch':>11}{'bubble':>8}{'replayed':>9}"
+          f"{'formula':>9}{'CPU ours/torch':>16}{'peak RSS MB/rank':>20}")
     for name, vpp in (("1F1B", None), (f"interleaved 1F1B (v={args.vpp})", args.vpp)):
-        ours = run_distributed(args.pp, _bench, "ours", args, vpp, timeout_s=600)
-        theirs = run_distributed(args.pp, _bench, "torch", args, vpp, timeout_s=600)
-        ours_t, theirs_t = max(r[0] for r in ours), max(r[0] for r in theirs)
-        bubble = statistics.mean(r[1] for r in ours)
-        rss = " ".join(f"{o[2]:.0f}|{t[2]:.0f}" for o, t in zip(ours, theirs))
-        print(f"{name:<28}{ours_t:>12.3f}{theirs_t:>14.3f}{ours_t / theirs_t:>11.2f}{bubble:>8.3f}"
-              f"{bubble_fraction_formula(args.pp, args.microbatches, vpp):>9.3f}{rss:>34}")
+        results = run_distributed(args.pp, _bench_alternating, args, vpp, timeout_s=600)
+        ours_t, theirs_t = max(r[0] for r in results), max(r[1] for r in results)
+        bubble, replayed = statistics.mean(r[2] for r in results), statistics.mean(r[3] for r in results)
+        rss = " ".join(f"{r[4]:.0f}" for r in results)
+        cpu = sum(r[5] for r in results) / sum(r[6] for r in results)
+        print(f"{name:<28}{ours_t:>12.3f}{theirs_t:>14.3f}{ours_t / theirs_t:>11.2f}{bubble:>8.3f}{replayed:>9.3f}"
+              f"{bubble_fraction_formula(args.pp, args.microbatches, vpp):>9.3f}{cpu:>16.2f}{rss:>20}")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,9 @@
 Model and batch flags are pretrain_gpt.py's (parsed by ``megatron_core.training.arguments``); layout flags
 given there (tp, pp, cp, SP, ZeRO, recompute) are ignored: every valid layout is tried (tp x pp x cp x dp x
 vpp in {1, 2} x ZeRO 0-3 x SP x recompute none/selective/full; cp where --seq-length divides by 2 cp, with the
---cp-comm-type given, p2p by default). Memory: parameters, fp32 grads, fp32 masters and
+--cp-comm-type given, p2p by default; with --num-experts every --expert-model-parallel-size dividing the
+experts, --expert-tensor-parallel-size 1 or tp, ep x etp dividing tp x cp x dp, experts' states sharded over expert-dp, the MoE activations and the ep
+all-to-all/all-gather traffic counted). Memory: parameters, fp32 grads, fp32 masters and
 Adam states per ZeRO stage, activations per Korthikanti et al. with SP, recompute and the micro-batches in
 flight on the fullest pipeline stage (``megatron_core.planning``). Time: hardware FLOPs (recompute included)
 over peak x --compute-efficiency, tp/cp/pp/dp volumes over the link bandwidths, bubble (p-1)/(v m).
@@ -27,6 +29,7 @@ PLANNER_FLAGS = {"--num-devices": int, "--memory-per-device-gb": float, "--intra
                  "--inter-node-bandwidth-gbps": float, "--devices-per-node": int, "--peak-tflops": float,
                  "--compute-efficiency": float, "--top": int, "--mask-bytes": int}
 LAYOUT_FLAGS = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size",
+                "--expert-model-parallel-size", "--expert-tensor-parallel-size",
                 "--sequence-parallel",
                 "--zero-stage", "--use-distributed-optimizer", "--data-parallel-sharding-strategy",
                 "--recompute-granularity", "--recompute-method", "--recompute-num-layers",
@@ -79,6 +82,10 @@ def _layout_flags(plan: Plan) -> list[str]:
     flags = ["--tensor-model-parallel-size", str(layout.tp), "--pipeline-model-parallel-size", str(layout.pp)]
     if layout.cp > 1:
         flags += ["--context-parallel-size", str(layout.cp)]
+    if layout.ep > 1:
+        flags += ["--expert-model-parallel-size", str(layout.ep)]
+    if layout.etp > 1:
+        flags += ["--expert-tensor-parallel-size", str(layout.etp)]
     if layout.vpp:
         flags += ["--num-layers-per-virtual-pipeline-stage", "LAYERS_PER_CHUNK"]
     if layout.sequence_parallel:
@@ -107,13 +114,13 @@ def torchrun_command(plan: Plan, model_argv: list[str], *, num_devices: int, dev
 
 
 def format_table(plans: list[Plan], top: int) -> str:
-    header = ("| rank | tp | pp | cp | dp | vpp | ZeRO | SP | recompute | states GiB | activations GiB | transient GiB |"
-              " total GiB | fits | step s | compute s | comm s | bubble |")
-    rows = [header, "|" + " ---: |" * 5 + " ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | --- | ---: | ---: "
+    header = ("| rank | tp | pp | cp | ep | etp | dp | vpp | ZeRO | SP | recompute | states GiB | activations GiB |"
+              " transient GiB | total GiB | fits | step s | compute s | comm s | bubble |")
+    rows = [header, "|" + " ---: |" * 7 + " ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | --- | ---: | ---: "
                     "| ---: | ---: |"]
     for i, plan in enumerate(plans[:top], 1):
         lay = plan.layout
-        rows.append(f"| {i} | {lay.tp} | {lay.pp} | {lay.cp} | {lay.dp} | {lay.vpp or 1} | {lay.zero_stage} | "
+        rows.append(f"| {i} | {lay.tp} | {lay.pp} | {lay.cp} | {lay.ep} | {lay.etp} | {lay.dp} | {lay.vpp or 1} | {lay.zero_stage} | "
                     f"{'yes' if lay.sequence_parallel else 'no'} | {lay.recompute or 'none'} | "
                     f"{plan.model_state_bytes / 2**30:.2f} | {plan.activation_bytes / 2**30:.2f} | "
                     f"{plan.transient_bytes / 2**30:.2f} | {plan.memory_bytes / 2**30:.2f} | {'yes' if plan.fits else 'NO'} | {plan.step_seconds:.3f} | "

@@ -8,12 +8,13 @@ fp32 (fp64 for fp64 inputs: ``accumulation_dtype``). Query rows are processed in
 ``tile_elements`` scores, so the transient score / probability / dropout-mask tensors stay bounded whatever
 the sequence length.
 
-Fused path: when a block has no user mask and no dropout, and runs on the CPU, its forward and backward are
-torch's fused flash-attention kernels that return / take the log-sum-exp
-(``aten._scaled_dot_product_flash_attention_for_cpu`` and its ``_backward``), as torch's own ring attention
-does; a causal block with ``causal_offset > 0`` is cut into the keys every query sees (no mask) and the
-diagonal (top-left causal), merged with the log-sum-exp rule. Everything else (masks, dropout, other
-devices, ``FUSED = False``) runs the tiled torch math below.
+Fused path: when a block has no user mask and no dropout, its forward and backward run fused kernels that
+return / take the log-sum-exp (``fused``: torch's CPU flash attention; on CUDA, flash or memory-efficient
+SDPA, untested here), as torch's own ring attention does; a causal block with ``causal_offset > 0`` is cut
+into the keys every query sees (no mask) and the diagonal (causal, square), merged with the log-sum-exp
+rule. One piece (the common case: every ring block) is returned as the kernel gives it, without copies.
+Everything else (masks, dropout, devices or dtypes without a kernel, ``FUSED = False``) runs the tiled torch
+math below.
 """
 from __future__ import annotations
 
@@ -21,64 +22,73 @@ from typing import Optional
 
 import torch
 
+from megatron_core.context_parallel import fused
+
 TILE_ELEMENTS = 1 << 20
 """Scores per tile (``b * hq * rows * sk``): about two such fp32 buffers (8 MiB) live at once in backward."""
 
 
 FUSED = True
-"""Use the fused CPU flash-attention kernels where a block allows them (``False``: always the tiled math)."""
-
-_FUSED_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+"""Use the fused kernels where a block allows them (``False``: always the tiled math)."""
 
 
 def fused_ok(q: torch.Tensor, *, mask: Optional[torch.Tensor], dropout_p: float, dropout_seed: Optional[int]) -> bool:
-    """Whether a block of ``q`` runs the fused kernel: CPU, no user mask, no dropout."""
-    return (FUSED and q.device.type == "cpu" and q.dtype in _FUSED_DTYPES and mask is None
-            and (dropout_p == 0.0 or dropout_seed is None))
+    """Whether a block of ``q`` may run a fused kernel: one exists for its device and dtype, no user mask, no
+    dropout."""
+    return (FUSED and mask is None and (dropout_p == 0.0 or dropout_seed is None)
+            and fused.kernel_for(q) is not None)
 
 
-def _fused_pieces(sq: int, sk: int, causal: bool, causal_offset: int) -> list[tuple[int, int, bool]]:
-    """``(key start, key end, top-left causal)`` pieces of a block: all keys (not causal), or the keys
-    before ``causal_offset`` (every query sees them) and the diagonal ``[offset, offset + sq)``."""
+def _fused_pieces(sq: int, sk: int, causal: bool, causal_offset: int) -> Optional[list[tuple[int, int, bool]]]:
+    """``(key start, key end, causal)`` pieces of a block: all keys (not causal), or the keys before
+    ``causal_offset`` (every query sees them) and the square diagonal ``[offset, offset + sq)``; None when
+    the diagonal does not fit (``offset + sq > sk``: the tiled math runs)."""
     if not causal:
         return [(0, sk, False)]
-    pieces = [(0, min(causal_offset, sk), False)] if causal_offset > 0 else []
-    if causal_offset < sk:
-        pieces.append((causal_offset, min(sk, causal_offset + sq), True))
-    return [piece for piece in pieces if piece[1] > piece[0]]
+    if causal_offset + sq > sk:
+        return None
+    return [piece for piece in [(0, causal_offset, False), (causal_offset, causal_offset + sq, True)]
+            if piece[1] > piece[0]]
 
 
-def _fused_forward(q, k, v, *, scale: float, causal: bool, causal_offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _fused_forward(kernel: str, q, k, v, pieces, *, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     acc = accumulation_dtype(q.dtype)
-    b, hq, sq, d = q.shape
-    pieces = _fused_pieces(sq, k.shape[2], causal, causal_offset)
-    if len(pieces) == 1:
-        start, end, top_left = pieces[0]
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k[:, :, start:end], v[:, :, start:end], 0.0, top_left, scale=scale)
-        return out.to(acc), lse.to(acc)
-    out = torch.zeros(b, hq, sq, v.shape[-1], dtype=acc, device=q.device)
-    lse = torch.full((b, hq, sq), float("-inf"), dtype=acc, device=q.device)
-    for start, end, top_left in pieces:
-        piece_out, piece_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k[:, :, start:end], v[:, :, start:end], 0.0, top_left, scale=scale)
-        merge_(out, lse, piece_out.to(acc), piece_lse.to(acc))
+    out = lse = None
+    for start, end, causal in pieces:
+        piece_out, piece_lse = fused.piece_forward(kernel, q, k[:, :, start:end], v[:, :, start:end], scale=scale,
+                                                   causal=causal)
+        piece_out, piece_lse = piece_out.to(acc), piece_lse.to(acc)
+        if out is None:
+            out, lse = piece_out, piece_lse
+        else:
+            merge_(out, lse, piece_out, piece_lse)
     return out, lse
 
 
-def _fused_backward(q, k, v, dout, out, lse, *, scale: float, causal: bool,
-                    causal_offset: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _fused_backward(kernel: str, q, k, v, dout, out, lse, pieces, *,
+                    scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     acc = accumulation_dtype(q.dtype)
     dout, out = dout.to(q.dtype).contiguous(), out.to(q.dtype).contiguous()
-    lse = lse.to(torch.float32 if q.dtype in (torch.bfloat16, torch.float16) else acc).contiguous()
+    lse = lse.to(fused.lse_dtype(q.dtype)).contiguous()
+    if len(pieces) == 1 and pieces[0][:2] == (0, k.shape[2]):
+        grads = fused.piece_backward(kernel, dout, q, k, v, out, lse, scale=scale, causal=pieces[0][2])
+        return tuple(grad.to(acc) for grad in grads)
     dq, dk, dv = (torch.zeros(x.shape, dtype=acc, device=q.device) for x in (q, k, v))
-    for start, end, top_left in _fused_pieces(q.shape[2], k.shape[2], causal, causal_offset):
-        piece_dq, piece_dk, piece_dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, k[:, :, start:end], v[:, :, start:end], out, lse, 0.0, top_left, scale=scale)
+    for start, end, causal in pieces:
+        piece_dq, piece_dk, piece_dv = fused.piece_backward(kernel, dout, q, k[:, :, start:end], v[:, :, start:end],
+                                                            out, lse, scale=scale, causal=causal)
         dq += piece_dq
         dk[:, :, start:end] += piece_dk
         dv[:, :, start:end] += piece_dv
     return dq, dk, dv
+
+
+def _fused_plan(q, k, *, causal: bool, causal_offset: int, mask, dropout_p: float, dropout_seed):
+    """``(kernel, pieces)`` of a block that runs fused, else None."""
+    if not fused_ok(q, mask=mask, dropout_p=dropout_p, dropout_seed=dropout_seed):
+        return None
+    pieces = _fused_pieces(q.shape[2], k.shape[2], causal, causal_offset)
+    return None if pieces is None else (fused.kernel_for(q), pieces)
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -156,9 +166,11 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: f
         (-inf, with out 0, for rows this block fully masks), both in the accumulation dtype.
     """
     acc, heads_per_group = accumulation_dtype(q.dtype), q.shape[1] // k.shape[1]
-    if fused_ok(q, mask=mask, dropout_p=dropout_p, dropout_seed=dropout_seed):
-        return _fused_forward(q, expand_kv(k, heads_per_group), expand_kv(v, heads_per_group), scale=scale,
-                              causal=causal, causal_offset=causal_offset)
+    plan = _fused_plan(q, k, causal=causal, causal_offset=causal_offset, mask=mask, dropout_p=dropout_p,
+                       dropout_seed=dropout_seed)
+    if plan is not None:
+        return _fused_forward(plan[0], q, expand_kv(k, heads_per_group), expand_kv(v, heads_per_group), plan[1],
+                              scale=scale)
     k, v = expand_kv(k, heads_per_group).to(acc), expand_kv(v, heads_per_group).to(acc)
     outs, lses = [], []
     for start, end in _row_tiles(q, k.shape[2], tile_elements):
@@ -181,8 +193,8 @@ def merge_(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_
     ``[..., sq]``.
     """
     merged = torch.logaddexp(lse, block_lse)
-    safe = torch.where(torch.isinf(merged), torch.zeros_like(merged), merged)
-    out.mul_(torch.exp(lse - safe).unsqueeze(-1)).add_(block_out * torch.exp(block_lse - safe).unsqueeze(-1))
+    safe = merged.nan_to_num(neginf=0.0)  # rows masked in both: weights e^-inf = 0, not nan
+    out.mul_(lse.sub_(safe).exp_().unsqueeze(-1)).addcmul_(block_out, block_lse.sub(safe).exp_().unsqueeze(-1))
     lse.copy_(merged)
 
 
@@ -207,9 +219,11 @@ def block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torc
         ``(dq [b, hq, sq, d], dk [b, hk, sk, d], dv [b, hk, sk, d])`` in the accumulation dtype.
     """
     acc, heads_per_group = accumulation_dtype(q.dtype), q.shape[1] // k.shape[1]
-    if out is not None and fused_ok(q, mask=mask, dropout_p=dropout_p, dropout_seed=dropout_seed):
-        dq, dk, dv = _fused_backward(q, expand_kv(k, heads_per_group), expand_kv(v, heads_per_group), dout, out,
-                                     lse, scale=scale, causal=causal, causal_offset=causal_offset)
+    plan = None if out is None else _fused_plan(q, k, causal=causal, causal_offset=causal_offset, mask=mask,
+                                                dropout_p=dropout_p, dropout_seed=dropout_seed)
+    if plan is not None:
+        dq, dk, dv = _fused_backward(plan[0], q, expand_kv(k, heads_per_group), expand_kv(v, heads_per_group), dout,
+                                     out, lse, plan[1], scale=scale)
         return dq, fold_kv(dk, heads_per_group), fold_kv(dv, heads_per_group)
     k, v = expand_kv(k, heads_per_group).to(acc), expand_kv(v, heads_per_group).to(acc)
     dq_tiles, dk, dv = [], torch.zeros_like(k), torch.zeros_like(v)

@@ -88,28 +88,34 @@ def _dropout_seed(spec: RingSpec, step: int) -> Optional[int]:
 
 
 class _RingAttention(torch.autograd.Function):
-    """q ``[b, hq, s/cp, d]``, k and v ``[b, hk, s/cp, d]`` -> out ``[b, hq, s/cp, d]`` (see ring_attention)."""
+    """q ``[b, hq, s/cp, d]``, k and v ``[b, hk, s/cp, d]`` -> out ``[b, hq, s/cp, d]`` (see ring_attention).
+
+    Buffers: the K/V block travels in one ``[2, b, hk, s/cp, d]`` message per step, double-buffered (send
+    the held block, receive the next into the spare, swap), so nothing is allocated per step; backward's
+    dK/dV accumulators use two fp32 buffers in turn the same way."""
 
     @staticmethod
     def forward(ctx, q, k, v, mask, spec: RingSpec):
-        b, hq, local, d = q.shape
-        seq_length = local * spec.cp_size
-        acc = accumulation_dtype(q.dtype)
-        out = torch.zeros(b, hq, local, d, dtype=acc, device=q.device)
-        lse = torch.full((b, hq, local), float("-inf"), dtype=acc, device=q.device)
-        kv = torch.stack([k, v]).contiguous()  # [2, b, hk, s/cp, d]: only the kv heads travel
+        local = q.shape[2]
+        kv = torch.stack([k, v])  # [2, b, hk, s/cp, d]: only the kv heads travel
+        spare = torch.empty_like(kv) if spec.cp_size > 1 else None
+        out = lse = None
         for step in range(spec.cp_size):
-            incoming = torch.empty_like(kv) if step < spec.cp_size - 1 else None
-            requests = _post([("send", kv, spec.next_rank), ("recv", incoming, spec.prev_rank)]
-                             if incoming is not None else [], spec.cp_group)
+            last = step == spec.cp_size - 1
+            requests = [] if last else _post([("send", kv, spec.next_rank), ("recv", spare, spec.prev_rank)],
+                                             spec.cp_group)
             rows, cols, causal = _block_plan(spec, step, local)
             block_out, block_lse = block_forward(
                 q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], scale=spec.scale, causal=causal,
-                mask=_block_mask(mask, spec, step, rows, cols, seq_length), dropout_p=spec.dropout_p,
+                mask=_block_mask(mask, spec, step, rows, cols, local * spec.cp_size), dropout_p=spec.dropout_p,
                 dropout_seed=_dropout_seed(spec, step))
-            merge_(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
+            if out is None:  # step 0, the diagonal block, covers every query row: its result is the start
+                out, lse = block_out, block_lse
+            else:
+                merge_(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
             _wait(requests)
-            kv = incoming if incoming is not None else kv
+            if not last:
+                kv, spare = spare, kv
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, mask, out, lse)
         ctx.spec = spec
@@ -122,34 +128,51 @@ class _RingAttention(torch.autograd.Function):
         acc = accumulation_dtype(q.dtype)
         dout = dout.to(acc)
         delta = (dout * out.to(acc)).sum(dim=-1)  # [b, hq, s/cp]
-        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        kv = torch.stack([k, v]).contiguous()
-        sending: list = []
+        kv = torch.stack([k, v])
+        if spec.cp_size == 1:  # one rank: its own grads, no ring
+            dq, dk, dv = _backward_block(q, kv, dout, out, delta, lse, mask, spec, 0)[1:]
+            return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+        spare = torch.empty_like(kv)
+        dkv_buffers = [torch.empty(kv.shape, dtype=acc, device=q.device) for _ in range(2)]
+        dq, sending = None, []
         for step in range(spec.cp_size):
+            last = step == spec.cp_size - 1
+            dkv = dkv_buffers[step % 2]  # not in flight: its send (step - 2) was waited for at step - 1
             # per pair of neighbours the order is kv_0, dkv_0, kv_1, dkv_1, ...: post dkv_(i-1) before kv_i
-            arriving = torch.empty(kv.shape, dtype=acc, device=q.device) if step > 0 else None
-            incoming = torch.empty_like(kv) if step < spec.cp_size - 1 else None
-            ops = [("recv", arriving, spec.prev_rank)] if arriving is not None else []
-            ops += [("send", kv, spec.next_rank), ("recv", incoming, spec.prev_rank)] if incoming is not None else []
+            ops = [("recv", dkv, spec.prev_rank)] if step > 0 else []
+            ops += [] if last else [("send", kv, spec.next_rank), ("recv", spare, spec.prev_rank)]
             requests = _post(ops, spec.cp_group)
-            dkv = _backward_block(q, kv, dout, out, delta, lse, mask, dq, spec, step)
+            cols, block_dq, block_dk, block_dv = _backward_block(q, kv, dout, out, delta, lse, mask, spec, step)
+            dq = _add_rows(dq, block_dq, _block_plan(spec, step, q.shape[2])[0])
             _wait(requests)
-            if arriving is not None:
-                dkv += arriving  # the accumulated grads of this kv block from the ranks it visited before
-            if spec.cp_size == 1:  # one rank: its own grads, no ring
-                return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+            if step == 0:
+                dkv[0].copy_(block_dk)
+                dkv[1].copy_(block_dv)
+            else:  # onto the accumulated grads of this kv block from the ranks it visited before
+                dkv[0][:, :, cols] += block_dk
+                dkv[1][:, :, cols] += block_dv
             _wait(sending)
             sending = _post([("send", dkv, spec.next_rank)], spec.cp_group)  # the last hop reaches the owner
-            kv = incoming if incoming is not None else kv
-        own = torch.empty(kv.shape, dtype=acc, device=q.device)
+            if not last:
+                kv, spare = spare, kv
+        own = dkv_buffers[spec.cp_size % 2]  # the buffer not sent last
         _wait(_post([("recv", own, spec.prev_rank)], spec.cp_group))
         _wait(sending)
         return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None, None
 
 
-def _backward_block(q, kv, dout, out, delta, lse, mask, dq, spec: RingSpec, step: int) -> torch.Tensor:
-    """Adds step ``step``'s query grads into ``dq``; returns the fp32 ``[2, b, hk, s/cp, d]`` dK/dV of the
-    kv block held at this step."""
+def _add_rows(total: Optional[torch.Tensor], block: torch.Tensor, rows: slice) -> torch.Tensor:
+    """``total[:, :, rows] += block``; the first block (step 0: every row) becomes the total."""
+    if total is None:
+        return block
+    total[:, :, rows] += block
+    return total
+
+
+def _backward_block(q, kv, dout, out, delta, lse, mask, spec: RingSpec,
+                    step: int) -> tuple[slice, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(key rows, dq, dk, dv)`` of step ``step``'s block (its query rows' dq, its key rows' dk / dv,
+    accumulation dtype)."""
     local = q.shape[2]
     rows, cols, causal = _block_plan(spec, step, local)
     block_dq, block_dk, block_dv = block_backward(
@@ -157,11 +180,7 @@ def _backward_block(q, kv, dout, out, delta, lse, mask, dq, spec: RingSpec, step
         lse=lse[:, :, rows], scale=spec.scale, causal=causal,
         mask=_block_mask(mask, spec, step, rows, cols, local * spec.cp_size), dropout_p=spec.dropout_p,
         dropout_seed=_dropout_seed(spec, step), out=out[:, :, rows])
-    dq[:, :, rows] += block_dq
-    dkv = torch.zeros(kv.shape, dtype=dq.dtype, device=q.device)
-    dkv[0][:, :, cols] = block_dk
-    dkv[1][:, :, cols] = block_dv
-    return dkv
+    return cols, block_dq, block_dk, block_dv
 
 
 def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -192,7 +211,8 @@ def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         seed = base + (cp_rank << 41)  # distinct masks on each cp rank and step
     spec = RingSpec(cp_group=cp_group, cp_ranks=tuple(cp_ranks), cp_rank=cp_rank, scale=scale,
                     dropout_p=dropout_p, seed=seed)
-    q, k, v = (x.permute(1, 2, 0, 3).contiguous() for x in (query, key, value))  # [b, heads, s/cp, d]
+    # [b, heads, s/cp, d] views: the kernels take strided inputs, and K/V are copied once, into the ring buffer
+    q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
     out = _RingAttention.apply(q, k, v, attention_mask, spec)
     s_local, b, hq, d = query.shape
     return out.permute(2, 0, 1, 3).reshape(s_local, b, hq * d)

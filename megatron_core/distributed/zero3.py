@@ -46,23 +46,27 @@ def plan_units(root: nn.Module) -> dict[nn.Module, list[nn.Parameter]]:
     1-D parameters of everything inside it (norm weights, biases) into its own unit, gathered for its whole
     forward and backward: one small gather instead of one per norm and bias, and a bias returned to the
     layer (``skip_bias_add``) needs no special keeping. A module with ``gathers_all_parameters = True`` (a
-    layer compiled by ``megatron_core.transformer.compile``) is one unit of every parameter inside it, and the
-    modules inside it are no units at all: its hooks run outside the compiled forward, none inside. Leaf
-    modules without parameters are units with an empty list (they may borrow parameters passed to their
-    forward).
+    layer compiled by ``megatron_core.transformer.compile``, or ``LocalExperts``, whose forward reads its
+    experts' weights itself) is one unit of every parameter inside it, claimed before any
+    ``gathers_small_parameters`` module above it takes their 1-D ones; the modules inside it are no units at
+    all (its hooks run around it, none inside). Leaf modules without parameters are units with an empty list
+    (they may borrow parameters passed to their forward).
     """
     claimed: dict[nn.Parameter, nn.Module] = {}
     inside_whole: set[int] = set()  # ids of modules inside a gathers_all_parameters module: no units, no hooks
-    for module in root.modules():
-        if id(module) in inside_whole:
+    for module in root.modules():  # the outermost gathers_all_parameters modules claim everything inside them
+        if id(module) in inside_whole or module is root or not getattr(module, "gathers_all_parameters", False):
             continue
-        whole = module is not root and getattr(module, "gathers_all_parameters", False)
-        if whole:
-            inside_whole.update(id(m) for m in module.modules() if m is not module)
-        if whole or getattr(module, "gathers_small_parameters", False):
-            for param in module.parameters():
-                if param.requires_grad and (whole or len(logical_shape(param)) <= 1):
-                    claimed.setdefault(param, module)
+        inside_whole.update(id(m) for m in module.modules() if m is not module)
+        for param in module.parameters():
+            if param.requires_grad:
+                claimed.setdefault(param, module)
+    for module in root.modules():
+        if id(module) in inside_whole or not getattr(module, "gathers_small_parameters", False):
+            continue
+        for param in module.parameters():
+            if param.requires_grad and len(logical_shape(param)) <= 1:
+                claimed.setdefault(param, module)
     units: dict[nn.Module, list[nn.Parameter]] = {root: []}
     for module in root.modules():
         if id(module) in inside_whole:

@@ -86,7 +86,8 @@ class GPTModel(nn.Module):
         with seeded_init(base_seed, offset):
             return ColumnParallelLinear(
                 config.hidden_size, self.padded_vocab_size, tp_group=state.tp_group, bias=False,
-                sequence_parallel=config.sequence_parallel, params_dtype=config.params_dtype, device=state.device,
+                sequence_parallel=config.sequence_parallel, tp_comm_overlap=config.tp_comm_overlap,
+                params_dtype=config.params_dtype, device=state.device,
                 init_method=padded_vocab_init(config.init_method_std, self.vocab_size),
                 skip_weight_param_allocation=tied and self.pre_process)
 

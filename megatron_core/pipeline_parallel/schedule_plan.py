@@ -77,8 +77,12 @@ def bubble_fraction_formula(pp_size: int, num_microbatches: int, vpp_size: Optio
 
 
 def simulate(rank_ops: list[list[Op]], vpp_size: int = 1, *, forward_time: float = 1.0,
-             backward_time: float = 2.0) -> list[float]:
+             backward_time: float = 2.0,
+             durations: Optional[dict[tuple[int, str, int, int], float]] = None) -> list[float]:
     """Runs every rank's order with unit-cost passes and instant transfers; returns each rank's finish time.
+
+    ``durations`` maps ``(rank, kind, chunk, microbatch)`` to a pass's time (e.g. measured), overriding
+    ``forward_time`` / ``backward_time`` for the passes it names.
 
     An op starts once this rank finished its previous op and its input exists: the activation from the
     previous model chunk's forward, the gradient from the next chunk's backward (and for B, the own F).
@@ -110,7 +114,10 @@ def simulate(rank_ops: list[list[Op]], vpp_size: int = 1, *, forward_time: float
                 if any(d not in done for d in deps):
                     break
                 start = max([clock[rank]] + [done[d] for d in deps])
-                clock[rank] = start + (forward_time if op.kind == "F" else backward_time)
+                cost = forward_time if op.kind == "F" else backward_time
+                if durations is not None:
+                    cost = durations.get((rank, op.kind, op.chunk, op.microbatch), cost)
+                clock[rank] = start + cost
                 done[(op.kind, rank, op.chunk, op.microbatch)] = clock[rank]
                 position[rank] += 1
                 progressed = True

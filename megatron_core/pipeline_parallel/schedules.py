@@ -16,14 +16,20 @@ data-parallel wrapper) run every backward but the last micro-batch's inside it.
 Transfers are posted in one ``batch_isend_irecv`` per pass: the pass's send plus the receive the next pass
 needs, so receives are always posted ahead and no rank waits on a send. After the last pass,
 ``finalize_model_grads`` sums tied-embedding grads over the first and last stage (and sequence-parallel
-grads over tp). If a rank raises, it publishes the error in the default store and sends a placeholder for
-every transfer it still owed; each peer's next receive completes, finds the error, and raises
+grads over tp). If a rank raises, it publishes the error in the default store and sends a placeholder (all
+NaN) for every transfer it still owed; each peer's next receive completes, finds the error, and raises
 ``PipelineError`` carrying it (then does the same for its own peers): no rank is left waiting.
+
+The store is not asked on every receive (a TCPStore/FileStore round trip costs more than a small transfer):
+on CPU a received tensor whose first element is NaN may be a placeholder, and only then is the store asked
+(a real NaN activation costs one store look-up and runs on); on other devices, where reading an element
+would synchronize the stream, the store is asked every ``STORE_CHECK_EVERY`` receives and once at the end.
 """
 from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import time
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
@@ -42,6 +48,7 @@ from megatron_core.pipeline_parallel.schedule_plan import (
 )
 from megatron_core.pipeline_parallel.timeline import Timeline
 
+STORE_CHECK_EVERY = 16
 ForwardStepFunc = Callable[[Any, nn.Module], tuple[torch.Tensor, Callable]]
 _call_counter = itertools.count()
 
@@ -168,6 +175,7 @@ class _Executor:
         # The same on every rank, as all ranks run the same sequence of schedules.
         self.failure_key = f"megatron_core/pipeline_failure/{next(_call_counter)}"
         self.store = _default_store() if self.comm is not None else None
+        self.receives = 0
 
     def _record(self, kind: str, start: float, end: float, op: Optional[Op] = None) -> None:
         if self.timeline is not None:
@@ -199,9 +207,20 @@ class _Executor:
         if pending is None:
             return None
         tensor = self.comm.wait(pending)
-        if self.store is not None and self.store.check([self.failure_key]):  # a placeholder from a failed peer
-            raise PipelineError(self.store.get(self.failure_key).decode())
+        self.receives += 1
+        if self._may_be_placeholder(tensor):
+            self.check_peers()
         return tensor
+
+    def _may_be_placeholder(self, tensor: torch.Tensor) -> bool:
+        if tensor.device.type == "cpu":
+            return tensor.numel() > 0 and math.isnan(tensor.view(-1)[0].item())
+        return self.receives % STORE_CHECK_EVERY == 0
+
+    def check_peers(self) -> None:
+        """Raises ``PipelineError`` with a failed peer's message if one was published (one store look-up)."""
+        if self.store is not None and self.store.check([self.failure_key]):
+            raise PipelineError(self.store.get(self.failure_key).decode())
 
     def forward(self, op: Op, next_op: Optional[Op]) -> None:
         input_tensor = self.take(op)
@@ -264,6 +283,8 @@ class _Executor:
             if self.comm is not None:
                 self.comm.release_completed_sends()
         if self.comm is not None:
+            if self.state.device.type != "cpu":  # the periodic look-ups may have missed the last placeholders
+                self.check_peers()
             self.comm.release_completed_sends(wait=True)
         if not self.forward_only:
             finalize_model_grads(self.chunks, self.state)
@@ -278,7 +299,8 @@ class _Executor:
         if self.store is not None and not self.store.check([self.failure_key]):
             self.store.set(self.failure_key, f"pipeline rank {self.state.pp_rank} (global rank {self.state.rank}) "
                                              f"raised {type(error).__name__}: {error}")
-        placeholder = torch.zeros(self.comm.tensor_shape, dtype=self.comm.dtype, device=self.state.device)
+        placeholder = torch.full(self.comm.tensor_shape, float("nan"), dtype=self.comm.dtype,
+                                 device=self.state.device)
         for op in remaining:
             if op.kind == "F" and not self.last_chunk(op.chunk):
                 self.comm.post(send_next=placeholder)

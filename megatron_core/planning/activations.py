@@ -26,6 +26,7 @@ import dataclasses
 from typing import Optional
 
 from megatron_core.config import TransformerConfig
+from megatron_core.planning.moe import moe_mlp_activation_bytes
 
 
 def korthikanti_bytes(s: int, b: int, h: int, a: int, t: int, sp: bool, selective: bool,
@@ -63,19 +64,26 @@ class ActivationShape:
     cp: int = 1
     """Context-parallel size: each rank holds ``seq_length / cp`` tokens."""
     cp_comm_type: str = "p2p"
+    ep: int = 1
+    """Expert-parallel size (MoE layers: ``E / ep`` experts per rank)."""
+    etp: int = 1
+    """Expert tensor-parallel size (1 or tp)."""
 
     @property
     def local_seq_length(self) -> float:
         return self.seq_length / self.cp
 
 
-def layer_activation_bytes(config: TransformerConfig, shape: ActivationShape, *, selective: bool = False) -> float:
+def layer_activation_bytes(config: TransformerConfig, shape: ActivationShape, *, selective: bool = False,
+                           moe_layer: bool = False) -> float:
     """Bytes one transformer layer saves for backward on one tp rank (no full recompute).
 
     Term by term as in section 4.1 of the paper: the two norms' inputs, the QKV and fc1 inputs (replicated,
     or split over the sequence with SP), Q, K, V, the softmax output, its dropout mask and output, the
     attention projection's input, the fc1 output and activation output, two hidden-dropout masks; plus the
-    norms' fp32 mean and rstd. Selective recompute drops the core-attention terms.
+    norms' fp32 mean and rstd. Selective recompute drops the core-attention terms. An MoE layer
+    (``moe_layer``) saves ``planning.moe.moe_mlp_activation_bytes`` instead of the dense MLP's terms (the
+    router reads the same norm output the dense fc1 would).
     """
     s, b, h, t, e = shape.local_seq_length, shape.micro_batch_size, config.hidden_size, shape.tp, shape.element_bytes
     a = config.num_attention_heads
@@ -90,7 +98,11 @@ def layer_activation_bytes(config: TransformerConfig, shape: ActivationShape, *,
                   + 2 * 2 * 4 * s * b)                               # fp32 mean and rstd of both norms
     partitioned = e * s * b * (q_dim + 2 * kv_dim)                   # Q, K, V
     partitioned += e * s * b * q_dim                                 # input of the attention projection
-    if config.activation == "swiglu":
+    moe_bytes = 0.0
+    if moe_layer:
+        moe_bytes = moe_mlp_activation_bytes(config, tokens=s * b / replicated_div, element_bytes=e, ep=shape.ep,
+                                             tp=t, sequence_tokens=s * b, etp=shape.etp)
+    elif config.activation == "swiglu":
         partitioned += e * s * b * ffn * 4                          # [gate; up], silu(gate), fc2 input
     else:
         partitioned += e * s * b * ffn * 2                          # fc1 output (gelu input), fc2 input
@@ -104,7 +116,7 @@ def layer_activation_bytes(config: TransformerConfig, shape: ActivationShape, *,
         if dropout_a:
             core += (shape.mask_bytes + e) * a * s * full * b        # dropout mask and output
         partitioned += core
-    return replicated / replicated_div + partitioned / t
+    return replicated / replicated_div + partitioned / t + moe_bytes
 
 
 def _recompute_layer_counts(config: TransformerConfig, layers: int) -> tuple[int, int, int]:
@@ -135,14 +147,17 @@ def output_activation_bytes(config: TransformerConfig, shape: ActivationShape, p
 
 
 def stage_activation_bytes(config: TransformerConfig, shape: ActivationShape, *, layers: int, first: bool,
-                           last: bool, in_flight: int, padded_vocab_size: int) -> float:
-    """Peak bytes saved for backward by one pipeline stage holding ``in_flight`` micro-batches.
+                           last: bool, in_flight: int, padded_vocab_size: int, moe_layers: int = 0) -> float:
+    """Peak bytes saved for backward by one pipeline stage holding ``in_flight`` micro-batches, of whose
+    ``layers`` ``moe_layers`` are MoE layers (counted as their average where only some are held).
 
     Full recompute keeps each checkpointed segment's input (``e sbh``, over t with SP) per micro-batch, and
     one segment's full activations while it is recomputed in backward.
     """
     selective = config.recompute_granularity == "selective"
-    full_layer = layer_activation_bytes(config, shape, selective=selective)
+    dense_layer = layer_activation_bytes(config, shape, selective=selective)
+    moe_layer = layer_activation_bytes(config, shape, selective=selective, moe_layer=True) if moe_layers else 0.0
+    full_layer = (moe_layers * moe_layer + (layers - moe_layers) * dense_layer) / layers if layers else 0.0
     held, segments, recomputed = _recompute_layer_counts(config, layers)
     segment_input = shape.element_bytes * shape.local_seq_length * shape.micro_batch_size * config.hidden_size
     segment_input /= shape.tp if shape.sequence_parallel else 1
@@ -151,7 +166,7 @@ def stage_activation_bytes(config: TransformerConfig, shape: ActivationShape, *,
         per_microbatch += embedding_activation_bytes(config, shape)
     if last:
         per_microbatch += output_activation_bytes(config, shape, padded_vocab_size)
-    return in_flight * per_microbatch + recomputed * full_layer
+    return in_flight * per_microbatch + recomputed * max(dense_layer, moe_layer)
 
 
 def in_flight_microbatches(pp_rank: int, pp_size: int, num_microbatches: int,

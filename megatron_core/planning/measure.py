@@ -26,6 +26,7 @@ from megatron_core.optimizer import OptimizerConfig, get_optimizer, memory_repor
 from megatron_core.optimizer.memory import memory_categories
 from megatron_core.pipeline_parallel import get_forward_backward_func
 from megatron_core.tensor_parallel import model_parallel_seed
+from megatron_core.transformer.moe import moe_layer_spec
 from megatron_core.utils.live_memory import LiveMemoryTracker
 
 
@@ -134,6 +135,7 @@ class LayoutMeasurement:
 
 def _chunks(config: TransformerConfig, state, vocab_size: int, seq_length: int) -> list[GPTModel]:
     vpp = state.vpp_size
+    spec = {"layer_spec": moe_layer_spec()} if config.moe is not None else {}
     chunks = []
     for vp in range(vpp or 1):
         torch.manual_seed(0)
@@ -141,24 +143,29 @@ def _chunks(config: TransformerConfig, state, vocab_size: int, seq_length: int) 
         last = state.is_last_model_chunk(vp) if vpp else state.is_pipeline_last_stage
         chunks.append(GPTModel(config, parallel_state=state, vocab_size=vocab_size, max_sequence_length=seq_length,
                                pre_process=first, post_process=last, vp_stage=vp if vpp else None,
-                               make_vocab_size_divisible_by=8))
+                               make_vocab_size_divisible_by=8, **spec))
     return chunks
 
 
 def measure_layout(config_kwargs: dict, *, tp: int, pp: int, zero_stage: int, vocab_size: int, seq_length: int,
                    micro_batch_size: int, num_microbatches: int, steps: int = 1,
-                   vpp: Optional[int] = None, track_live: bool = False, cp: int = 1) -> LayoutMeasurement:
+                   vpp: Optional[int] = None, track_live: bool = False, cp: int = 1,
+                   ep: int = 1, etp: int = 1) -> LayoutMeasurement:
     """Builds the GPT at (tp, cp, pp, dp = world / (tp cp pp)) with ZeRO ``zero_stage`` (sharded over dp x cp),
     bf16 with fp32 grads and fp32 Adam masters (the training loop's defaults), runs ``steps`` steps; returns
     the last step's numbers. With cp > 1 each cp rank gets its ``split_batch`` tokens and the loss is
-    normalized as the training loop's ``forward_step`` (sum over the cp ranks' tokens, times cp)."""
+    normalized as the training loop's ``forward_step`` (sum over the cp ranks' tokens, times cp). An MoE
+    model (``config_kwargs["moe"]``) runs at expert-parallel size ``ep`` (and expert tensor-parallel size
+    ``etp``), experts over expert-dp."""
     state = initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                      virtual_pipeline_model_parallel_size=vpp, context_parallel_size=cp)
+                                      virtual_pipeline_model_parallel_size=vpp, context_parallel_size=cp,
+                                      expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
     config = TransformerConfig(**config_kwargs, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                virtual_pipeline_model_parallel_size=vpp, context_parallel_size=cp,
                                max_position_embeddings=seq_length, params_dtype=torch.bfloat16, bf16=True)
     ddp_config = DistributedDataParallelConfig(zero_stage=zero_stage)
-    chunks = [DistributedDataParallel(c, config=ddp_config, dp_group=state.dp_cp_group)
+    chunks = [DistributedDataParallel(c, config=ddp_config, dp_group=state.dp_cp_group,
+                                      expert_dp_group=state.expert_dp_group)
               for c in _chunks(config, state, vocab_size, seq_length)]
     model_parallel_seed(1 + state.pp_rank, tp_rank=state.tp_rank, tracker=state.rng_tracker)
     optimizer = get_optimizer(OptimizerConfig(bf16=True), chunks, parallel_state=state)

@@ -21,6 +21,14 @@ from typing import Iterator, Optional
 
 from megatron_core.config import TransformerConfig
 from megatron_core.planning.activations import ActivationShape, in_flight_microbatches, stage_activation_bytes
+from megatron_core.planning.moe import (
+    dense_mlp_parameters,
+    ep_comm_bytes,
+    etp_comm_bytes,
+    expert_parameters_per_rank,
+    moe_dense_parameters,
+    moe_layers_on_stage,
+)
 from megatron_core.planning.zero_memory import zero_transient_bytes
 from megatron_core.tensor_parallel.utils import vocab_size_with_padding
 from megatron_core.training.metrics import hardware_flops_per_iteration
@@ -70,11 +78,20 @@ class Layout:
     recompute: Optional[str]
     cp: int = 1
     """Context-parallel size (the sequence split over cp ranks); devices = tp x cp x dp x pp."""
+    ep: int = 1
+    """Expert-parallel size (MoE models): ``E / ep`` experts per rank; ep x etp divides tp x cp x dp."""
+    etp: int = 1
+    """Expert tensor-parallel size: 1 or tp (each expert's fc1 / fc2 split over the tp group)."""
 
     @property
     def dp_cp(self) -> int:
         """The ranks replicated parameters are reduced (and ZeRO-sharded) over."""
         return self.dp * self.cp
+
+    @property
+    def expert_dp(self) -> int:
+        """The ranks holding the same experts (expert grads are reduced and ZeRO-sharded over them)."""
+        return self.tp * self.cp * self.dp // (self.ep * self.etp)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,6 +157,12 @@ def stage_parameters(config: TransformerConfig, workload: Workload, *, pp_rank: 
     layers = config.num_layers // pp
     params = layers * (partitioned + replicated)
     full_grad = layers * replicated if config.sequence_parallel else 0.0
+    moe_layers = moe_layers_on_stage(config, pp_rank=pp_rank)
+    if moe_layers:  # the router and shared expert instead of the dense MLP; the experts: stage_expert_parameters
+        dense_part, dense_rep = dense_mlp_parameters(config, tp=tp)
+        moe_part, moe_rep, moe_full = moe_dense_parameters(config, tp=tp)
+        params += moe_layers * (moe_part + moe_rep - dense_part - dense_rep)
+        full_grad += moe_layers * (moe_rep - dense_rep if config.sequence_parallel else moe_full)
     tied = not config.untie_embeddings_and_output_weights
     first, last = pp_rank == 0, pp_rank == pp - 1
     if first:
@@ -153,55 +176,83 @@ def stage_parameters(config: TransformerConfig, workload: Workload, *, pp_rank: 
     return params, full_grad
 
 
-def model_state_bytes(config: TransformerConfig, workload: Workload, *, pp_rank: int, dp: int, zero_stage: int) -> float:
-    """Parameters + gradients (fp32, as the training loop reduces them) + fp32 masters (16-bit models) +
-    optimizer states on one rank, sharded over dp by the ZeRO stage."""
-    params, full_grad = stage_parameters(config, workload, pp_rank=pp_rank)
+def stage_expert_parameters(config: TransformerConfig, *, pp_rank: int, ep: int, etp: int = 1) -> float:
+    """Routed-expert elements on one rank of pipeline stage ``pp_rank`` (``E / ep`` per MoE layer, 1/etp of
+    each)."""
+    layers = moe_layers_on_stage(config, pp_rank=pp_rank)
+    return layers * expert_parameters_per_rank(config, ep=ep, etp=etp) if layers else 0.0
+
+
+def _sharded_state_bytes(config: TransformerConfig, workload: Workload, *, params: float, full_grad: float,
+                         shards: int, zero_stage: int) -> float:
     param_bytes = 2 if (config.bf16 or config.fp16) else 4
     master_and_states = (4 if param_bytes == 2 else 0) + workload.optimizer_state_bytes
-    sharded_params = params / dp if zero_stage >= 3 else params
+    sharded_params = params / shards if zero_stage >= 3 else params
     if zero_stage >= 2:
-        grads = 4 * (full_grad + (params - full_grad) / dp)
+        grads = 4 * (full_grad + (params - full_grad) / shards)
     else:
         grads = 4 * params
-    states = master_and_states * (params / dp if zero_stage >= 1 else params)
+    states = master_and_states * (params / shards if zero_stage >= 1 else params)
     return param_bytes * sharded_params + grads + states
 
 
+def model_state_bytes(config: TransformerConfig, workload: Workload, *, pp_rank: int, dp: int, zero_stage: int,
+                      ep: int = 1, etp: int = 1) -> float:
+    """Parameters + gradients (fp32, as the training loop reduces them) + fp32 masters (16-bit models) +
+    optimizer states on one rank, sharded by the ZeRO stage: the dense ones over ``dp`` (dp x cp), the
+    routed experts over the expert-dp group (``tp x dp / (ep x etp)`` ranks)."""
+    params, full_grad = stage_parameters(config, workload, pp_rank=pp_rank)
+    dense = _sharded_state_bytes(config, workload, params=params, full_grad=full_grad, shards=dp,
+                                 zero_stage=zero_stage)
+    experts = stage_expert_parameters(config, pp_rank=pp_rank, ep=ep, etp=etp)
+    expert_dp = config.tensor_model_parallel_size * dp // (ep * etp)
+    return dense + _sharded_state_bytes(config, workload, params=experts, full_grad=0.0, shards=expert_dp,
+                                        zero_stage=zero_stage)
+
+
 def optimizer_state_bytes(config: TransformerConfig, workload: Workload, *, pp_rank: int, dp: int,
-                          zero_stage: int) -> float:
+                          zero_stage: int, ep: int = 1, etp: int = 1) -> float:
     """The fp32 masters (16-bit models) and optimizer states inside ``model_state_bytes``: the part that
     optimizer offload moves to the host or NVMe."""
     params, _ = stage_parameters(config, workload, pp_rank=pp_rank)
+    experts = stage_expert_parameters(config, pp_rank=pp_rank, ep=ep, etp=etp)
+    expert_dp = config.tensor_model_parallel_size * dp // (ep * etp)
     master_and_states = (4 if (config.bf16 or config.fp16) else 0) + workload.optimizer_state_bytes
-    return master_and_states * (params / dp if zero_stage >= 1 else params)
+    if zero_stage >= 1:
+        return master_and_states * (params / dp + experts / expert_dp)
+    return master_and_states * (params + experts)
 
 
-def _shape(config: TransformerConfig, workload: Workload) -> ActivationShape:
+def _shape(config: TransformerConfig, workload: Workload, ep: int = 1, etp: int = 1) -> ActivationShape:
     return ActivationShape(seq_length=workload.seq_length, micro_batch_size=workload.micro_batch_size,
                            tp=config.tensor_model_parallel_size, sequence_parallel=config.sequence_parallel,
                            element_bytes=2 if (config.bf16 or config.fp16) else 4, mask_bytes=workload.mask_bytes,
-                           cp=config.context_parallel_size, cp_comm_type=config.cp_comm_type)
+                           cp=config.context_parallel_size, cp_comm_type=config.cp_comm_type, ep=ep, etp=etp)
 
 
-def rank_activation_bytes(config: TransformerConfig, workload: Workload, *, pp_rank: int, num_microbatches: int) -> float:
-    """Peak activation bytes on a rank of pipeline stage ``pp_rank`` (1F1B or interleaved)."""
+def rank_activation_bytes(config: TransformerConfig, workload: Workload, *, pp_rank: int, num_microbatches: int,
+                          ep: int = 1, etp: int = 1) -> float:
+    """Peak activation bytes on a rank of pipeline stage ``pp_rank`` (1F1B or interleaved), MoE layers at
+    expert-parallel size ``ep``."""
     pp, vpp = config.pipeline_model_parallel_size, config.virtual_pipeline_model_parallel_size
     padded = vocab_size_with_padding(workload.vocab_size, make_vocab_size_divisible_by=workload.make_vocab_size_divisible_by,
                                      tensor_model_parallel_size=config.tensor_model_parallel_size)
     in_flight = in_flight_microbatches(pp_rank, pp, num_microbatches, vpp)
-    return stage_activation_bytes(config, _shape(config, workload), layers=config.num_layers // pp,
+    return stage_activation_bytes(config, _shape(config, workload, ep, etp), layers=config.num_layers // pp,
                                   first=pp_rank == 0, last=pp_rank == pp - 1, in_flight=in_flight,
-                                  padded_vocab_size=padded)
+                                  padded_vocab_size=padded, moe_layers=moe_layers_on_stage(config, pp_rank=pp_rank))
 
 
-def rank_transient_bytes(config: TransformerConfig, workload: Workload, *, pp_rank: int, zero_stage: int) -> float:
+def rank_transient_bytes(config: TransformerConfig, workload: Workload, *, pp_rank: int, zero_stage: int,
+                         ep: int = 1, etp: int = 1) -> float:
     """Peak bytes of ZeRO's gathered parameters and gradient buckets on a rank of stage ``pp_rank`` (ZeRO
-    shards over dp x cp; the count does not depend on the shard count)."""
+    shards over dp x cp, experts over expert-dp; the count does not depend on the shard count)."""
     params, full_grad = stage_parameters(config, workload, pp_rank=pp_rank)
+    experts = stage_expert_parameters(config, pp_rank=pp_rank, ep=ep, etp=etp)
     return zero_transient_bytes(config, vocab_size=workload.vocab_size,
                                 make_vocab_size_divisible_by=workload.make_vocab_size_divisible_by,
-                                pp_rank=pp_rank, zero_stage=zero_stage, stage_params=params - full_grad)
+                                pp_rank=pp_rank, zero_stage=zero_stage, stage_params=params - full_grad + experts,
+                                ep=ep, etp=etp)
 
 
 def _bandwidth(span: int, hardware: Hardware) -> float:
@@ -222,15 +273,39 @@ def _comm_seconds(config: TransformerConfig, workload: Workload, layout: Layout,
     if p > 1:
         pp_s = 2 * m * (layout.vpp or 1) * activation / (t if layout.sequence_parallel else 1) / _bandwidth(t * c * d * p, hardware)
     tp_s += cp_comm_seconds(config, workload, layout, hardware, num_microbatches)
+    tp_s += ep_comm_seconds(config, workload, layout, hardware, num_microbatches)
     params, _ = stage_parameters(config, workload, pp_rank=0)
-    dp_s = 0.0
-    if d * c > 1:
-        ring, bw = (d * c - 1) / (d * c), _bandwidth(t * c * d, hardware)
-        grads, weights = 4 * params, e * params
-        volume = {0: 2 * ring * grads, 1: 2 * ring * grads + ring * weights, 2: m * ring * grads + ring * weights,
-                  3: m * ring * grads + 2 * m * ring * weights}[layout.zero_stage]
-        dp_s = volume / bw
+    experts = stage_expert_parameters(config, pp_rank=0, ep=layout.ep, etp=layout.etp)
+    span = t * c * d  # dp x cp groups and expert-dp groups (stride ep) both span a stage's ranks
+    dp_s = _dp_volume(params, d * c, e, layout.zero_stage, m) / _bandwidth(span, hardware)
+    dp_s += _dp_volume(experts, layout.expert_dp, e, layout.zero_stage, m) / _bandwidth(span, hardware)
     return tp_s, pp_s + dp_s
+
+
+def _dp_volume(params: float, ranks: int, element_bytes: int, zero_stage: int, num_microbatches: int) -> float:
+    """Bytes one rank moves reducing ``params``' fp32 grads (and gathering the weights) over ``ranks``."""
+    if ranks == 1 or not params:
+        return 0.0
+    ring, m = (ranks - 1) / ranks, num_microbatches
+    grads, weights = 4 * params, element_bytes * params
+    return {0: 2 * ring * grads, 1: 2 * ring * grads + ring * weights, 2: m * ring * grads + ring * weights,
+            3: m * ring * grads + 2 * m * ring * weights}[zero_stage]
+
+
+def ep_comm_seconds(config: TransformerConfig, workload: Workload, layout: Layout, hardware: Hardware,
+                    num_microbatches: int) -> float:
+    """Expert-parallel seconds of one step: the dispatcher's traffic (``planning.moe.ep_comm_bytes``, ep groups
+    spanning ``ep x etp`` consecutive ranks) and the expert-tp gathers (``etp_comm_bytes``, over tp) per MoE
+    layer of the first stage and micro-batch."""
+    layers = moe_layers_on_stage(config, pp_rank=0)
+    if not layers:
+        return 0.0
+    tokens = workload.seq_length / layout.cp * workload.micro_batch_size / (layout.tp if layout.sequence_parallel else 1)
+    e, full = 2 if (config.bf16 or config.fp16) else 4, layout.recompute == "full"
+    ep_bytes = ep_comm_bytes(config, tokens=layout.etp * tokens, element_bytes=e, ep=layout.ep, recompute_full=full)
+    etp_bytes = etp_comm_bytes(config, tokens=tokens, element_bytes=e, etp=layout.etp, recompute_full=full)
+    seconds = ep_bytes / _bandwidth(layout.ep * layout.etp, hardware) + etp_bytes / _bandwidth(layout.tp, hardware)
+    return seconds * layers * num_microbatches
 
 
 def cp_comm_bytes(config: TransformerConfig, workload: Workload, layout: Layout) -> float:
@@ -270,10 +345,12 @@ def plan_layout(base: TransformerConfig, workload: Workload, hardware: Hardware,
     """Memory of the fullest rank and the step time of ``layout``."""
     config = layout_config(base, layout)
     m = workload.global_batch_size // (workload.micro_batch_size * layout.dp)
-    states = [model_state_bytes(config, workload, pp_rank=r, dp=layout.dp_cp, zero_stage=layout.zero_stage)
+    experts = dict(ep=layout.ep, etp=layout.etp)
+    states = [model_state_bytes(config, workload, pp_rank=r, dp=layout.dp_cp, zero_stage=layout.zero_stage, **experts)
               for r in range(layout.pp)]
-    acts = [rank_activation_bytes(config, workload, pp_rank=r, num_microbatches=m) for r in range(layout.pp)]
-    transients = [rank_transient_bytes(config, workload, pp_rank=r, zero_stage=layout.zero_stage)
+    acts = [rank_activation_bytes(config, workload, pp_rank=r, num_microbatches=m, **experts)
+            for r in range(layout.pp)]
+    transients = [rank_transient_bytes(config, workload, pp_rank=r, zero_stage=layout.zero_stage, **experts)
                   for r in range(layout.pp)]
     fullest = max(range(layout.pp), key=lambda r: states[r] + acts[r] + transients[r])
     flops = hardware_flops_per_iteration(config, batch_size=workload.global_batch_size,
@@ -287,7 +364,7 @@ def plan_layout(base: TransformerConfig, workload: Workload, hardware: Hardware,
     step = (compute + tp_s) * (1 + bubble) + other_s
     memory = states[fullest] + acts[fullest] + transients[fullest]
     offloadable = optimizer_state_bytes(config, workload, pp_rank=fullest, dp=layout.dp_cp,
-                                        zero_stage=layout.zero_stage)
+                                        zero_stage=layout.zero_stage, **experts)
     budget = hardware.memory_per_device_gb * 2**30
     return Plan(layout=layout, model_state_bytes=states[fullest], activation_bytes=acts[fullest], step_seconds=step,
                 compute_seconds=compute, comm_seconds=tp_s + other_s, bubble=bubble, fits=memory <= budget,
@@ -296,9 +373,11 @@ def plan_layout(base: TransformerConfig, workload: Workload, hardware: Hardware,
 
 
 def valid_layouts(base: TransformerConfig, workload: Workload, num_devices: int) -> Iterator[Layout]:
-    """Every (tp, pp, dp, vpp, ZeRO stage, SP, recompute, cp) the model and batch allow on ``num_devices``:
+    """Every (tp, pp, dp, vpp, ZeRO stage, SP, recompute, cp, ep) the model and batch allow on ``num_devices``:
     cp where the sequence divides by 2 cp (the load-balanced split), and for ``cp_comm_type`` a2a where the
-    heads and query groups per tp rank divide by cp."""
+    heads and query groups per tp rank divide by cp; for an MoE model every ep dividing the experts, with
+    etp 1 or tp and ep x etp dividing tp x cp x dp, with sequence parallelism whenever tp > 1 (the MoE
+    layer needs it)."""
     for tp, pp, cp in itertools.product(_divisors(num_devices), repeat=3):
         if num_devices % (tp * pp * cp):
             continue
@@ -311,11 +390,17 @@ def valid_layouts(base: TransformerConfig, workload: Workload, num_devices: int)
             continue
         m = workload.global_batch_size // (workload.micro_batch_size * dp)
         vpps = [None] + ([2] if pp > 1 and base.num_layers % (2 * pp) == 0 and m % pp == 0 else [])
-        for vpp, stage, sp, recompute in itertools.product(vpps, range(4) if dp * cp > 1 else [0],
-                                                           [False, True] if tp > 1 else [False], RECOMPUTE_CHOICES):
+        experts = [(1, 1)] if base.moe is None else [
+            (ep, etp) for ep in _divisors(tp * cp * dp) for etp in sorted({1, tp})
+            if base.moe.num_moe_experts % ep == 0 and (tp * cp * dp) % (ep * etp) == 0]
+        sps = [False, True] if tp > 1 and base.moe is None else [True] if tp > 1 else [False]
+        for vpp, stage, sp, recompute, (ep, etp) in itertools.product(vpps, range(4), sps, RECOMPUTE_CHOICES,
+                                                                       experts):
             if sp and (workload.seq_length // cp) % tp:
                 continue
-            yield Layout(tp, pp, dp, vpp, stage, sp, recompute, cp)
+            if stage and dp * cp == 1 and (base.moe is None or tp * cp * dp // (ep * etp) == 1):
+                continue  # nothing to shard: every state is on one rank of its group
+            yield Layout(tp, pp, dp, vpp, stage, sp, recompute, cp, ep, etp)
 
 
 def rank_plans(base: TransformerConfig, workload: Workload, hardware: Hardware) -> list[Plan]:
@@ -335,6 +420,7 @@ def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-__all__ = ["Hardware", "Workload", "Layout", "Plan", "cp_comm_bytes", "cp_comm_seconds", "layout_config",
+__all__ = ["Hardware", "Workload", "Layout", "Plan", "cp_comm_bytes", "cp_comm_seconds", "ep_comm_seconds",
+           "layout_config", "stage_expert_parameters",
            "model_state_bytes", "optimizer_state_bytes", "rank_activation_bytes", "rank_transient_bytes",
            "stage_parameters", "plan_layout", "valid_layouts", "rank_plans"]

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megatron_core.tensor_parallel.comm_overlap import all_gather_linear, linear_reduce_scatter
 from megatron_core.tensor_parallel.initialization import (
     InitMethod,
     InitRecipe,
@@ -71,6 +72,12 @@ def _check_last_dim(layer: str, input_: torch.Tensor, expected: int, what: str) 
         )
 
 
+def _check_overlap(layer: str, tp_comm_overlap: bool, sequence_parallel: bool) -> None:
+    if tp_comm_overlap and not sequence_parallel:
+        raise ValueError(f"{layer}: tp_comm_overlap=True needs sequence_parallel=True (it overlaps the "
+                         "sequence-parallel all-gather / reduce-scatter with the GEMM)")
+
+
 class ColumnParallelLinear(nn.Module):
     """``Y = X A + b`` with ``A`` split by columns: rank r holds ``A_r`` of ``[output_size/tp, input_size]``.
 
@@ -87,6 +94,8 @@ class ColumnParallelLinear(nn.Module):
         params_dtype, device: of the parameters.
         stride: interleaved blocks per shard (fused QKV / SwiGLU layouts).
         skip_weight_param_allocation: hold no weight; ``forward`` then needs ``weight=`` (tied output layer).
+        tp_comm_overlap: overlap the sequence-parallel all-gather (and backward's reduce-scatter) with the
+            GEMM, chunk by chunk (``comm_overlap``); needs sequence_parallel.
 
     Communication: forward all-gathers the input along s when sequence_parallel (backward all-gathers it
     again, as only the local chunk is saved, and reduce-scatters its gradient), else backward all-reduces
@@ -100,11 +109,13 @@ class ColumnParallelLinear(nn.Module):
         self, input_size: int, output_size: int, *, tp_group=None, bias: bool = True, gather_output: bool = False,
         skip_bias_add: bool = False, sequence_parallel: bool = False, init_method: Optional[InitMethod] = None,
         params_dtype: torch.dtype = torch.float32, device=None, stride: int = 1,
-        skip_weight_param_allocation: bool = False,
+        skip_weight_param_allocation: bool = False, tp_comm_overlap: bool = False,
     ) -> None:
         super().__init__()
         if gather_output and sequence_parallel:
             raise ValueError("ColumnParallelLinear: gather_output=True cannot be combined with sequence_parallel=True")
+        _check_overlap("ColumnParallelLinear", tp_comm_overlap, sequence_parallel)
+        self.tp_comm_overlap = tp_comm_overlap
         self.input_size, self.output_size = input_size, output_size
         self.tp_group, self.tp_size, tp_rank = tp_group, group_size(tp_group), group_rank(tp_group)
         self.output_size_per_partition = divide(output_size, self.tp_size, what="output_size")
@@ -130,7 +141,9 @@ class ColumnParallelLinear(nn.Module):
                              f"{(self.output_size_per_partition, self.input_size)}, got {tuple(weight.shape)}")
         _check_last_dim("ColumnParallelLinear", input_, self.input_size, "input_size")
         bias = None if self.skip_bias_add else self.bias
-        if self.sequence_parallel:  # all-gathers s; saves only the local [s/tp, b, in] chunk for backward
+        if self.sequence_parallel and self.tp_comm_overlap and self.tp_size > 1 and input_.shape[0] > 0:
+            output = all_gather_linear(input_, weight, bias, self.tp_group)  # [s, b, out/tp], chunked overlap
+        elif self.sequence_parallel:  # all-gathers s; saves only the local [s/tp, b, in] chunk for backward
             output = sequence_parallel_linear(input_, weight, bias, self.tp_group)  # [s, b, out/tp]
         else:
             output = F.linear(copy_to_tensor_model_parallel_region(input_, self.tp_group), weight, bias)
@@ -160,6 +173,8 @@ class RowParallelLinear(nn.Module):
         sequence_parallel: reduce-scatter the output along s to ``[s/tp, b, output_size]`` instead of
             all-reducing it (needs input_is_parallel).
         init_method, params_dtype, device, stride: as in ColumnParallelLinear.
+        tp_comm_overlap: overlap the reduce-scatter (and backward's all-gather) with the GEMM, chunk by
+            chunk (``comm_overlap``); needs sequence_parallel.
 
     Communication: forward all-reduces the output over tp (reduce-scatter along s with sequence_parallel;
     backward then all-gathers the gradient); with ``input_is_parallel=False`` backward all-gathers the input
@@ -171,11 +186,13 @@ class RowParallelLinear(nn.Module):
     def __init__(
         self, input_size: int, output_size: int, *, tp_group=None, bias: bool = True, input_is_parallel: bool = True,
         skip_bias_add: bool = False, sequence_parallel: bool = False, init_method: Optional[InitMethod] = None,
-        params_dtype: torch.dtype = torch.float32, device=None, stride: int = 1,
+        params_dtype: torch.dtype = torch.float32, device=None, stride: int = 1, tp_comm_overlap: bool = False,
     ) -> None:
         super().__init__()
         if sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear: sequence_parallel=True needs input_is_parallel=True")
+        _check_overlap("RowParallelLinear", tp_comm_overlap, sequence_parallel)
+        self.tp_comm_overlap = tp_comm_overlap
         self.input_size, self.output_size = input_size, output_size
         self.tp_group, self.tp_size, tp_rank = tp_group, group_size(tp_group), group_rank(tp_group)
         self.input_size_per_partition = divide(input_size, self.tp_size, what="input_size")
@@ -198,11 +215,14 @@ class RowParallelLinear(nn.Module):
         else:
             _check_last_dim("RowParallelLinear", input_, self.input_size, "input_size")
             input_parallel = scatter_to_tensor_model_parallel_region(input_, self.tp_group)
-        partial = F.linear(input_parallel, self.weight)  # [..., out], a partial sum on each tp rank
-        if self.sequence_parallel:
+        if self.sequence_parallel and self.tp_comm_overlap and self.tp_size > 1:
+            output = linear_reduce_scatter(input_parallel, self.weight, self.tp_group)  # [s/tp, b, out], chunked
+        elif self.sequence_parallel:
+            partial = F.linear(input_parallel, self.weight)  # [s, b, out], a partial sum on each tp rank
             output = reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)  # [s/tp, b, out]
         else:
-            output = reduce_from_tensor_model_parallel_region(partial, self.tp_group)
+            partial = F.linear(input_parallel, self.weight)  # [..., out], a partial sum on each tp rank
+            output = reduce_from_tensor_model_parallel_region(partial, self.tp_group, inplace=True)
         if self.skip_bias_add or self.bias is None:
             return output, (self.bias if self.skip_bias_add else None)
         return output + self.bias, None
@@ -245,16 +265,18 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, input_: torch.Tensor) -> torch.Tensor:
         check_ids_in_range(input_, self.num_embeddings, "token ids")
+        if self.reduce_scatter_embeddings:
+            input_ = input_.t()  # looked up as [s, b]: the embedding comes out [s, b, h], no transpose copy
         if self.tp_size > 1:
             outside = (input_ < self.vocab_start_index) | (input_ >= self.vocab_end_index)
             local_ids = (input_ - self.vocab_start_index).masked_fill(outside, 0)
-            partial = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+            # in place: the embedding's backward does not read its output
+            partial = F.embedding(local_ids, self.weight).masked_fill_(outside.unsqueeze(-1), 0.0)
         else:
             partial = F.embedding(input_, self.weight)
         if self.reduce_scatter_embeddings:
-            partial = partial.transpose(0, 1).contiguous()  # [s, b, h]
             return reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)  # [s/tp, b, h]
-        return reduce_from_tensor_model_parallel_region(partial, self.tp_group)  # [b, s, h]
+        return reduce_from_tensor_model_parallel_region(partial, self.tp_group, inplace=True)  # [b, s, h]
 
     def extra_repr(self) -> str:
         return f"num_embeddings={self.num_embeddings}, embedding_dim={self.embedding_dim}, tp={self.tp_size}"

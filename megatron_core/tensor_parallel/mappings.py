@@ -88,12 +88,16 @@ class _CopyToRegion(torch.autograd.Function):
 
 class _ReduceFromRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        return _all_reduce(x, group)
+    def forward(ctx, x, group, inplace):
+        if not inplace:
+            return _all_reduce(x, group)
+        ctx.mark_dirty(x)
+        dist.all_reduce(x, group=group)
+        return x
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None
+        return grad, None, None
 
 
 class _ScatterToRegion(torch.autograd.Function):
@@ -140,11 +144,17 @@ def copy_to_tensor_model_parallel_region(input_: torch.Tensor, group: Group = No
     return _CopyToRegion.apply(input_, group)
 
 
-def reduce_from_tensor_model_parallel_region(input_: torch.Tensor, group: Group = None) -> torch.Tensor:
-    """Megatron's g: all-reduce (sum) over ``group`` in forward, identity in backward."""
+def reduce_from_tensor_model_parallel_region(input_: torch.Tensor, group: Group = None, *,
+                                             inplace: bool = False) -> torch.Tensor:
+    """Megatron's g: all-reduce (sum) over ``group`` in forward, identity in backward.
+
+    ``inplace=True`` reduces into ``input_`` itself (no copy): only for a contiguous tensor the caller just
+    made and that nothing else reads, such as a linear layer's partial-sum output."""
     if group_size(group) == 1:
         return input_
-    return _ReduceFromRegion.apply(input_, group)
+    if inplace and not input_.is_contiguous():
+        inplace = False
+    return _ReduceFromRegion.apply(input_, group, inplace)
 
 
 def scatter_to_tensor_model_parallel_region(input_: torch.Tensor, group: Group = None) -> torch.Tensor:

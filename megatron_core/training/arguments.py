@@ -71,6 +71,9 @@ def _parallel_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
     g.add_argument("--sequence-parallel", action="store_true", help="turned off with a warning at tp 1")
+    g.add_argument("--tp-comm-overlap", action="store_true",
+                   help="overlap the sequence-parallel all-gather / reduce-scatter with the linear layers' GEMMs "
+                        "(needs --sequence-parallel; turned off with a warning at tp 1)")
     g.add_argument("--use-distributed-optimizer", action="store_true", help="ZeRO stage 1")
     g.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=None)
     g.add_argument("--data-parallel-sharding-strategy", default=None,
@@ -264,6 +267,12 @@ def _resolve_model_flags(args: argparse.Namespace) -> None:
     if args.sequence_parallel and args.tensor_model_parallel_size == 1:
         megatron_flags.warn_rank_0("--sequence-parallel is turned off: tensor model parallelism is 1")
         args.sequence_parallel = False
+    if args.tp_comm_overlap and args.tensor_model_parallel_size == 1:
+        megatron_flags.warn_rank_0("--tp-comm-overlap is turned off: tensor model parallelism is 1")
+        args.tp_comm_overlap = False
+    if args.tp_comm_overlap and not args.sequence_parallel:
+        raise ValueError("--tp-comm-overlap needs --sequence-parallel: it overlaps the sequence-parallel "
+                         "all-gather / reduce-scatter with the GEMMs")
 
 
 def validate_args(args: argparse.Namespace) -> None:
@@ -347,7 +356,8 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         context_parallel_size=args.context_parallel_size, cp_comm_type=_one_cp_comm_type(args.cp_comm_type),
         virtual_pipeline_model_parallel_size=virtual_pipeline_size(args), sequence_parallel=args.sequence_parallel,
-        params_dtype=dtype, bf16=args.bf16, fp16=args.fp16, moe=moe_config(args), compile=args.compile)
+        tp_comm_overlap=args.tp_comm_overlap, params_dtype=dtype, bf16=args.bf16, fp16=args.fp16,
+        moe=moe_config(args), compile=args.compile)
 
 
 def exit_with_config_error(error: object, status: int = 2) -> NoReturn:

@@ -59,8 +59,6 @@ _VALUE_NO_OPS = MappingProxyType({"--transformer-impl": ["local", "transformer_e
 
 _MOE = ("this mixture-of-experts option is not built (the --moe-* flags of pretrain_gpt.py --help are); drop "
         "it")
-_ETP = ("expert tensor parallelism is not built: experts are whole on each rank; use --expert-tensor-parallel-size "
-        "1 (or leave it out)")
 _FP8 = ("fp8/fp4 training needs Transformer Engine on an fp8-capable GPU, which this framework does not use; drop "
         "these flags (--bf16 is the closest supported precision)")
 _MLA = "multi-latent attention (DeepSeek) is not built; drop these flags to use grouped-query attention"
@@ -69,9 +67,8 @@ _GPT_OSS = ("gpt-oss's layer variants (windowed attention, learnable softmax, cl
             "drop these flags")
 _CUDA_GRAPH = "CUDA graphs are not built; drop these flags"
 REFUSED_PREFIXES: dict[str, str] = MappingProxyType({"--moe-": _MOE, "--fp8": _FP8, "--fp4": _FP8, "--mtp-": _MTP,
-                                    "--cuda-graph": _CUDA_GRAPH})
+                                                     "--cuda-graph": _CUDA_GRAPH})
 REFUSED_FLAGS: dict[str, str] = MappingProxyType({
-    "--expert-tensor-parallel-size": _ETP,
     "--multi-latent-attention": _MLA, "--q-lora-rank": _MLA, "--kv-lora-rank": _MLA, "--qk-head-dim": _MLA,
     "--qk-pos-emb-head-dim": _MLA, "--v-head-dim": _MLA, "--mscale": _MLA, "--mscale-all-dim": _MLA,
     "--rope-type yarn": "YaRN rotary scaling (used with multi-latent attention) is not built; use --rope-type rope",
@@ -157,9 +154,6 @@ def _refused_on_known(args: argparse.Namespace) -> list[tuple[str, str]]:
     given = []
     if "a2a+p2p" in args.cp_comm_type:
         given.append((f"--cp-comm-type {' '.join(args.cp_comm_type)}", "--cp-comm-type a2a+p2p"))
-    if args.expert_tensor_parallel_size not in (None, 1):
-        given.append((f"--expert-tensor-parallel-size {args.expert_tensor_parallel_size}",
-                      "--expert-tensor-parallel-size"))
     if args.rope_type == "yarn":
         given.append(("--rope-type yarn", "--rope-type yarn"))
     if args.softmax_type != "vanilla":

@@ -20,7 +20,8 @@ def add_moe_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--num-experts", type=int, default=None, help="routed experts per MoE layer (default: dense)")
     g.add_argument("--expert-model-parallel-size", type=int, default=1)
     g.add_argument("--expert-tensor-parallel-size", type=int, default=None,
-                   help="only 1: experts are whole on each rank (Megatron-LM's default is the tp size)")
+                   help="1 (default: experts whole on each rank) or the tp size (each expert's fc1/fc2 split over "
+                        "the tp group; Megatron-LM's default)")
     g.add_argument("--moe-router-topk", type=int, default=2)
     g.add_argument("--moe-router-load-balancing-type", choices=LOAD_BALANCING_TYPES, default="aux_loss")
     g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0)
@@ -87,11 +88,15 @@ def moe_config(args: argparse.Namespace) -> Optional[MoEConfig]:
 def validate_moe_flags(args: argparse.Namespace) -> None:
     """Checks that need no process group (ValueError naming the values and the fix); the world-size checks
     run in ``initialize_model_parallel`` and the MoE layer."""
-    ep = args.expert_model_parallel_size
+    ep, etp, tp = args.expert_model_parallel_size, args.expert_tensor_parallel_size or 1, args.tensor_model_parallel_size
     if ep < 1:
         raise ValueError(f"--expert-model-parallel-size must be >= 1, got {ep}")
+    if etp not in (1, tp):
+        raise ValueError(f"--expert-tensor-parallel-size {etp} must be 1 or --tensor-model-parallel-size {tp}: "
+                         "experts are split over the tp group or not at all")
     if args.num_experts is None:
         given = [f for f, v in (("--expert-model-parallel-size", ep != 1), ("--moe-grouped-gemm", args.moe_grouped_gemm),
+                                ("--expert-tensor-parallel-size", etp != 1),
                                 ("--moe-expert-capacity-factor", args.moe_expert_capacity_factor is not None)) if v]
         if given:
             raise ValueError(f"{', '.join(given)} need a mixture-of-experts model: add --num-experts")
@@ -102,9 +107,5 @@ def validate_moe_flags(args: argparse.Namespace) -> None:
     if args.tensor_model_parallel_size > 1 and not args.sequence_parallel:
         raise ValueError(f"--num-experts with --tensor-model-parallel-size {args.tensor_model_parallel_size} needs "
                          "--sequence-parallel (as Megatron-LM): each tp rank routes its own chunk of the sequence")
-    if args.zero_stage == 3:
-        raise ValueError(f"--num-experts {args.num_experts} with ZeRO-3 (--zero-stage 3 / --use-megatron-fsdp) is "
-                         "not built: the experts' weights are read outside their modules' forward, which ZeRO-3 "
-                         "gathers around; use --use-distributed-optimizer or --zero-stage 1-2")
     config = moe_config(args)  # topk, choices, capacity (ValueError naming them, in flag terms)
     config.is_moe_layer(1, args.num_layers)

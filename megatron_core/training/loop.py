@@ -74,6 +74,7 @@ def build_run(args: argparse.Namespace) -> Run:
     state = initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                                       config.virtual_pipeline_model_parallel_size, args.context_parallel_size,
                                       expert_model_parallel_size=args.expert_model_parallel_size,
+                                      expert_tensor_parallel_size=args.expert_tensor_parallel_size or 1,
                                       timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes),
                                       kernel_backend=args.kernel_backend)
     config = config.bind_layout(state)
@@ -179,8 +180,8 @@ def run_schedule(run: Run, batches: list[dict], *, forward_only: bool) -> list:
     step_func = functools.partial(forward_step, tokens_scale=_per_token_scale(run, batches),
                                   cp_group=state.cp_group if state.cp_size > 1 else None)
     if run.config.moe is not None:  # the aux losses' gradient is scaled as the schedule scales the lm loss
-        loss_scale = float(run.optimizer.get_loss_scale()) if scale is not None else 1.0
-        set_aux_loss_scale(run.chunks, loss_scale / max(len(batches), 1))
+        loss_scale = float(run.optimizer.get_loss_scale()) if scale is not None else 1.0  # (times cp, as it)
+        set_aux_loss_scale(run.chunks, loss_scale * state.cp_size / max(len(batches), 1))
     return schedule(forward_step_func=step_func, data_iterator=iterators,
                     model=run.chunks if state.vpp_size else run.chunks[0], num_microbatches=len(batches),
                     seq_length=run.args.seq_length, micro_batch_size=run.args.micro_batch_size,

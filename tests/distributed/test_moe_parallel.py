@@ -32,7 +32,8 @@ def _config(sequence_parallel=False, tp=1, **moe):
 
 def _single(state):
     """The same rank without any parallelism: every expert on one rank."""
-    return dataclasses.replace(state, tp_size=1, tp_rank=0, tp_group=None, ep_size=1, ep_rank=0, ep_group=None)
+    return dataclasses.replace(state, tp_size=1, tp_rank=0, tp_group=None, ep_size=1, ep_rank=0, ep_group=None,
+                               etp_size=1)
 
 
 def _run(layer, x, g):
@@ -50,7 +51,7 @@ def _sum_over(tensor, group):
     return tensor
 
 
-def _ep_body(ep, option_sets):
+def _ep_body(ep, option_sets, uneven=False):
     from megatron_core import destroy_model_parallel, initialize_model_parallel
     from megatron_core.transformer.moe import MoELayer
     state = initialize_model_parallel(expert_model_parallel_size=ep)
@@ -62,7 +63,8 @@ def _ep_body(ep, option_sets):
             torch.manual_seed(5)
             ref = MoELayer(_config(**options), layer_number=1, parallel_state=_single(state))
             gen = torch.Generator().manual_seed(100 + state.rank)
-            x, g = torch.randn(S, B, H, generator=gen), torch.randn(S, B, H, generator=gen)
+            seq = S - 2 * state.ep_rank if uneven else S  # uneven: a different token count on every ep rank
+            x, g = torch.randn(seq, B, H, generator=gen), torch.randn(seq, B, H, generator=gen)
             out, dx, grads, losses = _run(layer, x, g)
             ref_out, ref_dx, ref_grads, ref_losses = _run(ref, x, g)
             torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-6)
@@ -84,6 +86,20 @@ def _ep_body(ep, option_sets):
 @pytest.mark.parametrize("ep", [2, 4])
 def test_expert_parallel_layer_matches_single_process(distributed, ep):
     worst = distributed(ep, _ep_body, ep, OPTION_SETS)
+    assert max(worst) < 1e-5
+
+
+UNEVEN_SETS = [
+    {"moe_token_dispatcher_type": "allgather"},
+    {"moe_token_dispatcher_type": "allgather", "moe_grouped_gemm": True, "moe_expert_capacity_factor": 0.5},
+    {"moe_token_dispatcher_type": "alltoall"},
+]
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+def test_uneven_token_counts_per_ep_rank_match_single_process(distributed, ep):
+    """Ep rank r routes S - 2r positions: the allgather dispatcher pads to the group's largest count."""
+    worst = distributed(ep, _ep_body, ep, UNEVEN_SETS, True)
     assert max(worst) < 1e-5
 
 
@@ -118,6 +134,59 @@ def _tp_body(ep, options):
 def test_sequence_parallel_layer_matches_single_process(distributed, ep):
     distributed(2, _tp_body, ep, {"moe_token_dispatcher_type": "alltoall", "moe_router_load_balancing_type":
                                   "seq_aux_loss" if ep == 2 else "aux_loss"})  # no shared experts: tp-split
+
+
+def _etp_shard(name, grad, rank, size):
+    """This etp rank's part of a full expert grad: fc1 rows (weight and bias), fc2 columns; fc2 bias whole."""
+    if "linear_fc1" in name:
+        return grad.chunk(size, dim=0)[rank]
+    if "linear_fc2.weight" in name:
+        return grad.chunk(size, dim=1)[rank]
+    return grad
+
+
+def _etp_body(ep, options):
+    """Expert tensor parallelism 2 (= tp 2, sequence parallel) at ep 1 or 2 (then dp 2): each rank holds half
+    of every local expert's fc1 rows and fc2 columns."""
+    from megatron_core import destroy_model_parallel, initialize_model_parallel
+    from megatron_core.transformer.moe import MoELayer
+    state = initialize_model_parallel(2, expert_model_parallel_size=ep, expert_tensor_parallel_size=2)
+    try:
+        torch.manual_seed(5)
+        layer = MoELayer(_config(True, 2, **options), layer_number=1, parallel_state=state)
+        torch.manual_seed(5)
+        ref = MoELayer(_config(**options), layer_number=1, parallel_state=_single(state))
+        gen = torch.Generator().manual_seed(100 + state.dp_rank)
+        x, g = torch.randn(S, B, H, generator=gen), torch.randn(S, B, H, generator=gen)
+        mine = slice(state.tp_rank * S // 2, (state.tp_rank + 1) * S // 2)
+        out, dx, grads, losses = _run(layer, x[mine], g[mine])
+        ref_out, ref_dx, ref_grads, _ = _run(ref, x, g)
+        # experts see the tokens of every dp replica in the ep group (same names, same order on every rank)
+        summed = {n: _sum_over(v, state.ep_group) if ".local_experts." in n else v for n, v in ref_grads.items()}
+        torch.testing.assert_close(out, ref_out[mine], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(dx, ref_dx[mine], rtol=1e-5, atol=1e-6)
+        for name, grad in grads.items():
+            if ".local_experts." not in name:  # the router: partial per tp rank
+                torch.testing.assert_close(_sum_over(grad, state.tp_group), ref_grads[name], rtol=1e-5, atol=1e-6)
+                continue
+            expected = summed[name]
+            if name.endswith("linear_fc2.bias"):  # replicated over etp, added once: summed over tp
+                grad = _sum_over(grad, state.tp_group)
+            expected = _etp_shard(name, expected, state.tp_rank, 2)
+            torch.testing.assert_close(grad, expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        fc1 = next(p for n, p in layer.named_parameters() if n.endswith("linear_fc1.weight"))
+        assert fc1.shape[0] == 12 // 2 and fc1.partition_dim == 0 and fc1.tensor_model_parallel
+    finally:
+        destroy_model_parallel(state)
+
+
+@pytest.mark.parametrize("ep, options", [
+    (1, {"moe_token_dispatcher_type": "alltoall"}),
+    (2, {"moe_token_dispatcher_type": "alltoall", "moe_grouped_gemm": True}),
+    (2, {"moe_token_dispatcher_type": "allgather", "moe_router_load_balancing_type": "seq_aux_loss"}),
+])
+def test_expert_tensor_parallel_layer_matches_single_process(distributed, ep, options):
+    distributed(2 * ep, _etp_body, ep, options)
 
 
 def _bad_layout_body():

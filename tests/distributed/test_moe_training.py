@@ -1,6 +1,7 @@
-"""Training steps of a tiny MoE GPT at ep 2 x expert-dp 2 (dp 4) with ZeRO 0/1/2 equal the single-process
+"""Training steps of a tiny MoE GPT at ep 2 x expert-dp 2 (dp 4) with ZeRO 0/1/2/3 equal the single-process
 run: losses, grad norms (clipping active: expert elements counted once) and every parameter, experts compared
-under their global names. Expert grads are reduced over expert-dp, dense ones over dp."""
+under their global names. Expert grads are reduced over expert-dp, dense ones over dp; at ZeRO-3 the experts are also gathered and
+sharded over expert-dp."""
 import pytest
 import torch
 import torch.distributed as dist
@@ -56,7 +57,11 @@ def _train_body(ep, zero_stage, steps=3):
                 dist.all_reduce(total, group=state.dp_group)
             losses.append(total.item() / state.dp_size)
             norms.append(norm)
-        params = {name: p.detach().clone() for name, p in model.named_parameters()}
+        if zero_stage == 3:  # expert buckets are gathered and sharded over expert-dp, the dense ones over dp
+            assert {(b.kind.expert, b.dp_size) for b in ddp.buckets} == {(True, state.expert_dp_size),
+                                                                         (False, state.dp_size)}
+        full = ddp.state_dict()  # ZeRO-3: every parameter gathered (over dp or expert-dp)
+        params = {name: full[name].detach().clone() for name, _ in model.named_parameters()}
         return losses, norms, params
     finally:
         destroy_model_parallel(state)
@@ -67,7 +72,7 @@ def reference(distributed):
     return distributed(1, _train_body, 1, 0)[0]
 
 
-@pytest.mark.parametrize("zero_stage", [0, 1, 2])
+@pytest.mark.parametrize("zero_stage", [0, 1, 2, 3])
 def test_ep2_dp4_training_equals_single_process(distributed, reference, zero_stage):
     ref_losses, ref_norms, ref_params = reference
     results = distributed(4, _train_body, 2, zero_stage)

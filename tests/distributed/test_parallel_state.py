@@ -11,7 +11,7 @@ def _describe_layout(tp, pp, cp=1, vpp=None):
     state = initialize_model_parallel(tp, pp, vpp, cp)
     # Each group must really connect its ranks: all-reducing the global rank gives the sum of the listing.
     sums = {}
-    for kind in ("tp", "cp", "dp", "dp_cp", "pp", "mp", "embedding"):
+    for kind in ("tp", "cp", "dp", "dp_cp", "tp_cp", "pp", "mp", "embedding"):
         group = getattr(state, f"{kind}_group")
         if group is None:  # middle pipeline stages hold no embedding group
             sums[kind] = None
@@ -20,7 +20,7 @@ def _describe_layout(tp, pp, cp=1, vpp=None):
         dist.all_reduce(value, group=group)
         sums[kind] = value.item()
     description = {
-        "ranks": {kind: getattr(state, f"{kind}_ranks") for kind in ("tp", "cp", "dp", "dp_cp", "pp", "mp", "embedding")},
+        "ranks": {kind: getattr(state, f"{kind}_ranks") for kind in ("tp", "cp", "dp", "dp_cp", "tp_cp", "pp", "mp", "embedding")},
         "sums": sums,
         "sizes": (state.tp_size, state.cp_size, state.dp_size, state.pp_size, state.vpp_size),
         "ranks_in_axes": (state.tp_rank, state.cp_rank, state.dp_rank, state.pp_rank),
@@ -61,6 +61,8 @@ def test_context_parallel_layout(distributed):
     assert [r["ranks"]["cp"] for r in results] == [(0, 1), (0, 1), (2, 3), (2, 3)]
     assert [r["ranks"]["dp"] for r in results] == [(0, 2), (1, 3), (0, 2), (1, 3)]
     assert all(r["ranks"]["dp_cp"] == (0, 1, 2, 3) for r in results)
+    assert [r["ranks"]["tp_cp"] for r in results] == [(0, 1), (0, 1), (2, 3), (2, 3)]
+    assert [r["sums"]["tp_cp"] for r in results] == [1.0, 1.0, 5.0, 5.0]
 
 
 def _initialize(**kwargs):

@@ -158,6 +158,38 @@ def test_failing_rank_makes_the_others_fail_with_its_error(distributed):
         assert f"rank {rank}" in notes or f"raised on rank {rank}" in notes
 
 
+class _CountingStore:
+    """Wraps the default store and counts look-ups (the hot path must not make one per receive)."""
+
+    def __init__(self, store):
+        self.store, self.lookups = store, 0
+
+    def check(self, keys):
+        self.lookups += 1
+        return self.store.check(keys)
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+
+def _store_lookups_in_a_step():
+    from megatron_core.pipeline_parallel import schedules
+    original = schedules._default_store
+    counting = _CountingStore(original())
+    schedules._default_store = lambda: counting
+    try:
+        result = _pipeline_run(1, 2, None, 4, 8)
+    finally:
+        schedules._default_store = original
+    return counting.lookups, result["losses"]
+
+
+def test_receives_make_no_store_round_trip(distributed):
+    results = distributed(2, _store_lookups_in_a_step)
+    assert [lookups for lookups, _ in results] == [0, 0]  # 8 receives per rank, none asks the store
+    assert len(results[1][1]) == 8
+
+
 def _tied_after_step():
     state = initialize_model_parallel(pipeline_model_parallel_size=2)
     config, (model,) = _build_chunks(state, 4, None)

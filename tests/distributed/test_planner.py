@@ -43,7 +43,7 @@ LAYOUTS = [  # tp, pp, dp, vpp, zero stage, sequence parallel, recompute
 def _measure(layout: Layout, model: dict, steps: int = 1, track_live: bool = False):
     return measure_layout(model, tp=layout.tp, pp=layout.pp, zero_stage=layout.zero_stage, vocab_size=V,
                           seq_length=S, micro_batch_size=B, num_microbatches=M, vpp=layout.vpp, steps=steps,
-                          track_live=track_live, cp=layout.cp)
+                          track_live=track_live, cp=layout.cp, ep=layout.ep, etp=layout.etp)
 
 
 def predicted_and_measured(distributed, layout: Layout, model: dict = MODEL) -> list[tuple[float, float]]:
@@ -57,8 +57,9 @@ def predicted_and_measured(distributed, layout: Layout, model: dict = MODEL) -> 
     pairs = []
     for result in results:
         predicted = (model_state_bytes(config, workload, pp_rank=result.pp_rank, dp=layout.dp_cp,
-                                       zero_stage=layout.zero_stage)
-                     + rank_activation_bytes(config, workload, pp_rank=result.pp_rank, num_microbatches=M))
+                                       zero_stage=layout.zero_stage, ep=layout.ep, etp=layout.etp)
+                     + rank_activation_bytes(config, workload, pp_rank=result.pp_rank, num_microbatches=M,
+                                             ep=layout.ep, etp=layout.etp))
         pairs.append((predicted, result.model_state_bytes + result.activation_bytes))
     return pairs
 
@@ -69,21 +70,51 @@ def test_predicted_memory_within_ten_percent(distributed, layout):
         assert abs(predicted / measured - 1) < 0.10, (layout, predicted, measured)
 
 
-ZERO_LAYOUTS = [Layout(1, 1, 2, None, 2, False, None), Layout(1, 1, 2, None, 3, False, None),
-                Layout(2, 1, 2, None, 3, True, None), Layout(1, 2, 2, None, 3, False, None)]
+def _moe_model(**options) -> dict:
+    from megatron_core.transformer.moe import MoEConfig
+    moe = MoEConfig(num_moe_experts=4, moe_router_topk=2, moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3, **options)
+    return {**MODEL, "moe": moe}
 
 
-@pytest.mark.parametrize("layout", ZERO_LAYOUTS, ids=str)
-def test_predicted_zero_transients_match_the_measured_peaks(distributed, layout):
+A2A = {"moe_token_dispatcher_type": "alltoall"}
+MOE_CASES = [  # layout (ep last), MoE options
+    (Layout(1, 1, 1, None, 0, False, None), A2A),
+    (Layout(1, 1, 2, None, 1, False, None, 1, 2), A2A),                     # ep 2, ZeRO-1 (experts: expert-dp 1)
+    (Layout(1, 1, 2, None, 3, False, None, 1, 2), {}),                      # ep 2, ZeRO-3, allgather dispatcher
+    (Layout(1, 1, 2, None, 2, False, None, 1, 1), {**A2A, "moe_grouped_gemm": True}),  # expert-dp 2
+    (Layout(2, 1, 1, None, 0, True, None, 1, 2), {**A2A, "moe_shared_expert_intermediate_size": 64}),  # tp2 SP
+    (Layout(2, 1, 1, None, 0, True, None, 1, 1, 2), A2A),                   # etp 2 (= tp 2)
+    (Layout(2, 1, 2, None, 1, True, None, 1, 2, 2), {}),                    # ep 2 x etp 2, allgather
+]
+
+
+@pytest.mark.parametrize("layout, options", MOE_CASES, ids=lambda v: str(v))
+def test_predicted_moe_memory_within_ten_percent(distributed, layout, options):
+    """MoE: experts over ep (states over expert-dp), the router, dispatch and expert activations."""
+    for predicted, measured in predicted_and_measured(distributed, layout, _moe_model(**options)):
+        assert abs(predicted / measured - 1) < 0.10, (layout, predicted, measured)
+
+
+ZERO_LAYOUTS = [(Layout(1, 1, 2, None, 2, False, None), False), (Layout(1, 1, 2, None, 3, False, None), False),
+                (Layout(2, 1, 2, None, 3, True, None), False), (Layout(1, 2, 2, None, 3, False, None), False),
+                (Layout(1, 1, 2, None, 3, False, None, 1, 2), True), (Layout(1, 1, 2, None, 3, False, None), True),
+                (Layout(2, 1, 2, None, 3, True, None, 1, 1, 2), True)]
+
+
+@pytest.mark.parametrize("layout, moe", ZERO_LAYOUTS, ids=str)
+def test_predicted_zero_transients_match_the_measured_peaks(distributed, layout, moe):
     """The planner's ZeRO rows count what a real step holds transiently: gathered parameters (stage 3) and
-    full-size gradient buckets (stages 2-3), against the live-storage counter's peaks."""
-    base = TransformerConfig(**MODEL, max_position_embeddings=S, params_dtype=torch.bfloat16, bf16=True)
+    full-size gradient buckets (stages 2-3), against the live-storage counter's peaks. ``moe``: the MoE model at the
+    layout's ep (its local experts are one ZeRO-3 unit, gathered over expert-dp)."""
+    model = _moe_model(**A2A) if moe else MODEL
+    base = TransformerConfig(**model, max_position_embeddings=S, params_dtype=torch.bfloat16, bf16=True)
     config = layout_config(base, layout)
     workload = Workload(vocab_size=V, seq_length=S, micro_batch_size=B, global_batch_size=B * M * layout.dp,
                         make_vocab_size_divisible_by=8, mask_bytes=2)
-    kwargs = {**MODEL, "sequence_parallel": layout.sequence_parallel}
+    kwargs = {**model, "sequence_parallel": layout.sequence_parallel}
     for result in distributed(layout.tp * layout.pp * layout.dp * layout.cp, _measure, layout, kwargs, 1, True):
-        predicted = rank_transient_bytes(config, workload, pp_rank=result.pp_rank, zero_stage=layout.zero_stage)
+        predicted = rank_transient_bytes(config, workload, pp_rank=result.pp_rank, zero_stage=layout.zero_stage,
+                                         ep=layout.ep, etp=layout.etp)
         assert result.transient_bytes > 0
         assert 0.9 < result.transient_bytes / predicted <= 1.0, (layout, result.transient_bytes, predicted)
 

@@ -40,6 +40,7 @@ LAYOUTS = {
     "tp2-pp2": (4, _layout(2, 2, 1)),
     "pp2-vpp2": (2, _layout(1, 2, 1, ["--num-layers-per-virtual-pipeline-stage", "1"])),
     "tp2-sp": (2, _layout(2, 1, 1, ["--sequence-parallel"])),
+    "tp2-sp-overlap": (2, _layout(2, 1, 1, ["--sequence-parallel", "--tp-comm-overlap"])),
 }
 
 

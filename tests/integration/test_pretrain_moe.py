@@ -1,7 +1,9 @@
-"""pretrain_gpt's loop with --num-experts 4 --moe-router-topk 2 at ep 2 and 4 (alltoall and allgather),
-ep2 x tp2 with sequence parallelism, ep2 x pp2 and ep2 x expert-dp 2 with the distributed optimizer equals
-the single-process MoE run (8 iterations, fp32, losses to 1e-5 relative); the MoE losses are logged; a
-checkpoint saved at ep 2 continues at ep 1; bad MoE input exits 2 naming the values."""
+"""pretrain_gpt's loop with --num-experts 4 --moe-router-topk 2 equals the single-process MoE run (8 iterations,
+fp32, losses, logged MoE losses and grad norms to 1e-5 relative) at: ep 2 and 4 (alltoall and allgather),
+ep2 x tp2 with sequence parallelism, ep2 x pp2, ep2 x cp2 (and x tp2), ep2 x expert-dp 2 with the distributed
+optimizer and with ZeRO-3, expert tensor parallelism (etp = tp 2; with ep 2, and with ZeRO-3 at expert-dp 2).
+Checkpoints saved at ep 2 continue at ep 1, at ep2 x etp2 at one rank and back; bad MoE input exits 2 naming
+the values."""
 import json
 import subprocess
 import sys
@@ -39,6 +41,7 @@ def _ep(size):
     return ["--expert-model-parallel-size", str(size)]
 
 
+TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
 LAYOUTS = {
     "ep2": (2, [*_ep(2), *A2A]),
     "ep4": (4, [*_ep(4), *A2A, "--moe-grouped-gemm"]),
@@ -46,6 +49,14 @@ LAYOUTS = {
     "ep2-tp2-sp": (2, [*_ep(2), *A2A, "--tensor-model-parallel-size", "2", "--sequence-parallel"]),
     "ep2-pp2": (4, [*_ep(2), *A2A, "--pipeline-model-parallel-size", "2"]),
     "ep2-edp2-distopt": (4, [*_ep(2), *A2A, "--use-distributed-optimizer"]),
+    "ep2-cp2": (2, [*_ep(2), *A2A, "--context-parallel-size", "2"]),
+    "ep2-cp2-tp2-sp": (4, [*_ep(2), "--context-parallel-size", "2", "--tensor-model-parallel-size", "2",
+                           "--sequence-parallel"]),
+    "etp2-tp2-sp": (2, [*A2A, *TP2_SP, "--expert-tensor-parallel-size", "2"]),
+    "ep2-etp2-tp2-sp-distopt": (4, [*_ep(2), *TP2_SP, "--expert-tensor-parallel-size", "2",
+                                    "--use-distributed-optimizer"]),
+    "etp2-edp2-zero3": (4, [*A2A, *TP2_SP, "--expert-tensor-parallel-size", "2", "--zero-stage", "3"]),
+    "ep2-edp2-zero3": (4, [*_ep(2), *A2A, "--zero-stage", "3", "--init-model-with-meta-device", "--moe-grouped-gemm"]),
 }
 
 
@@ -77,15 +88,29 @@ def test_checkpoint_saved_at_ep2_continues_at_ep1(distributed, reference, tmp_pa
     (["--num-experts", "3", "--expert-model-parallel-size", "2"], "--num-experts 3 is not divisible by "
                                                                   "--expert-model-parallel-size 2"),
     (["--num-experts", "4", "--moe-router-topk", "5"], "moe_router_topk 5 must lie in [1, num_moe_experts 4]"),
-    (["--num-experts", "4", "--expert-tensor-parallel-size", "2"], "--expert-tensor-parallel-size 2"),
+    (["--num-experts", "4", "--expert-tensor-parallel-size", "2"], "--expert-tensor-parallel-size 2 must be 1 or "
+                                                                   "--tensor-model-parallel-size 1"),
+    (["--num-experts", "4", *TP2_SP, "--expert-tensor-parallel-size", "4"],
+     "--expert-tensor-parallel-size 4 must be 1 or --tensor-model-parallel-size 2"),
     (["--num-experts", "4", "--moe-router-num-groups", "2"], "--moe-router-num-groups 2"),
-    (["--num-experts", "4", "--zero-stage", "3"], "--num-experts 4 with ZeRO-3"),
 ])
 def test_bad_moe_input_exits_2_naming_the_values(argv, named):
     result = subprocess.run([sys.executable, "-c", "from megatron_core.training.arguments import parse_args; "
                              f"parse_args({argv!r})"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 2, result.stderr
     assert named in result.stderr and "Traceback" not in result.stderr
+
+
+def test_checkpoint_saved_at_etp2_continues_at_ep1_and_back(distributed, reference, tmp_path):
+    """Experts split over etp (= tp 2) are saved as tp shards: 3 iterations at ep2 x etp2 x tp2 with the
+    distributed optimizer, 2 at one rank, 3 at etp2 x tp2 equal the uninterrupted single-process run."""
+    etp = [*TP2_SP, "--expert-tensor-parallel-size", "2"]
+    first = distributed(4, _train, [*_ep(2), *A2A, *etp, "--use-distributed-optimizer", "--save", str(tmp_path),
+                                    "--exit-interval", "3"])[0]
+    second = distributed(1, _train, ["--load", str(tmp_path), "--save", str(tmp_path), "--exit-interval", "5"])[0]
+    third = distributed(2, _train, [*etp, "--load", str(tmp_path)])[0]
+    ref_losses, _ = reference
+    torch.testing.assert_close(torch.tensor(first + second + third), torch.tensor(ref_losses), rtol=1e-5, atol=0)
 
 
 BIAS = ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",

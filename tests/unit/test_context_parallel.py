@@ -127,3 +127,72 @@ def test_masks_and_dropout_keep_the_tiled_math():
     assert not fused_ok(q, mask=torch.zeros(1, 1, 4, 4, dtype=torch.bool), dropout_p=0.0, dropout_seed=None)
     assert not fused_ok(q, mask=None, dropout_p=0.1, dropout_seed=3)
     assert fused_ok(q, mask=None, dropout_p=0.1, dropout_seed=None)
+
+
+@pytest.mark.parametrize("kernel", ["cuda_flash", "cuda_efficient"])
+def test_cuda_kernel_calls_match_the_operator_schemas(kernel):
+    """The CUDA kernels' calls parse against torch's operator schemas: on CPU tensors the dispatcher gets as
+    far as "no CPU kernel" (a wrong argument would fail earlier, with a different error). The CUDA kernels
+    themselves are not run here (no GPU)."""
+    from megatron_core.context_parallel import fused
+
+    q = torch.zeros(1, 2, 8, 16)
+    lse = torch.zeros(1, 2, 8)
+    with pytest.raises(NotImplementedError, match="CPU' backend"):
+        fused.piece_forward(kernel, q, q, q, scale=0.25, causal=True)
+    with pytest.raises(NotImplementedError, match="CPU' backend"):
+        fused.piece_backward(kernel, q, q, q, q, q, lse, scale=0.25, causal=True)
+
+
+class _CudaConventionsOnCpu:
+    """Stand-ins for the CUDA SDPA operators with their return conventions (extra outputs; the efficient
+    kernel's statistics padded to 32 rows, nan in the padding), computed by the CPU flash kernel."""
+
+    cpu, cpu_backward = (torch.ops.aten._scaled_dot_product_flash_attention_for_cpu,
+                         torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward)
+
+    def _scaled_dot_product_flash_attention(self, q, k, v, p, causal, debug, *, scale):
+        out, lse = self.cpu(q, k, v, p, causal, scale=scale)
+        return out, lse, None, None, q.shape[2], k.shape[2], torch.zeros(2), torch.zeros(0), torch.zeros(0)
+
+    def _scaled_dot_product_flash_attention_backward(self, dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, p,
+                                                     causal, seed, offset, *, scale):
+        assert (max_q, max_k, cum_q, cum_k) == (q.shape[2], k.shape[2], None, None)
+        return self.cpu_backward(dout, q, k, v, out, lse, p, causal, scale=scale)
+
+    def _scaled_dot_product_efficient_attention(self, q, k, v, bias, compute_lse, p, causal, *, scale):
+        assert bias is None and compute_lse
+        out, lse = self.cpu(q, k, v, p, causal, scale=scale)
+        padded = torch.full((*lse.shape[:-1], -(-lse.shape[-1] // 32) * 32), float("nan"))
+        padded[..., : lse.shape[-1]] = lse
+        return out, padded, torch.zeros(()), torch.zeros(())
+
+    def _scaled_dot_product_efficient_attention_backward(self, dout, q, k, v, bias, out, lse, seed, offset, p, mask,
+                                                         causal, *, scale):
+        assert lse.shape[-1] % 32 == 0 and lse.is_contiguous() and list(mask) == [True, True, True, False]
+        return (*self.cpu_backward(dout, q, k, v, out, lse[..., : q.shape[2]].contiguous(), p, causal, scale=scale),
+                None)
+
+
+@pytest.mark.parametrize("kernel", ["cuda_flash", "cuda_efficient"])
+@pytest.mark.parametrize("causal,offset,sq,sk", [(False, 0, 8, 16), (True, 0, 16, 16), (True, 8, 8, 16)])
+def test_cuda_block_glue_equals_tiled_math(monkeypatch, kernel, causal, offset, sq, sk):
+    """The shared piece / merge logic and the CUDA kernels' glue (argument order, the efficient kernel's
+    padded statistics) give the tiled math's block output, statistics and grads, with CPU stand-ins for the
+    CUDA operators (``_CudaConventionsOnCpu``); GQA and a causal offset (two merged pieces) included."""
+    from megatron_core.context_parallel import blocks, fused
+
+    monkeypatch.setattr(fused, "_ATEN", _CudaConventionsOnCpu())
+    generator = torch.Generator().manual_seed(0)
+    q, dout = (torch.randn(2, 4, sq, 8, generator=generator) for _ in range(2))
+    k, v = (torch.randn(2, 2, sk, 8, generator=generator) for _ in range(2))
+    results = []
+    for fused_kernel in (kernel, None):
+        monkeypatch.setattr(fused, "kernel_for", lambda _q, name=fused_kernel: name)
+        out, lse = block_forward(q, k, v, scale=0.3, causal=causal, causal_offset=offset)
+        grads = block_backward(q, k, v, dout, delta=(dout * out).sum(-1), lse=lse, scale=0.3, causal=causal,
+                               causal_offset=offset, out=out)
+        results.append((out, lse, *grads))
+    assert blocks.fused_ok(q, mask=None, dropout_p=0.0, dropout_seed=None) is False  # the last kernel_for: None
+    for fused_result, tiled in zip(*results):
+        torch.testing.assert_close(fused_result, tiled, rtol=1e-5, atol=1e-5)

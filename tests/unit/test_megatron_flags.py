@@ -52,6 +52,16 @@ def test_sequence_parallel_at_tp1_is_turned_off(caplog):
     assert parse_args(["--sequence-parallel", "--tensor-model-parallel-size", "2"]).sequence_parallel is True
 
 
+def test_tp_comm_overlap_flag(caplog, capsys):
+    with caplog.at_level("WARNING"):
+        assert parse_args(["--tp-comm-overlap", "--sequence-parallel"]).tp_comm_overlap is False
+    assert "--tp-comm-overlap is turned off" in caplog.text
+    args = parse_args(["--tp-comm-overlap", "--sequence-parallel", "--tensor-model-parallel-size", "2"])
+    assert args.tp_comm_overlap is True
+    assert "--tp-comm-overlap needs --sequence-parallel" in _error(
+        ["--tp-comm-overlap", "--tensor-model-parallel-size", "2"], capsys)
+
+
 def test_zero_flags_are_stored():
     from megatron_core.training.optimizer_setup import ddp_config
     args = parse_args(["--use-megatron-fsdp", "--overlap-param-gather", "--init-model-with-meta-device",

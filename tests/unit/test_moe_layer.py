@@ -172,6 +172,12 @@ def test_expert_groups_match_the_documented_listing():
     assert groups["expert_dp"] == [(0, 2), (1, 3), (4, 6), (5, 7)]
     assert groups["expert_mp"] == [(0, 1, 4, 5), (2, 3, 6, 7)]
     assert layout_groups(8, tp=1, pp=1, ep=4)["expert_dp"] == [(0, 4), (1, 5), (2, 6), (3, 7)]
+    etp = layout_groups(8, tp=2, pp=1, ep=2, etp=2)  # the etp listing of parallel_state's docstring
+    assert (etp["ep"], etp["expert_dp"], etp["expert_mp"]) == ([(0, 2), (1, 3), (4, 6), (5, 7)],
+                                                              [(0, 4), (1, 5), (2, 6), (3, 7)],
+                                                              [(0, 1, 2, 3), (4, 5, 6, 7)])
+    with pytest.raises(ValueError, match="expert_tensor_parallel_size 2 must be 1 or tensor_model_parallel_size 1"):
+        layout_groups(8, tp=1, pp=1, ep=2, etp=2)
     with pytest.raises(ValueError, match="expert_model_parallel_size 4 does not divide the 6 ranks"):
         layout_groups(6, tp=1, pp=1, ep=4)
 

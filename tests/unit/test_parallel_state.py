@@ -11,6 +11,7 @@ WORLD8_TP2_PP2_DP2 = {
     "cp": [(0,), (1,), (2,), (3,), (4,), (5,), (6,), (7,)],
     "dp": [(0, 2), (1, 3), (4, 6), (5, 7)],
     "dp_cp": [(0, 2), (1, 3), (4, 6), (5, 7)],
+    "tp_cp": [(0, 1), (2, 3), (4, 5), (6, 7)],
     "pp": [(0, 4), (1, 5), (2, 6), (3, 7)],
     "mp": [(0, 1, 4, 5), (2, 3, 6, 7)],
     "embedding": [(0, 4), (1, 5), (2, 6), (3, 7)],
@@ -35,6 +36,7 @@ def test_context_parallel_groups():
     assert groups["cp"][:2] == [(0, 2), (1, 3)]
     assert groups["dp"][:2] == [(0, 4), (1, 5)]
     assert groups["dp_cp"][:2] == [(0, 2, 4, 6), (1, 3, 5, 7)]
+    assert groups["tp_cp"][:2] == [(0, 1, 2, 3), (4, 5, 6, 7)]
     assert groups["embedding"][0] == (0, 8)
     for kind, all_groups in groups.items():  # every rank in exactly one group of each kind
         assert sorted(r for g in all_groups for r in g) == list(range(16)), kind

@@ -85,6 +85,7 @@ class _Handle:
     input_splits: list[int] = dataclasses.field(default_factory=list)
     output_splits: list[int] = dataclasses.field(default_factory=list)
     recv_sizes: list[int] = dataclasses.field(default_factory=list)
+    local_tokens: Optional[int] = None  # allgather: this rank's T before padding to the ep group's largest
 
 
 class AllToAllDispatcher:
@@ -170,12 +171,34 @@ def _reduce_scatter(x, group, stats):
     return out
 
 
+def gather_routed_tokens(tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor,
+                         group: Optional[dist.ProcessGroup], stats: Optional[CommStats] = None):
+    """``[T, h]``, ``[T, E]``, ``[T, E]`` of every rank of ``group`` (same T on each) concatenated in rank
+    order. Collectives: all-gathers (backward: reduce-scatter of the tokens' and probs' grads); the routing
+    map has no gradient."""
+    size = group_size(group)
+    tokens = _GatherFromEP.apply(tokens, group, stats)                                  # [size T, h]
+    probs = _GatherFromEP.apply(probs, group, stats)                                    # [size T, E]
+    gathered_map = routing_map.new_empty(size * routing_map.shape[0], routing_map.shape[1], dtype=torch.uint8)
+    dist.all_gather_single(gathered_map, routing_map.to(torch.uint8).contiguous(), group=group)
+    return tokens, probs, gathered_map.bool()
+
+
+def reduce_scatter_tokens(x: torch.Tensor, group: Optional[dist.ProcessGroup],
+                          stats: Optional[CommStats] = None) -> torch.Tensor:
+    """``[size T, h]`` partial sums -> this rank's ``[T, h]`` of their sum (backward: all-gather)."""
+    return _ReduceScatterToEP.apply(x, group, stats)
+
+
 class AllGatherDispatcher:
     """All-gather every ep rank's tokens, run the local experts on those routed to them, reduce-scatter.
 
-    Collectives (over ``ep_group``): dispatch all-gathers tokens ``[T, h]``, probs ``[T, E]`` (backward:
+    Collectives (over ``ep_group``): dispatch all-gathers tokens ``[T_max, h]``, probs ``[T_max, E]`` (backward:
     reduce-scatter of their gradients) and the routing map (no gradient); combine reduce-scatters the
-    ``[ep * T, h]`` weighted outputs (backward: all-gather). Every ep rank must hold the same T.
+    ``[ep * T_max, h]`` weighted outputs (backward: all-gather). Ranks may hold different token counts T:
+    an all-reduce (max, no gradient) of T finds ``T_max``, every rank pads its tokens, probs and routing map
+    with ``T_max - T`` rows routed nowhere (probability 0, so they get no expert and no gradient), and combine
+    drops the padding rows of the reduce-scattered ``[T_max, h]``.
     """
 
     def __init__(self, *, num_experts: int, ep_group: Optional[dist.ProcessGroup],
@@ -185,20 +208,32 @@ class AllGatherDispatcher:
         self.first = group_rank(ep_group) * self.num_local
         self.stats = stats
 
+    def _pad_to_group_max(self, tokens, probs, routing_map):
+        """Rows appended so that every ep rank holds ``T_max`` tokens (an all-reduce of T, no gradient)."""
+        count = torch.tensor([tokens.shape[0]], dtype=torch.int64, device=tokens.device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.ep_group)
+        extra = int(count.item()) - tokens.shape[0]
+        if extra == 0:
+            return tokens, probs, routing_map
+        tokens = torch.cat([tokens, tokens.new_zeros(extra, tokens.shape[1])])                  # [T_max, h]
+        probs = torch.cat([probs, probs.new_zeros(extra, probs.shape[1])])                      # [T_max, E]
+        routing_map = torch.cat([routing_map, routing_map.new_zeros(extra, routing_map.shape[1])])
+        return tokens, probs, routing_map
+
     def dispatch(self, tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor):
+        local_tokens = tokens.shape[0]
         if self.ep > 1:
-            tokens = _GatherFromEP.apply(tokens, self.ep_group, self.stats)               # [ep T, h]
-            probs = _GatherFromEP.apply(probs, self.ep_group, self.stats)                 # [ep T, E]
-            gathered_map = routing_map.new_empty(self.ep * routing_map.shape[0], routing_map.shape[1],
-                                                 dtype=torch.uint8)
-            dist.all_gather_single(gathered_map, routing_map.to(torch.uint8).contiguous(), group=self.ep_group)
-            routing_map = gathered_map.bool()
+            tokens, probs, routing_map = self._pad_to_group_max(tokens, probs, routing_map)
+            tokens, probs, routing_map = gather_routed_tokens(tokens, probs, routing_map, self.ep_group,
+                                                              self.stats)                 # [ep T_max, .]
         local = slice(self.first, self.first + self.num_local)
         permuted, token_index, permuted_probs, counts = permute(tokens, routing_map[:, local], probs[:, local])
-        return permuted, counts.tolist(), _Handle(token_index, permuted_probs, tokens.shape[0])
+        handle = _Handle(token_index, permuted_probs, tokens.shape[0], local_tokens=local_tokens)
+        return permuted, counts.tolist(), handle
 
     def combine(self, expert_output: torch.Tensor, handle: _Handle) -> torch.Tensor:
-        out = unpermute(expert_output, handle.token_index, handle.probs, handle.num_tokens)  # [ep T, h]
+        out = unpermute(expert_output, handle.token_index, handle.probs, handle.num_tokens)  # [ep T_max, h]
         if self.ep > 1:
-            out = _ReduceScatterToEP.apply(out, self.ep_group, self.stats)                   # [T, h]
+            out = _ReduceScatterToEP.apply(out, self.ep_group, self.stats)                   # [T_max, h]
+            out = out[:handle.local_tokens]                                                  # [T, h]
         return out

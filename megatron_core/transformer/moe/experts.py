@@ -1,7 +1,10 @@
 """The routed experts of one MoE layer that live on this rank: ``num_moe_experts / ep`` MLPs.
 
 Each expert is ``fc2(act(fc1(x)))`` with fc1 ``[h -> f]`` (``[h -> 2f]`` for SwiGLU, ``[gate; up]``) and fc2
-``[f -> h]``, f = ``moe_ffn_hidden_size``; experts are not split over tp (expert tensor parallelism 1).
+``[f -> h]``, f = ``moe_ffn_hidden_size``. With expert tensor parallelism (etp = tp) each rank holds the
+``[f'/etp, h]`` rows of fc1 (column-parallel; SwiGLU's gate and up halves each split) and the ``[h, f/etp]``
+columns of fc2 (row-parallel): its output is a partial sum over the etp group, and the fc2 bias (replicated,
+tagged ``sequence_parallel`` so its grad is all-reduced over tp) is added on etp rank 0 only.
 Parameters are named by *global* expert id (``local_experts.<id>.linear_fc1.weight``), so checkpoints hold
 every expert under one name at any expert-parallel size, and carry ``is_expert = True`` / ``allreduce =
 False``: their gradients are reduced over the expert-data-parallel group, not dp.
@@ -24,39 +27,54 @@ from megatron_core.tensor_parallel import set_tensor_model_parallel_attributes
 from megatron_core.tensor_parallel.initialization import InitMethod, InitRecipe, init_method_constant, init_param_
 
 
-def tag_expert(param: nn.Parameter) -> nn.Parameter:
-    """Marks an expert parameter: replicated only over the expert-data-parallel group."""
-    set_tensor_model_parallel_attributes(param, is_parallel=False, dim=-1, stride=1)
+def tag_expert(param: nn.Parameter, *, partition_dim: int = -1, stride: int = 1) -> nn.Parameter:
+    """Marks an expert parameter: replicated only over the expert-data-parallel group (and, when not split
+    over etp along ``partition_dim``, over the etp group)."""
+    set_tensor_model_parallel_attributes(param, is_parallel=partition_dim >= 0, dim=partition_dim, stride=stride)
     param.is_expert, param.allreduce = True, False
     return param
 
 
 class ExpertLinear(nn.Module):
-    """``y = x W^T + b`` for one expert; W ``[out, in]`` (no tp split)."""
+    """``y = x W^T + b`` for one expert; W ``[out, in]`` full, or split over etp along ``partition_dim`` (0:
+    rows, the bias split alike; 1: columns, the bias replicated and tagged ``sequence_parallel``)."""
 
     def __init__(self, in_size: int, out_size: int, *, bias: bool, init_method: InitMethod,
-                 dtype: torch.dtype, device) -> None:
+                 dtype: torch.dtype, device, partition_dim: int = -1, stride: int = 1, etp_rank: int = 0,
+                 etp_size: int = 1) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_size, in_size, dtype=dtype, device=device))
-        init_param_(self.weight, (out_size, in_size), init_method=init_method)
-        tag_expert(self.weight)
+        split = partition_dim if etp_size > 1 else -1
+        local = [out_size, in_size]
+        if split >= 0:
+            local[split] //= etp_size
+        self.weight = nn.Parameter(torch.empty(*local, dtype=dtype, device=device))
+        init_param_(self.weight, (out_size, in_size), init_method=init_method, partition_dim=split, stride=stride,
+                    tp_rank=etp_rank, tp_size=etp_size)
+        tag_expert(self.weight, partition_dim=split, stride=stride)
         self.bias = None
         if bias:
-            self.bias = nn.Parameter(torch.zeros(out_size, dtype=dtype, device=device))
-            self.bias.init_recipe = InitRecipe(0, init_method_constant(0.0), (out_size,))
-            tag_expert(self.bias)
+            bias_split = 0 if split == 0 else -1
+            self.bias = nn.Parameter(torch.zeros(local[0], dtype=dtype, device=device))
+            self.bias.init_recipe = InitRecipe(0, init_method_constant(0.0), (out_size,), bias_split, stride,
+                                               etp_rank, etp_size)
+            tag_expert(self.bias, partition_dim=bias_split, stride=stride)
+            if split == 1:  # replicated over etp, added on one rank: its grad is summed over tp
+                self.bias.sequence_parallel = True
 
 
 class Expert(nn.Module):
-    def __init__(self, config: TransformerConfig, ffn: int, *, device) -> None:
+    def __init__(self, config: TransformerConfig, ffn: int, *, device, etp_rank: int = 0, etp_size: int = 1) -> None:
         super().__init__()
         swiglu = config.activation == "swiglu"
-        common = dict(bias=config.add_bias_linear, dtype=config.params_dtype, device=device)
+        common = dict(bias=config.add_bias_linear, dtype=config.params_dtype, device=device, etp_rank=etp_rank,
+                      etp_size=etp_size)
         self.linear_fc1 = ExpertLinear(config.hidden_size, 2 * ffn if swiglu else ffn,
-                                       init_method=init_method_normal(config.init_method_std), **common)
+                                       init_method=init_method_normal(config.init_method_std), partition_dim=0,
+                                       stride=2 if swiglu else 1, **common)
         self.linear_fc2 = ExpertLinear(ffn, config.hidden_size,
                                        init_method=scaled_init_method_normal(config.init_method_std,
-                                                                             config.num_layers), **common)
+                                                                             config.num_layers), partition_dim=1,
+                                       **common)
 
 
 class LocalExperts(nn.Module):
@@ -67,14 +85,20 @@ class LocalExperts(nn.Module):
         expert_ids: the global ids held here.
         expert_seeds: one init seed per global expert (all of them).
         device: of the parameters.
+        etp_rank, etp_size: this rank's part of each expert (expert tensor parallelism; 1 = whole experts).
 
     forward: tokens ``[N, h]`` sorted by local expert, ``tokens_per_expert`` (one count per local expert,
     summing to N) -> ``[N, h]``. No collective. With ``moe_grouped_gemm`` the experts run as two batched
     matmuls over their token groups padded to the largest group (``torch.bmm``); otherwise a loop.
+
+    The forward reads the experts' weights itself (the ``ExpertLinear`` modules never run), so under ZeRO-3
+    this module is one unit gathering every local expert (``gathers_all_parameters``), over expert-dp.
     """
 
+    gathers_all_parameters = True
+
     def __init__(self, config: TransformerConfig, *, expert_ids: Sequence[int], expert_seeds: Sequence[int],
-                 device) -> None:
+                 device, etp_rank: int = 0, etp_size: int = 1) -> None:
         super().__init__()
         moe = config.moe
         ffn = moe.moe_ffn_hidden_size or config.ffn_hidden_size
@@ -85,8 +109,13 @@ class LocalExperts(nn.Module):
         for expert_id in self.expert_ids:
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(expert_seeds[expert_id])
-                experts[str(expert_id)] = Expert(config, ffn, device=device)
+                experts[str(expert_id)] = Expert(config, ffn, device=device, etp_rank=etp_rank, etp_size=etp_size)
         self.local_experts = nn.ModuleDict(experts)
+        self.add_fc2_bias = etp_rank == 0  # the replicated fc2 bias goes into the etp partial sum once
+
+    def _fc2_bias(self, bias):
+        """The fc2 bias on etp rank 0; zero elsewhere (a product, so the bias still gets a (zero) grad there)."""
+        return bias if bias is None or self.add_fc2_bias else bias * 0.0
 
     def activation(self, x: torch.Tensor) -> torch.Tensor:
         if self.swiglu:
@@ -104,7 +133,8 @@ class LocalExperts(nn.Module):
         outputs = []
         for expert, chunk in zip(self.local_experts.values(), tokens.split(counts)):
             fc1, fc2 = expert.linear_fc1, expert.linear_fc2
-            outputs.append(F.linear(self.activation(F.linear(chunk, fc1.weight, fc1.bias)), fc2.weight, fc2.bias))
+            outputs.append(F.linear(self.activation(F.linear(chunk, fc1.weight, fc1.bias)), fc2.weight,
+                                    self._fc2_bias(fc2.bias)))
         return torch.cat(outputs) if outputs else tokens[:0]
 
     def _stacked(self, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -123,7 +153,7 @@ class LocalExperts(nn.Module):
         hidden = torch.bmm(padded, w1.transpose(1, 2))                          # [E_local, max_n, f(*2)]
         hidden = self.activation(hidden if b1 is None else hidden + b1)
         out = torch.bmm(hidden, w2.transpose(1, 2))                             # [E_local, max_n, h]
-        out = out if b2 is None else out + b2
+        out = out if b2 is None else out + self._fc2_bias(b2)
         valid = torch.arange(padded.shape[1], device=tokens.device)[None, :] < torch.tensor(
             counts, device=tokens.device)[:, None]                              # [E_local, max_n]
         return out[valid]                                                       # [N, h], expert-major

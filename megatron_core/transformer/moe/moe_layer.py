@@ -16,7 +16,13 @@ from torch import nn
 from megatron_core.config import TransformerConfig
 from megatron_core.parallel_state import ParallelState
 from megatron_core.transformer.mlp import MLP
-from megatron_core.transformer.moe.dispatcher import AllGatherDispatcher, AllToAllDispatcher, CommStats
+from megatron_core.transformer.moe.dispatcher import (
+    AllGatherDispatcher,
+    AllToAllDispatcher,
+    CommStats,
+    gather_routed_tokens,
+    reduce_scatter_tokens,
+)
 from megatron_core.transformer.moe.experts import LocalExperts
 from megatron_core.transformer.moe.router import TopKRouter
 from megatron_core.transformer.spec import TransformerLayerSpec
@@ -44,7 +50,9 @@ class MoELayer(nn.Module):
 
     forward: hidden ``[s, b, h]`` (``[s/tp, b, h]`` with sequence parallelism) -> ``(output, None)`` of the
     same shape. Collectives: the dispatcher's over ep (see ``dispatcher``), the shared experts' over tp (as
-    the dense MLP), and the router's count all-reduce over tp with sequence parallelism.
+    the dense MLP), and the router's count all-reduce over tp with sequence parallelism. With expert tensor
+    parallelism (``etp_size`` = tp) the routed tokens, probs and map are all-gathered over tp before dispatch
+    and the experts' partial outputs reduce-scattered over tp after combine (backward: the reverse).
 
     Initialization is layout-independent: the router first, then one seed per global expert (all of them,
     on every rank), then the shared experts, all from the layer's seeded generator.
@@ -59,8 +67,10 @@ class MoELayer(nn.Module):
         seeds = [int(s) for s in torch.randint(0, 2 ** 31 - 1, (moe.num_moe_experts,))]
         local = moe.num_moe_experts // parallel_state.ep_size
         first = parallel_state.ep_rank * local
+        self.etp_group = parallel_state.tp_group if parallel_state.etp_size > 1 else None
         self.experts = LocalExperts(config, expert_ids=range(first, first + local), expert_seeds=seeds,
-                                    device=parallel_state.device)
+                                    device=parallel_state.device, etp_rank=parallel_state.tp_rank if self.etp_group
+                                    else 0, etp_size=parallel_state.etp_size)
         self.shared_experts: Optional[MLP] = None
         if moe.moe_shared_expert_intermediate_size:
             shared = dataclasses.replace(config, ffn_hidden_size=moe.moe_shared_expert_intermediate_size, moe=None)
@@ -73,9 +83,15 @@ class MoELayer(nn.Module):
     def forward(self, hidden: torch.Tensor):
         probs, routing_map = self.router(hidden)                                  # [T, E] each
         tokens = hidden.reshape(-1, hidden.shape[-1])                             # [T, h]
+        if self.etp_group is not None:  # every etp rank computes its part of each expert on all their tokens
+            tokens, probs, routing_map = gather_routed_tokens(tokens, probs, routing_map, self.etp_group,
+                                                              self.comm_stats)     # [etp T, .]
         expert_input, counts, handle = self.dispatcher.dispatch(tokens, probs, routing_map)
-        expert_output = self.experts(expert_input, counts)                         # [N, h]
-        output = self.dispatcher.combine(expert_output, handle).view_as(hidden)    # [s, b, h]
+        expert_output = self.experts(expert_input, counts)                         # [N, h] (etp: partial)
+        output = self.dispatcher.combine(expert_output, handle)                    # [T or etp T, h]
+        if self.etp_group is not None:
+            output = reduce_scatter_tokens(output, self.etp_group, self.comm_stats)  # [T, h]: summed over etp
+        output = output.view_as(hidden)                                            # [s, b, h]
         if self.shared_experts is not None:
             shared, bias = self.shared_experts(hidden)
             output = output + (shared if bias is None else shared + bias)

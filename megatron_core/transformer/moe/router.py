@@ -50,17 +50,29 @@ def apply_capacity(probs: torch.Tensor, routing_map: torch.Tensor, *, capacity: 
     return probs * final_map, final_map
 
 
+def token_split_group(state: ParallelState, *, sequence_parallel: bool):
+    """The ranks whose tokens together form the micro-batch's sequences: tp x cp with sequence parallelism
+    (each tp rank a chunk of each cp rank's part), cp without (tp ranks then hold the same tokens); None when
+    the sequence is not split."""
+    if sequence_parallel and state.tp_size * state.cp_size > 1:
+        return state.tp_cp_group if state.cp_size > 1 else state.tp_group
+    return state.cp_group if state.cp_size > 1 else None
+
+
 class TopKRouter(nn.Module):
     """Routes each token to ``moe_router_topk`` of ``num_moe_experts`` experts.
 
     Args:
         config: the model's config (hidden size, init std, dtype, sequence parallelism); ``config.moe`` holds
             the routing settings.
-        parallel_state: the layout; under sequence parallelism the aux losses count tokens over ``tp_group``.
+        parallel_state: the layout; the aux losses count tokens over the ranks splitting the sequence
+            (``token_split_group``: tp x cp with sequence parallelism, cp without).
 
     forward: hidden ``[s_local, b, h]`` -> ``(probs [T, E], routing_map [T, E])``, T = s_local * b.
-    Collectives: with sequence parallelism, an all-reduce (no gradient) over tp of the expert counts for the
-    aux loss. The weight's grad is partial per tp rank then (tagged ``sequence_parallel``).
+    Collectives: with sequence parallelism or context parallelism, an all-reduce (no gradient) of the expert
+    counts for the aux loss over ``token_split_group`` (tp x cp, Megatron's ``tp_cp_group``). The weight's
+    grad is partial per tp rank then (tagged ``sequence_parallel``) and per cp rank (summed by the dp x cp
+    gradient reduction, whose 1/cp the aux loss scale undoes as the lm loss does).
 
     The aux and z losses enter backward through ``attach_loss`` with ``aux_loss_scale`` (set it to the
     schedule's loss scale, ``1 / num_microbatches`` times the fp16 scale; default 1). ``loss_sums`` holds,
@@ -78,7 +90,7 @@ class TopKRouter(nn.Module):
                     init_method=init_method_normal(config.init_method_std))
         set_tensor_model_parallel_attributes(self.weight, is_parallel=False, dim=-1, stride=1)
         self.weight.sequence_parallel = config.sequence_parallel
-        self.split_group = parallel_state.tp_group if config.sequence_parallel else None
+        self.split_group = token_split_group(parallel_state, sequence_parallel=config.sequence_parallel)
         self.aux_loss_scale = 1.0
         self.loss_sums: dict[str, torch.Tensor] = {}
         self.loss_count = 0

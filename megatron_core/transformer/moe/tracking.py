@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron_core.parallel_state import ParallelState
-from megatron_core.transformer.moe.router import TopKRouter
+from megatron_core.transformer.moe.router import TopKRouter, token_split_group
 
 LOSS_NAMES = ("load_balancing_loss", "z_loss")
 
@@ -38,7 +38,8 @@ def moe_loss_report(chunks: Sequence[nn.Module], state: ParallelState, *, num_la
     """The step's MoE losses (without their coefficients), averaged over micro-batches, dp replicas and MoE
     layers: ``{"load_balancing_loss": x, "z_loss": y}`` (plus ``"<name>_layer_<n>"`` with ``per_layer``);
     empty without MoE layers. Resets the routers' sums. Every rank must call it. Collective: all-reduces
-    over tp (with sequence parallelism each tp rank holds a partial sum), pp and dp.
+    over the ranks splitting the sequence (tp x cp with sequence parallelism, cp without: each holds a
+    partial sum), pp and dp.
     """
     table = torch.zeros(len(LOSS_NAMES) + 1, num_layers, dtype=torch.float64, device=state.device)
     for router in routers(chunks):
@@ -48,11 +49,10 @@ def moe_loss_report(chunks: Sequence[nn.Module], state: ParallelState, *, num_la
             if name in router.loss_sums and router.loss_count:
                 table[i, column] = float(router.loss_sums[name]) / router.loss_count
         router.reset_loss_sums()
-    if sequence_parallel:
-        _all_reduce(table[:-1], state.tp_group)
+    _all_reduce(table[:-1], token_split_group(state, sequence_parallel=sequence_parallel))
     _all_reduce(table, state.pp_group)
-    _all_reduce(table[:-1], state.dp_cp_group)
-    table[:-1] /= state.dp_cp_size
+    _all_reduce(table[:-1], state.dp_group)
+    table[:-1] /= state.dp_size
     layers = table[-1].nonzero().flatten().tolist()
     if not layers:
         return {}

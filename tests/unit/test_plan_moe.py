@@ -1,0 +1,78 @@
+"""The planner knows expert parallelism: for an MoE model it enumerates every ep dividing the experts and
+tp x cp x dp (and expert tensor parallelism 1 or tp), shards the experts' states over expert-dp, counts the
+ep traffic, and the tool prints the ep
+column and the ``--expert-model-parallel-size`` of the best layout. (Memory against measured runs:
+tests/distributed/test_planner.py.)"""
+import contextlib
+import io
+
+import pytest
+import torch
+
+from megatron_core.config import TransformerConfig
+from megatron_core.planning.planner import (
+    Hardware,
+    Layout,
+    Workload,
+    ep_comm_seconds,
+    layout_config,
+    plan_layout,
+    rank_plans,
+    stage_expert_parameters,
+    stage_parameters,
+)
+from megatron_core.transformer.moe import MoEConfig
+from tools.plan_parallelism import main
+
+WORKLOAD = Workload(vocab_size=1000, seq_length=256, micro_batch_size=1, global_batch_size=16)
+HARDWARE = Hardware(num_devices=8, memory_per_device_gb=80, peak_tflops=100.0)
+
+
+def _base(**moe):
+    return TransformerConfig(num_layers=4, hidden_size=256, num_attention_heads=8, max_position_embeddings=256,
+                             params_dtype=torch.bfloat16, bf16=True,
+                             moe=MoEConfig(num_moe_experts=8, moe_router_topk=2, **moe))
+
+
+def test_moe_layouts_enumerate_ep_with_sequence_parallel_tp():
+    plans = rank_plans(_base(), WORKLOAD, HARDWARE)
+    assert {p.layout.ep for p in plans} == {1, 2, 4, 8}
+    assert all((p.layout.tp * p.layout.cp * p.layout.dp) % (p.layout.ep * p.layout.etp) == 0 for p in plans)
+    assert {p.layout.etp for p in plans if p.layout.tp == 2} == {1, 2}  # expert tensor parallelism: 1 or tp
+    assert all(p.layout.etp in (1, p.layout.tp) for p in plans)
+    assert all(p.layout.sequence_parallel for p in plans if p.layout.tp > 1)  # the MoE layer needs SP with tp
+    dense = rank_plans(TransformerConfig(num_layers=4, hidden_size=256, num_attention_heads=8,
+                                         max_position_embeddings=256, params_dtype=torch.bfloat16, bf16=True),
+                       WORKLOAD, HARDWARE)
+    assert {p.layout.ep for p in dense} == {1}
+
+
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
+def test_ep_shards_expert_states_and_adds_traffic(dispatcher):
+    base = _base(moe_token_dispatcher_type=dispatcher)
+    by_ep = {ep: plan_layout(base, WORKLOAD, HARDWARE, Layout(1, 1, 8, None, 1, False, None, 1, ep))
+             for ep in (1, 2, 8)}
+    assert by_ep[1].model_state_bytes > by_ep[2].model_state_bytes > by_ep[8].model_state_bytes
+    traffic = {ep: ep_comm_seconds(layout_config(base, plan.layout), WORKLOAD, plan.layout, HARDWARE, 2)
+               for ep, plan in by_ep.items()}
+    assert traffic[1] == 0 < traffic[2] < traffic[8]  # the dispatcher's ep traffic, (ep - 1) / ep of it sent
+    # ZeRO-1 shards masters + Adam states (12 bytes/element) of the dense parameters over dp 8 and of the
+    # experts over expert-dp (8 at ep 1, 1 at ep 8: nothing to save there)
+    dense, _ = stage_parameters(layout_config(base, by_ep[1].layout), WORKLOAD, pp_rank=0)
+    experts = stage_expert_parameters(base, pp_rank=0, ep=1)
+    for ep, sharded in ((1, dense + experts), (8, dense)):
+        zero0 = plan_layout(base, WORKLOAD, HARDWARE, Layout(1, 1, 8, None, 0, False, None, 1, ep))
+        assert zero0.model_state_bytes - by_ep[ep].model_state_bytes == pytest.approx(12 * sharded * 7 / 8)
+
+
+def test_tool_prints_the_ep_column_and_flag():
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length",
+                     "256", "--max-position-embeddings", "256", "--micro-batch-size", "1", "--global-batch-size",
+                     "16", "--bf16", "--vocab-size", "1000", "--num-experts", "8", "--expert-model-parallel-size", "2",
+                     "--num-devices", "8", "--memory-per-device-gb", "80"])
+    text = out.getvalue()
+    assert code == 0 and "| ep |" in text.splitlines()[2]
+    best = text.strip().splitlines()[-1]
+    assert "--num-experts 8" in best and best.count("--expert-model-parallel-size") <= 1
