@@ -46,8 +46,9 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import itertools
 import math
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -126,6 +127,12 @@ class ParallelState:
     """This layout's ``RNGStatesTracker`` (the tensor-parallel dropout stream; seeded by ``model_parallel_seed``).
     Modules built with the state use it; created with the state, on its device."""
 
+    schedule_calls: Iterator[int] = dataclasses.field(default_factory=itertools.count, compare=False, repr=False)
+    """Counts the pipeline schedules run with this layout (every rank runs the same sequence, so the count names
+    the same call on every rank: the store key a failing rank publishes its error under)."""
+    abandoned_transfers: list = dataclasses.field(default_factory=list, compare=False, repr=False)
+    """Point-to-point transfers of a failed schedule, never waited for (a peer may be gone): kept alive so that
+    their sends can still go out."""
     kernel_backend: Any = dataclasses.field(default=None, compare=False, repr=False)
     """The ``kernels.KernelBackend`` the modules built with this state run their fused ops through (mode "auto"
     unless ``initialize_model_parallel(kernel_backend=...)`` says otherwise); ``kernel_backend.report()`` says

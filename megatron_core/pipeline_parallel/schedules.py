@@ -1,6 +1,6 @@
 """Megatron's forward-backward schedules: no pipelining, 1F1B and interleaved 1F1B.
 
-Each schedule is an order of passes from ``schedule_plan`` run by one executor, ``_run``:
+Each schedule is an order of passes from ``schedule_plan`` run by one executor (``_Executor``, given a ``ScheduleCall``):
 
 - F of (chunk, micro-batch): take the activation from the previous stage (or the data, on the model's first
   chunk), run ``forward_step_func``, send the output to the next stage (or, on the model's last chunk, turn
@@ -28,10 +28,10 @@ would synchronize the stream, the store is asked every ``STORE_CHECK_EVERY`` rec
 from __future__ import annotations
 
 import contextlib
-import itertools
+import dataclasses
 import math
 import time
-from typing import Any, Callable, Iterator, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -50,7 +50,6 @@ from megatron_core.pipeline_parallel.timeline import Timeline
 
 STORE_CHECK_EVERY = 16
 ForwardStepFunc = Callable[[Any, nn.Module], tuple[torch.Tensor, Callable]]
-_call_counter = itertools.count()
 
 
 class PipelineError(RuntimeError):
@@ -79,8 +78,9 @@ def forward_backward_no_pipelining(*, forward_step_func: ForwardStepFunc, data_i
     chunks = _as_chunks(model, 1)
     _check_common(num_microbatches, parallel_state, chunks, seq_length)
     ops = no_pipelining_ops(num_microbatches, forward_only=forward_only)
-    return _run(ops, forward_step_func, [data_iterator], chunks, num_microbatches, forward_only, parallel_state,
-                None, timeline, grad_scale_func)
+    return _Executor(ScheduleCall(forward_step_func=forward_step_func, iterators=[data_iterator], chunks=chunks,
+                                  num_microbatches=num_microbatches, forward_only=forward_only, state=parallel_state,
+                                  shape=None, timeline=timeline, grad_scale_func=grad_scale_func)).run(ops)
 
 
 def forward_backward_pipelining_without_interleaving(
@@ -93,8 +93,9 @@ def forward_backward_pipelining_without_interleaving(
     _check_common(num_microbatches, parallel_state, chunks, seq_length)
     ops = one_f_one_b_ops(parallel_state.pp_rank, parallel_state.pp_size, num_microbatches, forward_only=forward_only)
     shape = _tensor_shape(chunks[0], seq_length, micro_batch_size)
-    return _run(ops, forward_step_func, [data_iterator], chunks, num_microbatches, forward_only, parallel_state,
-                shape, timeline, grad_scale_func)
+    return _Executor(ScheduleCall(forward_step_func=forward_step_func, iterators=[data_iterator], chunks=chunks,
+                                  num_microbatches=num_microbatches, forward_only=forward_only, state=parallel_state,
+                                  shape=shape, timeline=timeline, grad_scale_func=grad_scale_func)).run(ops)
 
 
 def forward_backward_pipelining_with_interleaving(
@@ -116,8 +117,9 @@ def forward_backward_pipelining_with_interleaving(
     _check_common(num_microbatches, state, chunks, seq_length)
     ops = interleaved_ops(state.pp_rank, state.pp_size, vpp, num_microbatches, forward_only=forward_only)
     shape = _tensor_shape(chunks[0], seq_length, micro_batch_size)
-    return _run(ops, forward_step_func, list(iterators), chunks, num_microbatches, forward_only, state, shape,
-                timeline, grad_scale_func)
+    return _Executor(ScheduleCall(forward_step_func=forward_step_func, iterators=list(iterators), chunks=chunks,
+                                  num_microbatches=num_microbatches, forward_only=forward_only, state=state,
+                                  shape=shape, timeline=timeline, grad_scale_func=grad_scale_func)).run(ops)
 
 
 def _as_chunks(model: Union[nn.Module, Sequence[nn.Module]], expected: int) -> list[nn.Module]:
@@ -157,15 +159,32 @@ def _tensor_shape(chunk: nn.Module, seq_length: int, micro_batch_size: int) -> t
     return (local // tp, micro_batch_size, config.hidden_size), config.params_dtype
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ScheduleCall:
+    """What one call of a schedule runs: the executor's inputs."""
+
+    forward_step_func: ForwardStepFunc
+    iterators: list
+    """One data iterator per model chunk."""
+    chunks: list[nn.Module]
+    num_microbatches: int
+    forward_only: bool
+    state: ParallelState
+    shape: Optional[tuple[tuple[int, ...], torch.dtype]]
+    """Shape and dtype of the activations between stages; None without pipelining (no transfers)."""
+    timeline: Optional[Timeline] = None
+    grad_scale_func: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+
+
 class _Executor:
     """Runs one rank's ops; see the module docstring."""
 
-    def __init__(self, forward_step_func, iterators, chunks, num_microbatches, forward_only, state, shape, timeline,
-                 grad_scale_func=None):
-        self.forward_step_func, self.iterators, self.chunks = forward_step_func, iterators, chunks
-        self.grad_scale_func = grad_scale_func
-        self.num_microbatches, self.forward_only, self.state = num_microbatches, forward_only, state
-        self.timeline = timeline
+    def __init__(self, call: ScheduleCall) -> None:
+        state, shape, chunks = call.state, call.shape, call.chunks
+        self.forward_step_func, self.iterators, self.chunks = call.forward_step_func, call.iterators, chunks
+        self.grad_scale_func = call.grad_scale_func
+        self.num_microbatches, self.forward_only, self.state = call.num_microbatches, call.forward_only, state
+        self.timeline = call.timeline
         self.vpp = len(chunks)
         self.comm = (P2PCommunicator(state, tensor_shape=shape[0], dtype=shape[1], record=self._record)
                      if shape is not None else None)
@@ -173,7 +192,7 @@ class _Executor:
         self.pending: dict[tuple[str, int, int], PendingRecv] = {}
         self.losses: list = []
         # The same on every rank, as all ranks run the same sequence of schedules.
-        self.failure_key = f"megatron_core/pipeline_failure/{next(_call_counter)}"
+        self.failure_key = f"megatron_core/pipeline_failure/{next(self.state.schedule_calls)}"
         self.store = _default_store() if self.comm is not None else None
         self.receives = 0
 
@@ -306,10 +325,8 @@ class _Executor:
                 self.comm.post(send_next=placeholder)
             elif op.kind == "B" and not self.first_chunk(op.chunk):
                 self.comm.post(send_prev=placeholder)
-        _ABANDONED.append(self.comm)  # never waited for: a peer may be gone; kept alive so the sends can go out
-
-
-_ABANDONED: list[P2PCommunicator] = []
+        # never waited for: a peer may be gone; kept alive (by the layout) so the sends can go out
+        self.state.abandoned_transfers.append(self.comm)
 
 
 def _default_store():
@@ -323,9 +340,3 @@ def _default_store():
 def _deallocate(output: torch.Tensor) -> None:
     """Frees the storage of a tensor already sent downstream; its autograd node (grad_fn) stays."""
     output.data = torch.empty((1,), device=output.device, dtype=output.dtype)
-
-
-def _run(ops, forward_step_func, iterators, chunks, num_microbatches, forward_only, state, shape, timeline,
-         grad_scale_func) -> list:
-    return _Executor(forward_step_func, iterators, chunks, num_microbatches, forward_only, state, shape, timeline,
-                     grad_scale_func).run(ops)
