@@ -12,6 +12,7 @@ import math
 from typing import Optional
 
 import torch
+from einops import rearrange
 import torch.nn.functional as F
 from torch import nn
 
@@ -106,12 +107,10 @@ class DotProductAttention(nn.Module):
         implementation = self.implementation(attention_mask, sq, sk, device=query.device, dropout_p=dropout_p)
         self.parallel_state.kernel_backend.record("attention", implementation)
         if implementation == "sdpa":
-            context = self.sdpa(query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3),
-                                dropout_p=dropout_p)  # [b, heads, sq, d]
-            return context.permute(2, 0, 1, 3).reshape(sq, b, heads * d)
-        q = query.permute(1, 2, 0, 3).reshape(b * heads, sq, d)
-        k = key.permute(1, 2, 0, 3).reshape(b * heads, sk, d)
-        v = value.permute(1, 2, 0, 3).reshape(b * heads, sk, d)
+            q, k, v = (rearrange(t, "s b h d -> b h s d") for t in (query, key, value))
+            context = self.sdpa(q, k, v, dropout_p=dropout_p)
+            return rearrange(context, "b h s d -> s b (h d)")
+        q, k, v = (rearrange(t, "s b h d -> (b h) s d") for t in (query, key, value))
         scores = torch.bmm(q, k.transpose(1, 2))  # [b*heads, sq, sk]
         if attention_mask is None:
             probs = kernels.scaled_upper_triang_masked_softmax(scores, self.scale,
@@ -123,7 +122,7 @@ class DotProductAttention(nn.Module):
         probs = dropout_in_partitioned_region(probs, self.attention_dropout, self.training,
                                              rng_tracker=self.parallel_state.rng_tracker)
         context = torch.bmm(probs, v)  # [b*heads, sq, d]
-        return context.view(b, heads, sq, d).permute(2, 0, 1, 3).reshape(sq, b, heads * d)
+        return rearrange(context, "(b h) s d -> s b (h d)", b=b)
 
 
 class SelfAttention(nn.Module):
@@ -168,10 +167,8 @@ class SelfAttention(nn.Module):
 
     def split_qkv(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``[s, b, groups/tp * (heads_per_group + 2) * d]`` -> q ``[s, b, heads/tp, d]``, k, v ``[s, b, groups/tp, d]``."""
-        s, b, _ = mixed.shape
-        d = self.config.kv_channels
-        mixed = mixed.view(s, b, self.groups_per_rank, self.heads_per_group + 2, d)
-        query = mixed[:, :, :, : self.heads_per_group].reshape(s, b, self.groups_per_rank * self.heads_per_group, d)
+        mixed = rearrange(mixed, "s b (g p d) -> s b g p d", g=self.groups_per_rank, d=self.config.kv_channels)
+        query = rearrange(mixed[:, :, :, : self.heads_per_group], "s b g p d -> s b (g p) d")
         return query, mixed[:, :, :, self.heads_per_group], mixed[:, :, :, self.heads_per_group + 1]
 
     def forward(self, hidden: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
