@@ -144,8 +144,10 @@ class SelfAttention(nn.Module):
         s, b, _ = mixed.shape
         d = self.config.kv_channels
         mixed = mixed.view(s, b, self.groups_per_rank, self.heads_per_group + 2, d)
-        query = mixed[:, :, :, : self.heads_per_group].reshape(s, b, self.groups_per_rank * self.heads_per_group, d)
-        return query, mixed[:, :, :, self.heads_per_group], mixed[:, :, :, self.heads_per_group + 1]
+        # one split, whose backward is one cat (three slices would each zero-fill a full-size grad and add)
+        query, key, value = torch.split(mixed, [self.heads_per_group, 1, 1], dim=3)
+        query = query.reshape(s, b, self.groups_per_rank * self.heads_per_group, d)
+        return query, key.squeeze(3), value.squeeze(3)
 
     def forward(self, hidden: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 rotary_pos_emb: Optional[torch.Tensor] = None, inference_cache: Optional[InferenceCache] = None):
