@@ -267,7 +267,7 @@ def write_chart(rows: list[dict], path: str, title: str) -> None:
     colours = ["#4c78a8" if r["kind"] == "efficiency" else "#54a24b" if r["value"] <= 1 else "#f58518" for r in rows]
     y = list(range(len(rows)))[::-1]
     bars = ax.barh(y, [r["value"] for r in rows], color=colours)
-    ax.bar_label(bars, labels=[f"{r['value']:.2f}" for r in rows], padding=3, fontsize=8)
+    ax.bar_label(bars, labels=[f"{r['value']:.2f}" for r in rows], padding=8, fontsize=8)
     for yi, r in zip(y, rows):
         target = _target(r)
         if target is not None:
@@ -312,7 +312,7 @@ def main() -> None:
         rows += globals()[f"bench_{name}"](args)
     if rows:
         print_table(rows)
-        write_chart(rows, args.png, header)
+        write_chart(rows, args.png, header.replace("; ", ";\n", 1) + f", gloo, {os.cpu_count()} CPU cores")
         print(f"\nchart: {args.png}")
 
 
