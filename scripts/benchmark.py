@@ -34,6 +34,7 @@ import pathlib
 import statistics
 import sys
 import time
+import warnings
 from typing import Callable
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -125,6 +126,7 @@ def _tp_worker(shape: GPTShape, rows: int, rounds: int, per_round: int, clock: s
 
 def _dp_worker(shape: GPTShape, rows: int, rounds: int, per_round: int, clock: str) -> dict[str, list[float]]:
     torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", category=FutureWarning)  # the peers' deprecated collective names
     with kernels.use_backend("torch"):
         state = initialize_model_parallel()  # dp = 2
         seed = 1 + state.dp_rank
