@@ -16,7 +16,8 @@ on this rank's rows of the same GPT shape and the same tokens:
   ``tests/integration/megatron_core_reference.py`` does); it returns ``(step, close)``.
 
 Optimizers: ours runs its default (torch's fused AdamW kernel); the eager model and the DDP/FSDP2 peers run
-``torch.optim.AdamW`` with ``fused`` as given (default: torch's default, the per-op update on CPU).
+``torch.optim.AdamW`` with ``fused`` as given (default: torch's default, the per-op update on CPU);
+megatron-core runs torch's default ``AdamW`` (its own optimizer needs CUDA); DeepSpeed its engine's AdamW.
 """
 from __future__ import annotations
 
