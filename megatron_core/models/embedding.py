@@ -51,11 +51,12 @@ class LanguageModelEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         sequence_parallel = self.config.sequence_parallel
-        hidden = self.word_embeddings(input_ids)  # [b, s, h], or [s/tp, b, h] with sequence parallelism
-        if not sequence_parallel:
-            hidden = hidden.transpose(0, 1)  # [s, b, h]
+        if sequence_parallel:
+            hidden = self.word_embeddings(input_ids)  # [s/tp, b, h], reduce-scattered along s
+        else:  # the ids transposed (tiny), not the embeddings: [s, b, h] comes out contiguous
+            hidden = self.word_embeddings(input_ids.t())  # [s, b, h]
         if self.position_embeddings is not None:
-            positions = self.position_embeddings(position_ids).transpose(0, 1)  # [s, b, h], replicated
+            positions = self.position_embeddings(position_ids.t())  # [s, b, h], replicated
             if sequence_parallel:  # backward all-gathers, so every rank's weight grad is complete
                 positions = scatter_to_sequence_parallel_region(positions, self.tp_group)
             hidden = hidden + positions
@@ -64,4 +65,4 @@ class LanguageModelEmbedding(nn.Module):
                 with self.rng_tracker.fork():
                     return F.dropout(hidden, self.config.hidden_dropout)
             return F.dropout(hidden, self.config.hidden_dropout)
-        return hidden.contiguous()
+        return hidden.contiguous()  # a no-op unless the lookup returned a view

@@ -51,15 +51,37 @@ def reduce_over_ranks(sharded: torch.Tensor, replicated: torch.Tensor, *, dp_gro
     return total
 
 
+def _square_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """``sum(tensor ** 2)`` as an fp32 (or fp64) 0-dim tensor: one BLAS dot, no fp64 copy of the tensor
+    (relative error ~1e-7 for a few million elements, against 1e-6 for ``torch._foreach_norm``)."""
+    flat = tensor.reshape(-1)
+    if flat.dtype not in (torch.float32, torch.float64):
+        flat = flat.float()
+    return torch.dot(flat, flat)
+
+
+def _sum_over_devices(values: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The fp64 sum on ``device`` of 0-dim tensors that may lie on several devices (host-offloaded grads)."""
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for value in values:
+        by_device.setdefault(value.device, []).append(value)
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for group in by_device.values():
+        total = total + torch.stack(group).to(device, torch.float64).sum()
+    return total
+
+
 def _partial_sums(grads: Sequence[tuple[torch.Tensor, bool]], device: torch.device,
                   count_zeros: bool) -> torch.Tensor:
-    sums = torch.zeros(2, 2, dtype=torch.float64, device=device)  # [sharded, replicated] x [sq, zeros]
-    for grad, is_shard in grads:
-        row = 0 if is_shard else 1
-        sums[row, 0] += grad.double().pow(2).sum().to(device)
-        if count_zeros:
-            sums[row, 1] += (grad == 0).sum().to(device)
-    return sums
+    """``[[sum of squares, zeros] of the dp shards, [same] of the full tensors]`` in fp64 on ``device``."""
+    rows = []
+    for want_shard in (True, False):
+        tensors = [grad for grad, is_shard in grads if is_shard == want_shard]
+        squares = _sum_over_devices([_square_sum(t) for t in tensors], device)
+        zeros = (_sum_over_devices([(t == 0).sum() for t in tensors], device) if count_zeros
+                 else torch.zeros((), dtype=torch.float64, device=device))
+        rows.append(torch.stack([squares, zeros]))
+    return torch.stack(rows)  # [sharded, replicated] x [sum of squares, zeros]
 
 
 def global_norm_and_zeros(grads: Sequence[tuple[torch.Tensor, bool]], *, dp_group, mp_group,

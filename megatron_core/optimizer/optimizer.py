@@ -67,6 +67,13 @@ def _chunk_pieces(chunk: nn.Module) -> list[tuple]:
     return pieces
 
 
+def _fused_adam_covers(pieces: Sequence[_Piece]) -> bool:
+    """Whether torch's fused AdamW kernel takes every master (floating point, on one device type it covers)."""
+    from torch.optim.optimizer import _get_fused_kernels_supported_devices
+    devices = {p.master.device.type for p in pieces if p.master is not None}
+    return len(devices) == 1 and devices <= set(_get_fused_kernels_supported_devices())
+
+
 class MegatronOptimizer:
     """See the module docstring. Build it with ``get_optimizer``.
 
@@ -151,7 +158,10 @@ class MegatronOptimizer:
                   {"params": [p.master for p in self.pieces if not p.decay], "weight_decay": 0.0}]
         groups = [g for g in groups if g["params"]]
         if config.optimizer == "adam":
-            fused = config.optimizer_cpu_offload and config.optimizer_host_adam == "fused"
+            if config.optimizer_cpu_offload:
+                fused = config.optimizer_host_adam == "fused"
+            else:
+                fused = config.fused_adam and _fused_adam_covers(self.pieces)
             return torch.optim.AdamW(groups, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2),
                                      eps=config.adam_eps, fused=fused or None)
         return torch.optim.SGD(groups, lr=config.lr, momentum=config.sgd_momentum)
@@ -336,7 +346,9 @@ class MegatronOptimizer:
         elif self.optimizer is not None:
             inner = self.optimizer.state[piece.master]
             inner[name] = values.detach().reshape(-1).to(piece.master.device, torch.float32).clone()
-            inner["step"] = torch.tensor(float(step), dtype=torch.float32)
+            fused = bool(self.optimizer.defaults.get("fused"))  # the fused kernel reads step on the master's device
+            inner["step"] = torch.tensor(float(step), dtype=torch.float32,
+                                         device=piece.master.device if fused else None)
 
     def step_count(self) -> float:
         """The largest per-piece step count of the inner optimizer (0 before the first step)."""

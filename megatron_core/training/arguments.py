@@ -140,6 +140,9 @@ def _training_flags(p: argparse.ArgumentParser) -> None:
                    help="elements per streamed chunk of --optimizer-nvme-offload-dir")
     g.add_argument("--optimizer-host-adam", choices=("exact", "fused"), default="exact",
                    help="host Adam kernel with CPU/NVMe offload: torch AdamW's exact math or the fused CPU kernel")
+    g.add_argument("--no-fused-adam", dest="fused_adam", action="store_false",
+                   help="in-memory Adam: torch AdamW's per-op update (bit-identical to --optimizer-host-adam exact) "
+                        "instead of its fused kernel")
     g.add_argument("--param-offload", choices=("none", "cpu", "nvme"), default="none",
                    help="ZeRO-3: keep parameter shards on the host or in NVMe files between uses")
     g.add_argument("--param-nvme-offload-dir", default=None, metavar="DIR",

@@ -43,7 +43,8 @@ def build_optimizer(args: argparse.Namespace, chunks: list[nn.Module], state: Pa
         fp16=args.fp16, initial_loss_scale=args.initial_loss_scale, loss_scale=args.loss_scale,
         optimizer_cpu_offload=args.optimizer_cpu_offload, log_num_zeros_in_grad=args.log_num_zeros_in_grad,
         optimizer_nvme_offload_dir=args.optimizer_nvme_offload_dir,
-        optimizer_nvme_chunk_elements=args.optimizer_nvme_chunk_elements, optimizer_host_adam=args.optimizer_host_adam)
+        optimizer_nvme_chunk_elements=args.optimizer_nvme_chunk_elements, optimizer_host_adam=args.optimizer_host_adam,
+        fused_adam=args.fused_adam)
     optimizer = get_optimizer(config, chunks, parallel_state=state)
     if args.decoupled_lr is not None:
         split_decoupled_groups(optimizer, chunks)

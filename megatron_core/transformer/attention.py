@@ -168,8 +168,9 @@ class SelfAttention(nn.Module):
     def split_qkv(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``[s, b, groups/tp * (heads_per_group + 2) * d]`` -> q ``[s, b, heads/tp, d]``, k, v ``[s, b, groups/tp, d]``."""
         mixed = rearrange(mixed, "s b (g p d) -> s b g p d", g=self.groups_per_rank, d=self.config.kv_channels)
-        query = rearrange(mixed[:, :, :, : self.heads_per_group], "s b g p d -> s b (g p) d")
-        return query, mixed[:, :, :, self.heads_per_group], mixed[:, :, :, self.heads_per_group + 1]
+        # one split, whose backward is one cat (three slices would each zero-fill a full-size grad and add)
+        query, key, value = torch.split(mixed, [self.heads_per_group, 1, 1], dim=3)
+        return rearrange(query, "s b g p d -> s b (g p) d"), key.squeeze(3), value.squeeze(3)
 
     def forward(self, hidden: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 rotary_pos_emb: Optional[torch.Tensor] = None, inference_cache: Optional[InferenceCache] = None):

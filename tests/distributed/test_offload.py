@@ -31,7 +31,7 @@ def _setup(stage: int, *, nvme_dir=None, cpu_offload=False, dtype=torch.float32,
                        if torch.distributed.is_initialized() else 0)
     config = OptimizerConfig(**OPT, bf16=dtype == torch.bfloat16, optimizer_cpu_offload=cpu_offload,
                              optimizer_nvme_offload_dir=nvme_dir, optimizer_nvme_chunk_elements=CHUNK,
-                             optimizer_host_adam=host_adam)
+                             optimizer_host_adam=host_adam, fused_adam=False)  # resident: per-op, as "exact"
     return state, model, ddp, get_optimizer(config, ddp, parallel_state=state)
 
 
