@@ -26,7 +26,7 @@ from megatron_core.pipeline_parallel import PipelineError, get_forward_backward_
 from megatron_core.tensor_parallel import model_parallel_seed
 from megatron_core.training.arguments import transformer_config
 from megatron_core.training.elastic import (check_elastic_world, exit_with_parent, layout_change_notice,
-                                            straggler_report)
+                                            straggler_report, warn_shared_agent_store)
 from megatron_core.training.data import build_datasets_once_per_node, build_run_tokenizer, micro_batches, take
 from megatron_core.training.metrics import MetricsWriter, format_log_line
 from megatron_core.training.optimizer_setup import build_optimizer, wrap_data_parallel
@@ -64,6 +64,7 @@ def build_run(args: argparse.Namespace) -> Run:
     initialize_distributed(args)
     if args.elastic_layout:
         check_elastic_world(args, dist.get_world_size())
+        warn_shared_agent_store(args, dist.get_rank())
     config = transformer_config(args)
     state = initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                                       config.virtual_pipeline_model_parallel_size, args.context_parallel_size,
