@@ -250,10 +250,11 @@ def save(run: Run, iteration: int) -> None:
                   true_vocab_size=run.tokenizer.vocab_size, consumed_samples=run.consumed_samples,
                   optimizer=run.optimizer, scheduler=run.scheduler, run_config=_recorded_flags(run),
                   layout_extra={"zero_stage": run.args.zero_stage})
-    if run.async_writer is not None:
-        run.async_writer.submit(lambda: prepare_checkpoint(run.args.save, **kwargs))
-    else:
-        save_checkpoint(run.args.save, **kwargs)
+    with _phase(run, f"the save of checkpoint {iteration} (gathers and barriers over every rank)"):
+        if run.async_writer is not None:
+            run.async_writer.submit(lambda: prepare_checkpoint(run.args.save, **kwargs))
+        else:
+            save_checkpoint(run.args.save, **kwargs)
     run.save_stalls.append(time.perf_counter() - begin)
     if run.is_logging_rank:
         how = "started saving (async)" if run.async_writer is not None else "saved"
@@ -346,7 +347,8 @@ def _train(run: Run) -> list[float]:
                 if line:
                     print(line, flush=True)
             if run.async_writer is not None:
-                run.async_writer.poll()
+                with _phase(run, "the publication of an async checkpoint (all-reduce over every rank)"):
+                    run.async_writer.poll()
             if iteration % args.eval_interval == 0:
                 hooks.around_evaluation()
                 evaluate(run, iteration, writer)
@@ -356,7 +358,8 @@ def _train(run: Run) -> list[float]:
         if args.save and iteration > start:
             save(run, iteration)
         if run.async_writer is not None:
-            run.async_writer.finish()
+            with _phase(run, "the publication of the last async checkpoint (barriers over every rank)"):
+                run.async_writer.finish()
     finally:
         writer.close()
         hooks.close()

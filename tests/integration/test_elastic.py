@@ -136,3 +136,49 @@ def test_a_returning_node_scales_the_job_back_to_dp2(tmp_path, distributed):
         assert len(want) == len(got)
         for g, w in zip(got, want):
             assert abs(g - w) <= 1e-5 * abs(w), (start, world_size, got, want)
+
+
+def _parent_of(pid):
+    return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+
+
+def _rank_of(pid):
+    environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+    return next((int(v.split(b"=", 1)[1]) for v in environ if v.startswith(b"RANK=")), None)
+
+
+HANG_ITERS = 10
+HANG_ARGV = [*TINY, "--global-batch-size", "8", "--train-iters", str(HANG_ITERS), "--zero-stage", "1"]
+
+
+def test_a_stopped_rank_is_detected_within_the_timeout_and_torchrun_restarts_the_job(tmp_path, distributed):
+    """(d) one agent, two ranks; rank 1 is SIGSTOPped mid-run. Rank 0's next collective fails after
+    --distributed-timeout-minutes 0.1 (6 s) naming the stalled peer; torchrun stops the group (SIGKILL of the
+    stopped rank after its fixed 30 s SIGTERM grace), restarts it, and the job resumes its newest checkpoint
+    and ends with the losses of an uninterrupted single-process run (fp32, 1e-5)."""
+    import os
+    import signal
+    ckpt, metrics = tmp_path / "ckpt", tmp_path / "metrics.jsonl"
+    argv = [*HANG_ARGV, "--distributed-timeout-minutes", "0.1", "--save", str(ckpt), "--save-interval", "1",
+            "--load", str(ckpt), "--metrics-file", str(metrics)]
+    script = [str(ROOT / "tests" / "integration" / "paced_pretrain.py"), "0.3"]
+    with Agents(argv, nproc_per_node=2, nnodes="1", agents=1, torchrun_args=["--max-restarts", "1"],
+                out_dir=tmp_path, script=script) as agents:
+        assert agents.wait(90, until=lambda: len(_records(metrics)) >= 3), agents.log(0)[-3000:]
+        rank1 = [pid for pid in agents.workers(0) if _parent_of(pid) == agents.procs[0].pid and _rank_of(pid) == 1]
+        assert len(rank1) == 1, rank1
+        os.kill(rank1[0], signal.SIGSTOP)
+        stopped = time.monotonic()
+        assert agents.wait(60, until=lambda: "A peer rank died or stalled" in agents.log(0)), agents.log(0)[-3000:]
+        detected_in = time.monotonic() - stopped
+        assert agents.wait(150, until=lambda: agents.procs[0].poll() is not None), agents.log(0)[-3000:]
+        log = agents.log(0)
+        assert agents.procs[0].returncode == 0, log[-4000:]
+    assert detected_in < 6 + 10, detected_in  # the timeout, and slack for the shared cores
+    assert "--distributed-timeout-minutes 0.1" in log and "loaded checkpoint" in log, log[-4000:]
+    reference = distributed(1, _train, HANG_ARGV)[0]
+    segments = _segments(_records(metrics))
+    assert len(segments) >= 2 and segments[-1][0] + len(segments[-1][1]) == HANG_ITERS, segments
+    for start, got in segments:
+        for g, w in zip(got, reference[start:start + len(got)]):
+            assert abs(g - w) <= 1e-5 * abs(w), (start, got, reference)
