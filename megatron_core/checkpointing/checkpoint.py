@@ -30,6 +30,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 from torch import nn
 
+from megatron_core.checkpointing.host_copy import buffer_copies, host_copies
 from megatron_core.checkpointing.durable import fsync_write, publish_folder, save_file_durably
 from megatron_core.checkpointing.layout import (
     global_named_buffers,
@@ -118,8 +119,9 @@ def prepare_checkpoint(directory: str, *, iteration: int, model_chunks: Sequence
                        config: TransformerConfig, state: ParallelState, true_vocab_size: int, consumed_samples: int,
                        optimizer: Optional[Any] = None, scheduler: Optional[Any] = None,
                        run_config: Optional[dict] = None, layout_extra: Optional[dict] = None) -> PendingSave:
-    """Copies what this rank writes to the host (its own copies: training may go on) and gathers every
-    rank's tensor records; collective (ZeRO gathers, the records). Nothing is written but the empty
+    """Copies what this rank writes to the host (its own copies: training may go on; ranks that write no
+    shard copy nothing but their RNG states) and gathers every rank's tensor records; collective (ZeRO-3
+    gathers one bucket at a time, ZeRO optimizer shards, the records). Nothing is written but the empty
     ``iter_N.partial`` folder."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     final = os.path.join(directory, f"iter_{iteration:07d}")
@@ -128,13 +130,10 @@ def prepare_checkpoint(directory: str, *, iteration: int, model_chunks: Sequence
         shutil.rmtree(partial, ignore_errors=True)
         os.makedirs(partial)
     _barrier()
-    with full_parameters(model_chunks):
-        named = global_named_parameters(model_chunks, config, state)
-        # a copy: a ZeRO-3 parameter's gathered storage is freed when the block ends
-        tensors = {name: (param.detach().to("cpu", copy=True).contiguous(), param) for name, param in named.items()}
+    named = global_named_parameters(model_chunks, config, state)
+    tensors = host_copies(model_chunks, named, state)  # what this rank writes; ZeRO-3: bucket by bucket
     # model-state buffers (the router's expert bias): replicated, saved with the dense weights
-    tensors.update({name: (buffer.detach().to("cpu", copy=True).contiguous(), buffer)
-                    for name, buffer in global_named_buffers(model_chunks, config, state).items()})
+    tensors.update(buffer_copies(global_named_buffers(model_chunks, config, state), state))
     optimizer_scalars = None
     if optimizer is not None:
         optim_tensors, optimizer_scalars = collect_optimizer_state(optimizer, named, state)
