@@ -278,8 +278,9 @@ def load(run: Run) -> int:
         return 0
     folder, metadata = read_metadata(args.load, fallback=args.load_fallback)
     load_optim = not (args.finetune or args.no_load_optim)
+    # every rank loads: each file is hashed by one of them (--load-fallback has verified them all already)
     load_model_weights(folder, metadata, model_chunks=run.chunks, config=run.config, state=run.state,
-                       optimizer=run.optimizer if load_optim else None)
+                       optimizer=run.optimizer if load_optim else None, shared_verify=not args.load_fallback)
     if not load_optim:
         run.optimizer.reload_model_params()
     if args.finetune:

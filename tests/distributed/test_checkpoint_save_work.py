@@ -63,3 +63,48 @@ def test_a_zero3_save_gathers_one_bucket_at_a_time(distributed, tmp_path):
     for _, peak_gathered, largest, total, count in results:
         assert count >= 4, count
         assert 0 < peak_gathered <= largest < total / 2, (peak_gathered, largest, total)
+
+
+def _save(argv, save_dir):
+    import kernels
+    from megatron_core.training.arguments import parse_args
+    from megatron_core.training.loop import pretrain
+    with kernels.use_backend("torch"):
+        pretrain(parse_args([*argv, "--save", save_dir]))
+
+
+def _measure_load(argv, load_dir):
+    """On every rank: (tensor bytes it read, the files it hashed, bytes of every tensor file)."""
+    import os
+    import kernels
+    from megatron_core import destroy_model_parallel
+    from megatron_core.checkpointing import load_model_weights, read_metadata
+    from megatron_core.training.arguments import parse_args
+    from megatron_core.training.loop import build_run
+    with kernels.use_backend("torch"):
+        run = build_run(parse_args(argv))
+        try:
+            folder, metadata = read_metadata(load_dir)
+            reader = load_model_weights(folder, metadata, model_chunks=run.chunks, config=run.config,
+                                        state=run.state, optimizer=run.optimizer, shared_verify=True)
+            files = [f for f in os.listdir(folder) if f.startswith("model_")]
+            return reader.bytes_read, reader.files_hashed, sum(os.path.getsize(os.path.join(folder, f))
+                                                               for f in files)
+        finally:
+            destroy_model_parallel(run.state)
+
+
+@pytest.mark.parametrize("save_tp,load_tp,most", [(2, 2, 0.6), (1, 2, 0.8)], ids=["tp2-to-tp2", "tp1-to-tp2"])
+def test_each_rank_reads_only_its_slices_and_each_file_is_hashed_once(distributed, tmp_path, save_tp, load_tp,
+                                                                    most):
+    """Loading at tp 2: each rank reads only its tp shard (at the saved tp: its own file; from tp 1: slices
+    of the one file; a fused QKV or vocab-padded tensor at another tp is still read whole), and the files'
+    sha256 checks are split over the ranks (each file hashed by one rank). Before, every rank read and
+    hashed every shard file in full."""
+    layout = lambda tp: [*ARGV, "--tensor-model-parallel-size", str(tp), "--global-batch-size", str(4 // (2 // tp))]
+    distributed(save_tp, _save, layout(save_tp), str(tmp_path))
+    results = distributed(2, _measure_load, layout(load_tp), str(tmp_path))
+    hashed = [file for _, files, _ in results for file in files]
+    assert sorted(hashed) == sorted(set(hashed)) and len(hashed) == save_tp, hashed
+    for bytes_read, _, file_bytes in results:
+        assert bytes_read < most * file_bytes, (bytes_read, file_bytes)
