@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import json
 import logging
 import os
@@ -30,36 +29,27 @@ import torch.distributed as dist
 from safetensors import safe_open
 from torch import nn
 
+from megatron_core.checkpointing.host_copy import buffer_copies, host_copies
 from megatron_core.checkpointing.durable import fsync_write, publish_folder, save_file_durably
 from megatron_core.checkpointing.layout import (
     global_named_buffers,
     global_named_parameters,
-    merge_shards,
     partition_record,
-    repad_vocab,
-    take_shard,
 )
 from megatron_core.checkpointing.megatron_lm_io import describe_foreign
+from megatron_core.checkpointing.shard_reader import (VOCAB_PARAMS, ShardReader, safe_path, sha256_file,
+                                                       verify_files, verify_once)
 from megatron_core.checkpointing.optimizer_state import collect_optimizer_state, restore_optimizer_state
 from megatron_core.config import TransformerConfig
 from megatron_core.parallel_state import ParallelState
 
 LATEST = "latest_checkpointed_iteration.txt"
 logger = logging.getLogger(__name__)
-VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
-
-
-def sha256_file(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _layout(state: ParallelState, extra: dict) -> dict:
@@ -117,8 +107,9 @@ def prepare_checkpoint(directory: str, *, iteration: int, model_chunks: Sequence
                        config: TransformerConfig, state: ParallelState, true_vocab_size: int, consumed_samples: int,
                        optimizer: Optional[Any] = None, scheduler: Optional[Any] = None,
                        run_config: Optional[dict] = None, layout_extra: Optional[dict] = None) -> PendingSave:
-    """Copies what this rank writes to the host (its own copies: training may go on) and gathers every
-    rank's tensor records; collective (ZeRO gathers, the records). Nothing is written but the empty
+    """Copies what this rank writes to the host (its own copies: training may go on; ranks that write no
+    shard copy nothing but their RNG states) and gathers every rank's tensor records; collective (ZeRO-3
+    gathers one bucket at a time, ZeRO optimizer shards, the records). Nothing is written but the empty
     ``iter_N.partial`` folder."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     final = os.path.join(directory, f"iter_{iteration:07d}")
@@ -127,13 +118,10 @@ def prepare_checkpoint(directory: str, *, iteration: int, model_chunks: Sequence
         shutil.rmtree(partial, ignore_errors=True)
         os.makedirs(partial)
     _barrier()
-    with full_parameters(model_chunks):
-        named = global_named_parameters(model_chunks, config, state)
-        # a copy: a ZeRO-3 parameter's gathered storage is freed when the block ends
-        tensors = {name: (param.detach().to("cpu", copy=True).contiguous(), param) for name, param in named.items()}
+    named = global_named_parameters(model_chunks, config, state)
+    tensors = host_copies(model_chunks, named, state)  # what this rank writes; ZeRO-3: bucket by bucket
     # model-state buffers (the router's expert bias): replicated, saved with the dense weights
-    tensors.update({name: (buffer.detach().to("cpu", copy=True).contiguous(), buffer)
-                    for name, buffer in global_named_buffers(model_chunks, config, state).items()})
+    tensors.update(buffer_copies(global_named_buffers(model_chunks, config, state), state))
     optimizer_scalars = None
     if optimizer is not None:
         optim_tensors, optimizer_scalars = collect_optimizer_state(optimizer, named, state)
@@ -285,33 +273,23 @@ def _read_one(directory: str, iteration: int) -> tuple[str, dict]:
     return folder, metadata
 
 
-def safe_path(folder: str, file: str) -> str:
-    """``folder/file`` for a plain file name from metadata; anything that could leave the folder is refused."""
-    if not isinstance(file, str) or not file or file in (".", "..") or os.path.basename(file) != file \
-            or "\\" in file:
-        raise ValueError(f"checkpoint {folder} names the file {file!r}, which is not a plain file name inside the "
-                         "checkpoint folder: refusing to read it")
-    return os.path.join(folder, file)
-
-
 def _verify(folder: str, metadata: dict, files: set[str]) -> None:
-    for file in sorted(files):
-        path = safe_path(folder, file)
-        expected = metadata["checksums"].get(file)
-        if not os.path.exists(path):
-            raise ValueError(f"checkpoint file {path} is missing")
-        if expected is not None and sha256_file(path) != expected:
-            raise ValueError(f"checkpoint file {path} is corrupt: its sha256 does not match metadata.json")
+    verify_files(folder, metadata, files)
 
 
 def load_model_weights(folder: str, metadata: dict, *, model_chunks: Sequence[nn.Module], config: TransformerConfig,
-                       state: ParallelState, optimizer: Optional[Any] = None) -> None:
-    """Copies every local parameter from the checkpoint, merging and re-splitting tp shards as needed; with
-    ``optimizer``, also its master weights and states (without it, call ``optimizer.reload_model_params()``).
-    Collective with ZeRO-3 wrappers (they gather and re-shard)."""
+                       state: ParallelState, optimizer: Optional[Any] = None, verify_group: Any = None,
+                       shared_verify: bool = False) -> ShardReader:
+    """Copies every local parameter from the checkpoint, reading only the slices of this rank's tp shards
+    (``ShardReader``); with ``optimizer``, also its master weights and states (without it, call
+    ``optimizer.reload_model_params()``). With ``shared_verify`` every rank of ``verify_group`` (default:
+    all) calls this and the files' sha256 checks are split over them (collective); otherwise this rank
+    verifies each file it opens. Collective with ZeRO-3 wrappers (they gather and re-shard). Returns the
+    reader (its ``bytes_read`` and ``files_hashed``)."""
+    hashed = verify_once(folder, metadata, verify_group) if shared_verify else None
     with full_parameters(model_chunks):
         named = global_named_parameters(model_chunks, config, state)
-        with ShardReader(folder, metadata, state) as reader:
+        with ShardReader(folder, metadata, state, verified=shared_verify) as reader:
             for name, param in named.items():
                 shard = reader.read(name, param)
                 if shard is None:
@@ -332,6 +310,9 @@ def load_model_weights(folder: str, metadata: dict, *, model_chunks: Sequence[nn
                     raise ValueError(f"checkpoint {folder} holds no optimizer state; pass --no-load-optim")
                 restore_optimizer_state(optimizer, {id(p): n for n, p in named.items()}, metadata["optimizer"],
                                         reader.read)
+    if hashed is not None:
+        reader.files_hashed = hashed
+    return reader
 
 
 def _store_gathered(chunks: Sequence[nn.Module]) -> None:
@@ -341,53 +322,6 @@ def _store_gathered(chunks: Sequence[nn.Module]) -> None:
             for bucket in chunk.buckets:
                 for param in bucket.params:
                     bucket.load_full(param, param.data)
-
-
-class ShardReader:
-    """Reads checkpoint tensors re-split for this rank's tp shard, verifying each file's checksum once."""
-
-    def __init__(self, folder: str, metadata: dict, state: ParallelState) -> None:
-        self.folder, self.metadata, self.state = folder, metadata, state
-        self.tensors = metadata["tensors"]
-        self._stack = contextlib.ExitStack()
-        self._handles: dict[str, Any] = {}
-
-    def __enter__(self) -> "ShardReader":
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self._stack.close()
-
-    def _handle(self, file: str):
-        if file not in self._handles:
-            _verify(self.folder, self.metadata, {file})
-            self._handles[file] = self._stack.enter_context(safe_open(safe_path(self.folder, file), framework="pt"))
-        return self._handles[file]
-
-    def read(self, name: str, param: nn.Parameter) -> Optional[torch.Tensor]:
-        """Tensor ``name`` as this rank's shard of ``param`` (its partition record and tp-local shape), or None."""
-        source = _source_name(name, self.tensors)
-        if source not in self.tensors:
-            return None
-        entry = self.tensors[source]
-        shards = [self._handle(s["file"]).get_tensor(source)
-                  for _, s in sorted(entry["shards"].items(), key=lambda kv: int(kv[0]))]
-        full = merge_shards(shards, entry["partition_dim"], entry["stride"])
-        if name.endswith(VOCAB_PARAMS):  # padded to a multiple that depends on tp: re-pad from the true vocab
-            full = repad_vocab(full, self.metadata["true_vocab_size"], param.shape[0] * self.state.tp_size)
-        dim, stride = partition_record(param)
-        shard = take_shard(full, dim, stride, self.state.tp_rank, self.state.tp_size)
-        if tuple(shard.shape) != tuple(param.shape):
-            raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(full.shape)} (shard {tuple(shard.shape)}) "
-                             f"but the model expects a shard of {tuple(param.shape)}: another model shape?")
-        return shard
-
-
-def _source_name(name: str, tensors: dict) -> str:
-    """A tied output layer saved without its own copy (pipeline size 1) loads from the word embedding."""
-    if name.endswith("output_layer.weight") and name not in tensors:
-        return name[: -len("output_layer.weight")] + "embedding.word_embeddings.weight"
-    return name
 
 
 def load_rng(folder: str, metadata: dict, *, state: ParallelState, layout_extra: Optional[dict] = None) -> bool:

@@ -43,9 +43,11 @@ def _gather_to_first(optimizer: Any, pieces: list, names: dict[int, str], named:
                      ranks: tuple[int, ...], rank: int) -> dict[str, tuple[torch.Tensor, Any]]:
     """The states of ``pieces`` gathered over ``group`` (the group that shards them: dp x cp for dense
     parameters, expert-dp for experts) to its first rank, as full tensors there; empty elsewhere."""
+    sharded = any(piece.is_shard for piece in pieces)
+    if rank != 0 and not sharded:  # replicated states: the first rank has them all, nothing to copy here
+        return {}
     mine = [(names[id(piece.param)], piece.param_range, piece.param_shape, _piece_states(optimizer, piece))
             for piece in pieces]
-    sharded = any(piece.is_shard for piece in pieces)
     gathered = [mine]
     if sharded and dist.is_initialized() and group is not None and len(ranks) > 1:
         gathered = [None] * len(ranks) if rank == 0 else None

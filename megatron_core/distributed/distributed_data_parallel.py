@@ -343,6 +343,28 @@ class DistributedDataParallel(nn.Module):
             if self.gatherer is not None:
                 self.gatherer.release_all()
 
+    def gathered_buckets(self) -> Iterator[list[nn.Parameter]]:
+        """Yields the parameters of one bucket at a time, full while the caller holds them: at stage 3 each
+        bucket is all-gathered (collective over its dp group, the same order on every rank) before and
+        released after its turn, so at most one bucket's full parameters exist beyond the shards; at other
+        stages the parameters are full already and are yielded in one list. Then the parameters outside
+        buckets (frozen ones), if any."""
+        self.finish_param_sync()
+        if self.config.zero_stage != 3:
+            yield list(self.module.parameters())
+            return
+        for bucket in self.buckets:
+            was_gathered = bucket.gathered
+            bucket.wait_gather()
+            try:
+                yield list(bucket.params)
+            finally:
+                if not was_gathered:
+                    bucket.release_params()
+        rest = [p for p in self.module.parameters() if p not in self._param_to_bucket]
+        if rest:
+            yield rest
+
     # ----------------------------------------------------------------------------------------------------------
     # parameter offload (stage 3)
     def offload_param_shards(self, make_home: Callable[[Bucket], Any], *, tier: str) -> None:

@@ -69,6 +69,23 @@ def check_elastic_world(args: argparse.Namespace, world_size: int) -> int:
     return dp
 
 
+def warn_shared_agent_store(args: argparse.Namespace, rank: int) -> Optional[str]:
+    """Under torchrun with ``--elastic-layout``: a warning (logged on rank 0, also returned) when the agents
+    share their rendezvous TCPStore with the workers (torchrun's default). With it, torch <= 2.13 cannot scale
+    up: the agent of rank 0 keeps the store address of its first round, never publishes it for a later round,
+    and a node that joins then waits 60 s for ``MASTER_ADDR`` and fails. ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``
+    in every agent's environment avoids it (each round then publishes a fresh store address)."""
+    if not args.elastic_layout or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    message = ("--elastic-layout: torchrun shares its rendezvous store with the workers "
+               "(TORCHELASTIC_USE_AGENT_STORE=True); with this torch a node that rejoins after a scale-down cannot "
+               "start (it waits for MASTER_ADDR of the new round). Set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in the "
+               "environment of every torchrun agent so that the job can scale back up")
+    if rank == 0:
+        logger.warning(message)
+    return message
+
+
 def layout_change_notice(metadata: dict, state: ParallelState, num_microbatches: int) -> Optional[str]:
     """A line for the log when a checkpoint written at another dp is resumed (None when the dp is the same)."""
     saved = metadata.get("layout", {}).get("dp")

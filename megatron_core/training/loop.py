@@ -28,7 +28,7 @@ from megatron_core.training.arguments import transformer_config
 from megatron_core.training.banner import end_report, memory_probe, start_banner
 from megatron_core.utils.progress import progress_bar
 from megatron_core.training.elastic import (check_elastic_world, exit_with_parent, layout_change_notice,
-                                            straggler_report)
+                                            straggler_report, warn_shared_agent_store)
 from megatron_core.training.data import build_datasets_once_per_node, build_run_tokenizer, micro_batches, take
 from megatron_core.training.metrics import MetricsWriter, format_log_line
 from megatron_core.training.optimizer_setup import build_optimizer, wrap_data_parallel
@@ -70,6 +70,7 @@ def build_run(args: argparse.Namespace) -> Run:
     initialize_distributed(args)
     if args.elastic_layout:
         check_elastic_world(args, dist.get_world_size())
+        warn_shared_agent_store(args, dist.get_rank())
     config = transformer_config(args)
     state = initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                                       config.virtual_pipeline_model_parallel_size, args.context_parallel_size,
@@ -265,10 +266,11 @@ def save(run: Run, iteration: int) -> None:
                   true_vocab_size=run.tokenizer.vocab_size, consumed_samples=run.consumed_samples,
                   optimizer=run.optimizer, scheduler=run.scheduler, run_config=_recorded_flags(run),
                   layout_extra={"zero_stage": run.args.zero_stage})
-    if run.async_writer is not None:
-        run.async_writer.submit(lambda: prepare_checkpoint(run.args.save, **kwargs))
-    else:
-        save_checkpoint(run.args.save, **kwargs)
+    with _phase(run, f"the save of checkpoint {iteration} (gathers and barriers over every rank)"):
+        if run.async_writer is not None:
+            run.async_writer.submit(lambda: prepare_checkpoint(run.args.save, **kwargs))
+        else:
+            save_checkpoint(run.args.save, **kwargs)
     run.save_stalls.append(time.perf_counter() - begin)
     if run.is_logging_rank:
         how = "started saving (async)" if run.async_writer is not None else "saved"
@@ -292,8 +294,9 @@ def load(run: Run) -> int:
         return 0
     folder, metadata = read_metadata(args.load, fallback=args.load_fallback)
     load_optim = not (args.finetune or args.no_load_optim)
+    # every rank loads: each file is hashed by one of them (--load-fallback has verified them all already)
     load_model_weights(folder, metadata, model_chunks=run.chunks, config=run.config, state=run.state,
-                       optimizer=run.optimizer if load_optim else None)
+                       optimizer=run.optimizer if load_optim else None, shared_verify=not args.load_fallback)
     if not load_optim:
         run.optimizer.reload_model_params()
     if args.finetune:
@@ -364,7 +367,8 @@ def _train(run: Run) -> list[float]:
                 if line:
                     print(line, flush=True)
             if run.async_writer is not None:
-                run.async_writer.poll()
+                with _phase(run, "the publication of an async checkpoint (all-reduce over every rank)"):
+                    run.async_writer.poll()
             if iteration % args.eval_interval == 0:
                 hooks.around_evaluation()
                 loss = evaluate(run, iteration, writer)
@@ -376,7 +380,8 @@ def _train(run: Run) -> list[float]:
         if args.save and iteration > start:
             save(run, iteration)
         if run.async_writer is not None:
-            run.async_writer.finish()
+            with _phase(run, "the publication of the last async checkpoint (barriers over every rank)"):
+                run.async_writer.finish()
     finally:
         writer.close()
         hooks.close()

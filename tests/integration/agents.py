@@ -62,13 +62,20 @@ class Agents:
         agents: how many agents to start now (the first hosts the rendezvous store); ``start()`` adds one.
         torchrun_args: more torchrun flags (``--max-restarts 1``).
         out_dir: where each agent's stdout/stderr go (``agent0.log``...).
+        script: the worker entry point and its leading arguments (default pretrain_gpt.py).
+
+    Rendezvous keep-alives: a heartbeat every second, a node dead after 5 missed ones. Shorter expiries
+    (1 s x 2 was tried) let an agent that the shared cores delay by a second look dead to the others and to
+    itself: its own sync then drops it from the round it leads and a joining agent forms a second job.
     """
 
     def __init__(self, argv: Sequence[str], *, nproc_per_node: int, nnodes: str, agents: int = 2,
-                 torchrun_args: Sequence[str] = (), out_dir: pathlib.Path) -> None:
+                 torchrun_args: Sequence[str] = (), out_dir: pathlib.Path,
+                 script: Sequence[str] = (str(ROOT / "pretrain_gpt.py"),)) -> None:
         self.port, self.out_dir, self.seen = free_port(), out_dir, set()
         self.argv, self.nproc_per_node, self.nnodes, self.torchrun_args = list(argv), nproc_per_node, nnodes, list(
             torchrun_args)
+        self.script = list(script)
         self.procs: list[subprocess.Popen] = []
         for _ in range(agents):
             self.start()
@@ -77,13 +84,15 @@ class Agents:
         """Starts one more agent (the next node: the first one hosts the rendezvous store)."""
         node = len(self.procs)
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+        # torchrun <= 2.13 shares its rendezvous TCPStore with the workers by default, and then a node that
+        # joins a later round waits forever for MASTER_ADDR (rank 0 keeps its cached store info): see elastic.py
+        env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
         command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", self.nnodes, "--node-rank", str(node),
                    "--nproc-per-node", str(self.nproc_per_node), "--rdzv-backend", "c10d",
                    "--rdzv-endpoint", f"127.0.0.1:{self.port}", "--rdzv-id", "test",
                    "--rdzv-conf", f"is_host={int(node == 0)},last_call_timeout=3,join_timeout=60,keep_alive_interval=1,"
-                   "keep_alive_max_attempt=2",
-                   "--monitor-interval", "0.2", *self.torchrun_args, str(ROOT / "pretrain_gpt.py"), *self.argv]
+                   "keep_alive_max_attempt=5",
+                   "--monitor-interval", "0.2", *self.torchrun_args, *self.script, *self.argv]
         log = open(self.out_dir / f"agent{node}.log", "w")
         self.procs.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
                                            start_new_session=True))

@@ -9,7 +9,7 @@ import re
 import shutil
 import time
 
-from tests.integration.agents import TINY, Agents
+from tests.integration.agents import ROOT, TINY, Agents
 
 ITERS = 12
 ARGV = [*TINY, "--global-batch-size", "8", "--train-iters", str(ITERS), "--elastic-layout", "--zero-stage", "1",
@@ -77,3 +77,106 @@ def test_a_worker_whose_agent_is_killed_exits_at_once(tmp_path):
             time.sleep(0.05)
         lived = time.monotonic() - killed
     assert lived < 3, f"the orphaned worker still ran {lived:.1f} s after its agent was killed"
+
+
+def _segments(records):
+    """The metrics records split where the iteration goes back (a restart): [(checkpoint resumed, losses)]."""
+    segments = []
+    for record in records:
+        if not segments or record["iteration"] <= segments[-1][0] + len(segments[-1][1]):
+            segments.append((record["iteration"] - 1, []))
+        segments[-1][1].append(record["lm_loss"])
+    return segments
+
+
+def _reference(distributed, ckpt, tmp_path, start, world_size):
+    """Losses of a fresh run at ``world_size`` ranks from checkpoint ``start`` (a copy of just that folder)."""
+    ref_dir = tmp_path / f"ref_{start}_{world_size}"
+    shutil.copytree(ckpt / f"iter_{start:07d}", ref_dir / f"iter_{start:07d}")
+    (ref_dir / "latest_checkpointed_iteration.txt").write_text(str(start))
+    return distributed(world_size, _train, [*SCALE_ARGV, "--load", str(ref_dir)])[0]
+
+
+SCALE_ITERS, PACE = 30, "0.4"
+SCALE_ARGV = [*TINY, "--global-batch-size", "8", "--train-iters", str(SCALE_ITERS), "--elastic-layout",
+              "--zero-stage", "1", "--distributed-timeout-minutes", "0.5"]
+
+
+def test_a_returning_node_scales_the_job_back_to_dp2(tmp_path, distributed):
+    """(c) dp 2 on two agents; node 1 is SIGKILLed at a random iteration; the survivor goes on at dp 1; a new
+    agent starts; torchrun restarts the survivor's worker when the new node waits to join, and the job
+    finishes at dp 2. Each segment's losses equal a fresh run from its checkpoint at its layout (steps are
+    paced to 0.4 s so that the dp 1 phase outlasts the new agent's start)."""
+    ckpt, metrics = tmp_path / "ckpt", tmp_path / "metrics.jsonl"
+    kill_after = random.Random().randint(2, 4)
+    argv = [*SCALE_ARGV, "--save", str(ckpt), "--save-interval", "1", "--load", str(ckpt), "--async-save",
+            "--metrics-file", str(metrics)]
+    script = [str(ROOT / "tests" / "integration" / "paced_pretrain.py"), PACE]
+    with Agents(argv, nproc_per_node=1, nnodes="1:2", torchrun_args=["--max-restarts", "2"], out_dir=tmp_path,
+                script=script) as agents:
+        assert agents.wait(90, until=lambda: len(_records(metrics)) >= kill_after), agents.log(0)[-3000:]
+        agents.kill_node(1)
+        at_dp1 = lambda: "continuing at dp 1" in agents.log(0) and len(_segments(_records(metrics))) >= 2 \
+            and len(_segments(_records(metrics))[-1][1]) >= 2
+        assert agents.wait(90, until=at_dp1), agents.log(0)[-3000:]
+        agents.start()  # node 2: a machine coming back
+        assert agents.wait(150, until=lambda: agents.procs[0].poll() is not None and agents.procs[2].poll()
+                           is not None), agents.log(0)[-3000:] + agents.log(2)[-3000:]
+        logs = agents.log(0) + agents.log(2)
+        assert agents.procs[0].returncode == 0 and agents.procs[2].returncode == 0, logs[-6000:]
+    assert "continuing at dp 2 (tp 1, pp 1 kept) with 2 micro-batches per rank" in logs, logs[-6000:]
+    segments = _segments(_records(metrics))
+    assert len(segments) >= 3, segments
+    (dp1_start, dp1_losses), (dp2_start, dp2_losses) = segments[-2], segments[-1]
+    assert dp1_start + 1 < dp2_start and dp2_start + len(dp2_losses) == SCALE_ITERS, segments
+    for start, got, world_size in ((dp1_start, dp1_losses, 1), (dp2_start, dp2_losses, 2)):
+        want = _reference(distributed, ckpt, tmp_path, start, world_size)[:len(got)]
+        assert len(want) == len(got)
+        for g, w in zip(got, want):
+            assert abs(g - w) <= 1e-5 * abs(w), (start, world_size, got, want)
+
+
+def _parent_of(pid):
+    return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+
+
+def _rank_of(pid):
+    environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+    return next((int(v.split(b"=", 1)[1]) for v in environ if v.startswith(b"RANK=")), None)
+
+
+HANG_ITERS = 10
+HANG_ARGV = [*TINY, "--global-batch-size", "8", "--train-iters", str(HANG_ITERS), "--zero-stage", "1"]
+
+
+def test_a_stopped_rank_is_detected_within_the_timeout_and_torchrun_restarts_the_job(tmp_path, distributed):
+    """(d) one agent, two ranks; rank 1 is SIGSTOPped mid-run. Rank 0's next collective fails after
+    --distributed-timeout-minutes 0.1 (6 s) naming the stalled peer; torchrun stops the group (SIGKILL of the
+    stopped rank after its fixed 30 s SIGTERM grace), restarts it, and the job resumes its newest checkpoint
+    and ends with the losses of an uninterrupted single-process run (fp32, 1e-5)."""
+    import os
+    import signal
+    ckpt, metrics = tmp_path / "ckpt", tmp_path / "metrics.jsonl"
+    argv = [*HANG_ARGV, "--distributed-timeout-minutes", "0.1", "--save", str(ckpt), "--save-interval", "1",
+            "--load", str(ckpt), "--metrics-file", str(metrics)]
+    script = [str(ROOT / "tests" / "integration" / "paced_pretrain.py"), "0.3"]
+    with Agents(argv, nproc_per_node=2, nnodes="1", agents=1, torchrun_args=["--max-restarts", "1"],
+                out_dir=tmp_path, script=script) as agents:
+        assert agents.wait(90, until=lambda: len(_records(metrics)) >= 3), agents.log(0)[-3000:]
+        rank1 = [pid for pid in agents.workers(0) if _parent_of(pid) == agents.procs[0].pid and _rank_of(pid) == 1]
+        assert len(rank1) == 1, rank1
+        os.kill(rank1[0], signal.SIGSTOP)
+        stopped = time.monotonic()
+        assert agents.wait(60, until=lambda: "A peer rank died or stalled" in agents.log(0)), agents.log(0)[-3000:]
+        detected_in = time.monotonic() - stopped
+        assert agents.wait(150, until=lambda: agents.procs[0].poll() is not None), agents.log(0)[-3000:]
+        log = agents.log(0)
+        assert agents.procs[0].returncode == 0, log[-4000:]
+    assert detected_in < 6 + 10, detected_in  # the timeout, and slack for the shared cores
+    assert "--distributed-timeout-minutes 0.1" in log and "loaded checkpoint" in log, log[-4000:]
+    reference = distributed(1, _train, HANG_ARGV)[0]
+    segments = _segments(_records(metrics))
+    assert len(segments) >= 2 and segments[-1][0] + len(segments[-1][1]) == HANG_ITERS, segments
+    for start, got in segments:
+        for g, w in zip(got, reference[start:start + len(got)]):
+            assert abs(g - w) <= 1e-5 * abs(w), (start, got, reference)

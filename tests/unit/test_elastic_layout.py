@@ -42,3 +42,14 @@ def test_straggler_report_names_the_slowest_rank_above_1_5_x_the_median(distribu
     assert distributed(2, _report, [0.1, 0.2])[0] is None  # 1.33 x the median (0.15)
     lines = distributed(2, _report, [0.1, 0.4])
     assert lines[1] is None and "rank 1 takes 400.0 ms per step, 1.60 x the median 250.0 ms" in lines[0]
+
+
+def test_a_shared_agent_store_is_named_as_what_stops_a_scale_up(monkeypatch):
+    from megatron_core.training.elastic import warn_shared_agent_store
+    args = parse_args(BASE)
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in warn_shared_agent_store(args, 0)
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")
+    assert warn_shared_agent_store(args, 0) is None
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    assert warn_shared_agent_store(parse_args(["--global-batch-size", "16"]), 0) is None  # not elastic

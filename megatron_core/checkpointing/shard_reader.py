@@ -1,0 +1,173 @@
+"""Reading a checkpoint's tensors for this rank: only the byte ranges it needs, each file verified once.
+
+``ShardReader.read`` returns a tensor re-split for this rank's tp shard. It reads from the safetensors files
+only what that shard needs: at the saved tp size, the one saved shard of this tp rank; at another tp size
+with a plain (stride 1) partition, the overlapping slices of the saved shards (``safe_open(...).get_slice``);
+a replicated tensor, from one file. Only a strided (fused QKV) or vocab-padded tensor at another tp size
+is read whole and re-split. ``verify_once`` splits the sha256 checks of a checkpoint's files over the ranks
+of a group (file i on rank i mod size, the failures all-gathered), so each file is hashed once per job
+rather than once per rank that reads it.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from torch import nn
+
+from megatron_core.checkpointing.layout import merge_shards, partition_record, repad_vocab, take_shard
+from megatron_core.parallel_state import ParallelState
+
+VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+def sha256_file(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def safe_path(folder: str, file: str) -> str:
+    """``folder/file`` for a plain file name from metadata; anything that could leave the folder is refused."""
+    if not isinstance(file, str) or not file or file in (".", "..") or os.path.basename(file) != file \
+            or "\\" in file:
+        raise ValueError(f"checkpoint {folder} names the file {file!r}, which is not a plain file name inside the "
+                         "checkpoint folder: refusing to read it")
+    return os.path.join(folder, file)
+
+
+def verify_files(folder: str, metadata: dict, files: set[str]) -> None:
+    """Raises ValueError naming the first missing file or one whose sha256 differs from metadata.json."""
+    for file in sorted(files):
+        path = safe_path(folder, file)
+        expected = metadata["checksums"].get(file)
+        if not os.path.exists(path):
+            raise ValueError(f"checkpoint file {path} is missing")
+        if expected is not None and sha256_file(path) != expected:
+            raise ValueError(f"checkpoint file {path} is corrupt: its sha256 does not match metadata.json")
+
+
+def tensor_files(metadata: dict) -> set[str]:
+    """Every file that holds a tensor of the checkpoint (not the per-rank RNG files)."""
+    return {shard["file"] for entry in metadata["tensors"].values() for shard in entry["shards"].values()}
+
+
+def verify_once(folder: str, metadata: dict, group: Any = None) -> list[str]:
+    """Verifies every tensor file of the checkpoint, each on one rank of ``group`` (collective over it: one
+    all_gather_object); raises the same ValueError on every rank if any fails. Returns the files this rank
+    hashed. Without a process group, this rank verifies them all."""
+    files = sorted(tensor_files(metadata))
+    size = dist.get_world_size(group) if dist.is_initialized() else 1
+    rank = dist.get_rank(group) if dist.is_initialized() else 0
+    mine = files[rank::size]
+    error = None
+    try:
+        verify_files(folder, metadata, set(mine))
+    except ValueError as failure:
+        error = str(failure)
+    errors = [error]
+    if size > 1:
+        errors = [None] * size
+        dist.all_gather_object(errors, error, group=group)
+    failed = [e for e in errors if e]
+    if failed:
+        raise ValueError("; ".join(failed))
+    return mine
+
+
+class ShardReader:
+    """Reads checkpoint tensors re-split for this rank's tp shard (only the byte ranges it needs).
+
+    Args:
+        verified: the files already verified (``verify_once``); any other file is verified here, once, when
+            first opened.
+
+    Attributes:
+        bytes_read: tensor bytes read from the files so far; ``files_hashed``: the files this reader hashed.
+    """
+
+    def __init__(self, folder: str, metadata: dict, state: ParallelState, *, verified: bool = False) -> None:
+        self.folder, self.metadata, self.state = folder, metadata, state
+        self.tensors = metadata["tensors"]
+        self.verified = verified
+        self._stack = contextlib.ExitStack()
+        self._handles: dict[str, Any] = {}
+        self.bytes_read = 0
+        self.files_hashed: list[str] = []
+
+    def __enter__(self) -> "ShardReader":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._stack.close()
+
+    def _handle(self, file: str):
+        if file not in self._handles:
+            if not self.verified:
+                verify_files(self.folder, self.metadata, {file})
+                self.files_hashed.append(file)
+            self._handles[file] = self._stack.enter_context(safe_open(safe_path(self.folder, file), framework="pt"))
+        return self._handles[file]
+
+    def _get(self, file: str, name: str, index: Optional[tuple] = None) -> torch.Tensor:
+        handle = self._handle(file)
+        tensor = handle.get_tensor(name) if index is None else handle.get_slice(name)[index]
+        self.bytes_read += tensor.numel() * tensor.element_size()
+        return tensor
+
+    def read(self, name: str, param: nn.Parameter) -> Optional[torch.Tensor]:
+        """Tensor ``name`` as this rank's shard of ``param`` (its partition record and tp-local shape), or None."""
+        source = _source_name(name, self.tensors)
+        if source not in self.tensors:
+            return None
+        entry = self.tensors[source]
+        shards = [s for _, s in sorted(entry["shards"].items(), key=lambda kv: int(kv[0]))]
+        dim, stride = partition_record(param)
+        tp_rank, tp_size = self.state.tp_rank, self.state.tp_size
+        vocab = name.endswith(VOCAB_PARAMS)
+        same_split = entry["partition_dim"] == dim and entry["stride"] == stride and len(shards) == tp_size
+        if dim is None and entry["partition_dim"] is None:  # replicated: any one file holds it
+            shard = self._get(shards[min(tp_rank, len(shards) - 1)]["file"], source)
+        elif same_split and (not vocab or tuple(shards[tp_rank]["shape"]) == tuple(param.shape)):
+            shard = self._get(shards[tp_rank]["file"], source)  # the saved shard is this rank's
+        elif entry["partition_dim"] == dim and entry["stride"] == stride == 1 and not vocab:
+            shard = self._read_range(source, shards, dim, tp_rank, tp_size)
+        else:  # strided or vocab-padded at another tp size: whole, then re-split
+            full = merge_shards([self._get(s["file"], source) for s in shards], entry["partition_dim"],
+                                entry["stride"])
+            if vocab:  # padded to a multiple that depends on tp: re-pad from the true vocab
+                full = repad_vocab(full, self.metadata["true_vocab_size"], param.shape[0] * tp_size)
+            shard = take_shard(full, dim, stride, tp_rank, tp_size)
+        if tuple(shard.shape) != tuple(param.shape):
+            raise ValueError(f"checkpoint tensor {name!r} has shard shape {tuple(shard.shape)} but the model "
+                             f"expects a shard of {tuple(param.shape)}: another model shape?")
+        return shard
+
+    def _read_range(self, source: str, shards: list[dict], dim: int, tp_rank: int, tp_size: int) -> torch.Tensor:
+        """This rank's chunk (as ``torch.chunk`` splits the full tensor) from the overlapping saved shards."""
+        length = sum(s["shape"][dim] for s in shards)
+        size = -(-length // tp_size)
+        lo, hi = tp_rank * size, min((tp_rank + 1) * size, length)
+        pieces, begin = [], 0
+        for s in shards:
+            end = begin + s["shape"][dim]
+            a, b = max(lo, begin), min(hi, end)
+            if a < b:
+                index = (slice(None),) * dim + (slice(a - begin, b - begin),)
+                pieces.append(self._get(s["file"], source, index))
+            begin = end
+        return torch.cat(pieces, dim)
+
+
+def _source_name(name: str, tensors: dict) -> str:
+    """A tied output layer saved without its own copy (pipeline size 1) loads from the word embedding."""
+    if name.endswith("output_layer.weight") and name not in tensors:
+        return name[: -len("output_layer.weight")] + "embedding.word_embeddings.weight"
+    return name
