@@ -11,7 +11,6 @@ ARGV = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"
 def _measure_save(argv, save_dir, bucket_size=None):
     """On every rank: (bytes allocated by the save, peak gathered-parameter bytes during it, bytes of the
     largest bucket's full parameters, bytes of all parameters)."""
-    import kernels
     from megatron_core import destroy_model_parallel
     from megatron_core.checkpointing.checkpoint import prepare_checkpoint
     from megatron_core.distributed.ddp_config import DistributedDataParallelConfig
@@ -24,25 +23,24 @@ def _measure_save(argv, save_dir, bucket_size=None):
     if bucket_size:
         DistributedDataParallelConfig.resolved_bucket_size = lambda self, dp, total_numel=None: bucket_size
     try:
-        with kernels.use_backend("torch"):
-            run = build_run(parse_args([*argv, "--save", save_dir]))
-            try:
-                batches = micro_batches(run.train_dataset, consumed_samples=0, state=run.state,
-                                        micro_batch_size=2, device=run.state.device)
-                train_step(run, take(batches, run.num_microbatches))  # optimizer states exist
-                with LiveMemoryTracker(categories=lambda: memory_categories(run.chunks, run.optimizer)) as live:
-                    prepare_checkpoint(save_dir, iteration=1, model_chunks=run.chunks, config=run.config,
-                                       state=run.state, true_vocab_size=run.tokenizer.vocab_size,
-                                       consumed_samples=4, optimizer=run.optimizer)
-                buckets = [b for chunk in run.chunks for b in getattr(chunk, "buckets", [])]
-                largest = max(b.numel * b.kind.param_dtype.itemsize for b in buckets)
-                total = sum(p.numel() for chunk in run.chunks for p in chunk.parameters()) * 4
-                if run.config and buckets and buckets[0].shard_params:
-                    total = sum(b.numel * 4 for b in buckets)
-                return (sum(n for n, _ in live.allocations), live.peak_by_category["gathered_parameters"],
-                        largest, total, len(buckets))
-            finally:
-                destroy_model_parallel(run.state)
+        run = build_run(parse_args([*argv, "--save", save_dir]))
+        try:
+            batches = micro_batches(run.train_dataset, consumed_samples=0, state=run.state,
+                                    micro_batch_size=2, device=run.state.device)
+            train_step(run, take(batches, run.num_microbatches))  # optimizer states exist
+            with LiveMemoryTracker(categories=lambda: memory_categories(run.chunks, run.optimizer)) as live:
+                prepare_checkpoint(save_dir, iteration=1, model_chunks=run.chunks, config=run.config,
+                                   state=run.state, true_vocab_size=run.tokenizer.vocab_size,
+                                   consumed_samples=4, optimizer=run.optimizer)
+            buckets = [b for chunk in run.chunks for b in getattr(chunk, "buckets", [])]
+            largest = max(b.numel * b.kind.param_dtype.itemsize for b in buckets)
+            total = sum(p.numel() for chunk in run.chunks for p in chunk.parameters()) * 4
+            if run.config and buckets and buckets[0].shard_params:
+                total = sum(b.numel * 4 for b in buckets)
+            return (sum(n for n, _ in live.allocations), live.peak_by_category["gathered_parameters"],
+                    largest, total, len(buckets))
+        finally:
+            destroy_model_parallel(run.state)
     finally:
         DistributedDataParallelConfig.resolved_bucket_size = original
 
@@ -66,32 +64,28 @@ def test_a_zero3_save_gathers_one_bucket_at_a_time(distributed, tmp_path):
 
 
 def _save(argv, save_dir):
-    import kernels
     from megatron_core.training.arguments import parse_args
     from megatron_core.training.loop import pretrain
-    with kernels.use_backend("torch"):
-        pretrain(parse_args([*argv, "--save", save_dir]))
+    pretrain(parse_args([*argv, "--save", save_dir]))
 
 
 def _measure_load(argv, load_dir):
     """On every rank: (tensor bytes it read, the files it hashed, bytes of every tensor file)."""
     import os
-    import kernels
     from megatron_core import destroy_model_parallel
     from megatron_core.checkpointing import load_model_weights, read_metadata
     from megatron_core.training.arguments import parse_args
     from megatron_core.training.loop import build_run
-    with kernels.use_backend("torch"):
-        run = build_run(parse_args(argv))
-        try:
-            folder, metadata = read_metadata(load_dir)
-            reader = load_model_weights(folder, metadata, model_chunks=run.chunks, config=run.config,
-                                        state=run.state, optimizer=run.optimizer, shared_verify=True)
-            files = [f for f in os.listdir(folder) if f.startswith("model_")]
-            return reader.bytes_read, reader.files_hashed, sum(os.path.getsize(os.path.join(folder, f))
-                                                               for f in files)
-        finally:
-            destroy_model_parallel(run.state)
+    run = build_run(parse_args(argv))
+    try:
+        folder, metadata = read_metadata(load_dir)
+        reader = load_model_weights(folder, metadata, model_chunks=run.chunks, config=run.config,
+                                    state=run.state, optimizer=run.optimizer, shared_verify=True)
+        files = [f for f in os.listdir(folder) if f.startswith("model_")]
+        return reader.bytes_read, reader.files_hashed, sum(os.path.getsize(os.path.join(folder, f))
+                                                           for f in files)
+    finally:
+        destroy_model_parallel(run.state)
 
 
 @pytest.mark.parametrize("save_tp,load_tp,most", [(2, 2, 0.6), (1, 2, 0.8)], ids=["tp2-to-tp2", "tp1-to-tp2"])

@@ -8,7 +8,6 @@ import random
 import signal
 import time
 
-import kernels
 import torch
 from safetensors import safe_open
 
@@ -27,8 +26,7 @@ def _child(directory: str) -> None:
     """Trains from ``directory`` forever (until killed); never returns into pytest."""
     try:
         torch.set_num_threads(1)
-        with kernels.use_backend("torch"):
-            pretrain(parse_args([*ARGV, "--save", directory, "--load", directory]))
+        pretrain(parse_args([*ARGV, "--save", directory, "--load", directory]))
     finally:
         os._exit(1)
 
@@ -37,8 +35,7 @@ def _warm_up(directory: str) -> None:
     """One iteration in this process first, so that each forked child finds torch's lazy imports done and the
     dataset index cache built (a child then starts training within a fraction of a second)."""
     import torch.distributed as dist
-    with kernels.use_backend("torch"):
-        pretrain(parse_args([*ARGV, "--exit-interval", "1", "--save", directory]))
+    pretrain(parse_args([*ARGV, "--exit-interval", "1", "--save", directory]))
     if dist.is_initialized():
         dist.destroy_process_group()
 
