@@ -38,8 +38,8 @@ from megatron_core.config import CP_COMM_TYPES, TransformerConfig
 from megatron_core.context_parallel import ring_attention, split_batch
 from megatron_core.models import GPTModel
 from megatron_core.planning.planner import Hardware, Layout, Workload, plan_layout
-from megatron_core.transformer import DotProductAttention, TransformerLayerSpec
 from megatron_core.testing import DistributedPool
+from megatron_core.transformer import DotProductAttention, TransformerLayerSpec
 from megatron_core.utils.live_memory import LiveMemoryTracker
 
 VOCAB = 256

@@ -43,8 +43,8 @@ from megatron_core.optimizer import OptimizerConfig, get_optimizer
 from megatron_core.optimizer.memory import memory_categories
 from megatron_core.pipeline_parallel import get_forward_backward_func
 from megatron_core.testing import DistributedPool
-from megatron_core.utils.live_memory import LiveMemoryTracker, current_rss_bytes, peak_rss_bytes, reset_peak_rss
 from megatron_core.utils.files import new_figure, save_figure
+from megatron_core.utils.live_memory import LiveMemoryTracker, current_rss_bytes, peak_rss_bytes, reset_peak_rss
 
 FORMULA = {0: lambda dp: 16.0, 1: lambda dp: 8 + 8 / dp, 2: lambda dp: 4 + 12 / dp, 3: lambda dp: 16 / dp}
 RUNS = [("ZeRO-0", 0, True), ("ZeRO-1", 1, True), ("ZeRO-2", 2, True), ("ZeRO-3", 3, True),

@@ -239,6 +239,7 @@ def _allreduce_gbps(megabytes: int = 16) -> float:
 def bench_planner(args) -> list[str]:
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests" / "distributed"))
     import test_planner as tp_test
+
     from megatron_core.planning.planner import Hardware, Workload, plan_layout
     from megatron_core.testing import run_distributed
     torch.set_num_threads(1)

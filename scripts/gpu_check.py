@@ -32,10 +32,10 @@ from typing import Callable, Optional, Sequence
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
 
+import bench_kernels  # noqa: E402 - scripts/bench_kernels.py: the benchmark cases and the peak-bandwidth table
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-import bench_kernels  # noqa: E402 - scripts/bench_kernels.py: the benchmark cases and the peak-bandwidth table
 import kernels  # noqa: E402
 
 FULL = dict(softmax=[(32, 2048), (15, 1000)], masked=[(2, 16, 2048), (1, 3, 777)],

@@ -42,8 +42,8 @@ def _one_step(args) -> str:
     positions = torch.arange(SEQ).expand(MICRO_BATCH, SEQ)
 
     def forward_step(iterator, model):
-        t, l = next(iterator)
-        return model(t, positions, labels=l), lambda loss: (loss.mean(), {"lm loss": loss.mean().detach()})
+        t, lab = next(iterator)
+        return model(t, positions, labels=lab), lambda loss: (loss.mean(), {"lm loss": loss.mean().detach()})
 
     schedule = get_forward_backward_func(args.pp, vpp)
     for step in range(2):  # the first step warms up; the second is drawn

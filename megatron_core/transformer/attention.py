@@ -12,8 +12,8 @@ import math
 from typing import Optional
 
 import torch
-from einops import rearrange
 import torch.nn.functional as F
+from einops import rearrange
 from torch import nn
 
 import kernels
