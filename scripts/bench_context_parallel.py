@@ -57,7 +57,8 @@ def _model(args: argparse.Namespace, state, cp: int, comm_type: str, seq: int) -
     blockwise = comm_type == "blockwise"
     config = TransformerConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
                                position_embedding_type="rope", hidden_dropout=0.0, attention_dropout=0.0,
-                               context_parallel_size=cp, cp_comm_type=comm_type if comm_type in CP_COMM_TYPES else "p2p")
+                               context_parallel_size=cp,
+                               cp_comm_type=comm_type if comm_type in CP_COMM_TYPES else "p2p")
     torch.manual_seed(0)
     spec = TransformerLayerSpec(core_attention=BlockwiseAttention) if blockwise else None
     return GPTModel(config, parallel_state=state, vocab_size=VOCAB, max_sequence_length=seq, layer_spec=spec)

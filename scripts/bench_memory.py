@@ -15,7 +15,8 @@ reports, in bytes per parameter:
 next to the ZeRO paper's formula for fp32 Adam (4 + 4 + 8 bytes: parameter, gradient, two moments; fp32
 masters alias the parameters): 16, 8 + 8/dp, 4 + 12/dp, 16/dp. ZeRO-3 builds the model on the meta device
 (sharded construction). When ``deepspeed`` is installed (``pip install deepspeed``: pure Python on CPU, it
-falls back to gloo) its ZeRO-2 and ZeRO-3 engines run too, with their default settings. Freed tensors must leave the resident set for RSS to mean anything, so the script
+falls back to gloo) its ZeRO-2 and ZeRO-3 engines run too, with their default settings. Freed tensors must leave the
+resident set for RSS to mean anything, so the script
 re-executes itself with ``MALLOC_MMAP_THRESHOLD_=65536`` (allocations above 64 KiB are mmapped and unmapped).
 
     python scripts/bench_memory.py                   # dp 2 and 4; writes outputs/bench_memory.png

@@ -156,7 +156,8 @@ def bench_pp(args) -> list[dict]:
     pp_args = argparse.Namespace(pp=2, microbatches=8, micro_batch=2, layers=args.layers, hidden=args.hidden,
                                  seq=args.seq, steps=args.steps, vpp=2)
     with DistributedPool(2) as pool:
-        ours, theirs = _alternate(args.runs, lambda: max(r[0] for r in pool.run(bench_pipeline._bench, "ours", pp_args, None)),
+        ours, theirs = _alternate(args.runs,
+                                  lambda: max(r[0] for r in pool.run(bench_pipeline._bench, "ours", pp_args, None)),
                                   lambda: max(r[0] for r in pool.run(bench_pipeline._bench, "torch", pp_args, None)))
     return [_row("pp 2 (1F1B, 8 micro-batches)", "torch.distributed.pipelining", ours, theirs)]
 
@@ -204,7 +205,8 @@ def bench_scaling(args) -> list[str]:
     base = _shape(args)
     points = [("base", base), ("2x layers", _replace(base, layers=2 * base.layers)),
               ("2x hidden", _replace(base, hidden=2 * base.hidden)), ("2x seq", _replace(base, seq=2 * base.seq))]
-    lines = ["scaling (ours, one process):", "", "| shape | layers | hidden | seq | step s (median) | vs base | GFLOP/step | TFLOP/s | activations MiB "
+    lines = ["scaling (ours, one process):", "",
+             "| shape | layers | hidden | seq | step s (median) | vs base | GFLOP/step | TFLOP/s | activations MiB "
              "(measured / predicted) | model states MiB |", "| --- |" + " ---: |" * 9]
     base_time = None
     for name, shape in points:
@@ -252,15 +254,15 @@ def bench_planner(args) -> list[str]:
     for layout in tp_test.LAYOUTS:
         pairs = tp_test.predicted_and_measured(run_distributed, layout)
         measured_ms = 1e3 * statistics.median(
-            max(r.step_seconds for r in run_distributed(layout.tp * layout.pp * layout.dp * layout.cp, tp_test._measure, layout,
-                                                        {**tp_test.MODEL, "sequence_parallel": layout.sequence_parallel,
+            max(r.step_seconds for r in run_distributed(layout.tp * layout.pp * layout.dp * layout.cp, tp_test._measure,
+                                                        layout, {**tp_test.MODEL, "sequence_parallel": layout.sequence_parallel,
                                                          "recompute_granularity": layout.recompute}, 3))
             for _ in range(3))
         workload = Workload(vocab_size=tp_test.V, seq_length=tp_test.S, micro_batch_size=tp_test.B,
                             global_batch_size=tp_test.B * tp_test.M * layout.dp, make_vocab_size_divisible_by=8,
                             mask_bytes=2)
-        hardware = Hardware(num_devices=layout.tp * layout.pp * layout.dp * layout.cp, memory_per_device_gb=1, peak_tflops=peak,
-                            intra_node_bandwidth_gbps=gbps, devices_per_node=4, compute_efficiency=1.0)
+        hardware = Hardware(num_devices=layout.tp * layout.pp * layout.dp * layout.cp, memory_per_device_gb=1,
+                            peak_tflops=peak, intra_node_bandwidth_gbps=gbps, devices_per_node=4, compute_efficiency=1.0)
         plan = plan_layout(base, workload, hardware, layout)
         predicted, measured = max(p for p, _ in pairs), max(m for _, m in pairs)
         lines.append(f"| {layout.tp} | {layout.pp} | {layout.dp} | {layout.vpp or 1} | {layout.zero_stage} | "

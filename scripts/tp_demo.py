@@ -113,7 +113,8 @@ def main() -> None:
     dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=2))
     torch.set_num_threads(1)
     state = initialize_model_parallel(tensor_model_parallel_size=args.tensor_model_parallel_size or dist.get_world_size())
-    vocab = vocab_size_with_padding(BYTE_VOCAB, make_vocab_size_divisible_by=64, tensor_model_parallel_size=state.tp_size)
+    vocab = vocab_size_with_padding(BYTE_VOCAB, make_vocab_size_divisible_by=64,
+                                    tensor_model_parallel_size=state.tp_size)
     samples = load_corpus(args.seq_length)
     global_batch = args.micro_batch_size * state.dp_size
     generator = torch.Generator().manual_seed(args.seed)

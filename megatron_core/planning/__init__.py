@@ -8,5 +8,6 @@ from megatron_core.planning.activations import (
 )
 
 __all__ = [
-    "ActivationShape", "in_flight_microbatches", "korthikanti_bytes", "layer_activation_bytes", "stage_activation_bytes",
+    "ActivationShape", "in_flight_microbatches", "korthikanti_bytes", "layer_activation_bytes",
+    "stage_activation_bytes",
 ]

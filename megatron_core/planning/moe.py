@@ -30,7 +30,8 @@ def moe_layers_on_stage(config: TransformerConfig, *, pp_rank: int) -> int:
         return 0
     count = 0
     for vp in range(config.virtual_pipeline_model_parallel_size or 1):
-        offset, layers = config.pipeline_layer_range(pp_rank, vp if config.virtual_pipeline_model_parallel_size else None)
+        offset, layers = config.pipeline_layer_range(pp_rank,
+                                                     vp if config.virtual_pipeline_model_parallel_size else None)
         count += sum(config.moe.is_moe_layer(n, config.num_layers) for n in range(offset + 1, offset + layers + 1))
     return count
 

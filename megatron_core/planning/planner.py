@@ -151,7 +151,8 @@ def stage_parameters(config: TransformerConfig, workload: Workload, *, pp_rank: 
     the tied embedding copy on the first and last stage (pp > 1) and sequence-parallel norms/biases."""
     tp, pp = config.tensor_model_parallel_size, config.pipeline_model_parallel_size
     h = config.hidden_size
-    padded = vocab_size_with_padding(workload.vocab_size, make_vocab_size_divisible_by=workload.make_vocab_size_divisible_by,
+    padded = vocab_size_with_padding(workload.vocab_size,
+                                     make_vocab_size_divisible_by=workload.make_vocab_size_divisible_by,
                                      tensor_model_parallel_size=tp)
     partitioned, replicated = _layer_params(config, tp)
     layers = config.num_layers // pp
@@ -235,7 +236,8 @@ def rank_activation_bytes(config: TransformerConfig, workload: Workload, *, pp_r
     """Peak activation bytes on a rank of pipeline stage ``pp_rank`` (1F1B or interleaved), MoE layers at
     expert-parallel size ``ep``."""
     pp, vpp = config.pipeline_model_parallel_size, config.virtual_pipeline_model_parallel_size
-    padded = vocab_size_with_padding(workload.vocab_size, make_vocab_size_divisible_by=workload.make_vocab_size_divisible_by,
+    padded = vocab_size_with_padding(workload.vocab_size,
+                                     make_vocab_size_divisible_by=workload.make_vocab_size_divisible_by,
                                      tensor_model_parallel_size=config.tensor_model_parallel_size)
     in_flight = in_flight_microbatches(pp_rank, pp, num_microbatches, vpp)
     return stage_activation_bytes(config, _shape(config, workload, ep, etp), layers=config.num_layers // pp,
@@ -356,7 +358,8 @@ def plan_layout(base: TransformerConfig, workload: Workload, hardware: Hardware,
     flops = hardware_flops_per_iteration(config, batch_size=workload.global_batch_size,
                                          seq_length=workload.seq_length,
                                          padded_vocab_size=vocab_size_with_padding(
-                                             workload.vocab_size, make_vocab_size_divisible_by=workload.make_vocab_size_divisible_by,
+                                             workload.vocab_size,
+                                             make_vocab_size_divisible_by=workload.make_vocab_size_divisible_by,
                                              tensor_model_parallel_size=layout.tp))
     compute = flops / hardware.num_devices / (hardware.peak_tflops * 1e12 * hardware.compute_efficiency)
     tp_s, other_s = _comm_seconds(config, workload, layout, hardware, m)
@@ -408,7 +411,8 @@ def rank_plans(base: TransformerConfig, workload: Workload, hardware: Hardware) 
     if workload.global_batch_size % workload.micro_batch_size:
         raise ValueError(f"global batch {workload.global_batch_size} is not divisible by micro batch "
                          f"{workload.micro_batch_size}")
-    plans = [plan_layout(base, workload, hardware, layout) for layout in valid_layouts(base, workload, hardware.num_devices)]
+    plans = [plan_layout(base, workload, hardware, layout)
+             for layout in valid_layouts(base, workload, hardware.num_devices)]
     if not plans:
         raise ValueError(f"no layout of {hardware.num_devices} devices divides heads {base.num_attention_heads}, "
                          f"layers {base.num_layers} and global batch {workload.global_batch_size} / micro batch "

@@ -95,7 +95,8 @@ def validate_moe_flags(args: argparse.Namespace) -> None:
         raise ValueError(f"--expert-tensor-parallel-size {etp} must be 1 or --tensor-model-parallel-size {tp}: "
                          "experts are split over the tp group or not at all")
     if args.num_experts is None:
-        given = [f for f, v in (("--expert-model-parallel-size", ep != 1), ("--moe-grouped-gemm", args.moe_grouped_gemm),
+        given = [f for f, v in (("--expert-model-parallel-size", ep != 1),
+                                ("--moe-grouped-gemm", args.moe_grouped_gemm),
                                 ("--expert-tensor-parallel-size", etp != 1),
                                 ("--moe-expert-capacity-factor", args.moe_expert_capacity_factor is not None)) if v]
         if given:

@@ -244,7 +244,8 @@ def evaluate(run: Run, iteration: int, writer: MetricsWriter) -> Optional[float]
     with torch.no_grad():
         for _ in progress_bar(range(run.args.eval_iters), desc=f"evaluating at iteration {iteration}", leave=False,
                               enabled=run.is_logging_rank and not run.args.no_progress and run.args.eval_iters >= 10):
-            total += reduce_losses(run_schedule(run, take(iterator, run.num_microbatches), forward_only=True), run.state)
+            total += reduce_losses(run_schedule(run, take(iterator, run.num_microbatches), forward_only=True),
+                                   run.state)
     run.valid_consumed += run.args.eval_iters * run.global_batch
     for chunk in run.chunks:
         chunk.train()

@@ -166,7 +166,8 @@ class SelfAttention(nn.Module):
             init_method=scaled_init_method_normal(config.init_method_std, config.num_layers), **common)
 
     def split_qkv(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``[s, b, groups/tp * (heads_per_group + 2) * d]`` -> q ``[s, b, heads/tp, d]``, k, v ``[s, b, groups/tp, d]``."""
+        """``[s, b, groups/tp * (heads_per_group + 2) * d]`` -> q ``[s, b, heads/tp, d]``,
+        k, v ``[s, b, groups/tp, d]``."""
         mixed = rearrange(mixed, "s b (g p d) -> s b g p d", g=self.groups_per_rank, d=self.config.kv_channels)
         query = rearrange(mixed[:, :, :, : self.heads_per_group], "s b g p d -> s b (g p) d")
         return query, mixed[:, :, :, self.heads_per_group], mixed[:, :, :, self.heads_per_group + 1]
