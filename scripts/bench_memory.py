@@ -313,7 +313,8 @@ def main() -> None:
     _chart(results, args.png)
     if args.pipeline:
         print("pp 2 x dp 2, ZeRO-3, 1F1B: peak live bytes per parameter of the stage (the largest dp rank)\n")
-        print("| micro-batches | stage | model states (incl. gathered, grad buckets) | of which gathered | activations |")
+        print("| micro-batches | stage | model states (incl. gathered, grad buckets) | of which gathered "
+              "| activations |")
         print("| ---: | ---: | ---: | ---: | ---: |")
         for m in (2, 8):
             with DistributedPool(4) as pool:

@@ -93,7 +93,8 @@ def gpt_step_seconds(kind: str, shape: GPTShape, batch: int, steps: int, backend
     device = _device(backend)
     inputs, labels = _batch(shape, batch, device)
     if kind == "ours":
-        state = initialize_model_parallel(tensor_model_parallel_size=dist.get_world_size() if dist.is_initialized() else 1)
+        state = initialize_model_parallel(
+            tensor_model_parallel_size=dist.get_world_size() if dist.is_initialized() else 1)
         model = _ours_model(shape, state, device)
         optimizer = get_optimizer(OptimizerConfig(lr=1e-4, clip_grad=0.0), model, parallel_state=state)
         positions = torch.arange(shape.seq, device=device).expand(batch, shape.seq)
@@ -255,20 +256,23 @@ def bench_planner(args) -> list[str]:
         pairs = tp_test.predicted_and_measured(run_distributed, layout)
         measured_ms = 1e3 * statistics.median(
             max(r.step_seconds for r in run_distributed(layout.tp * layout.pp * layout.dp * layout.cp, tp_test._measure,
-                                                        layout, {**tp_test.MODEL, "sequence_parallel": layout.sequence_parallel,
+                                                        layout,
+                                                        {**tp_test.MODEL, "sequence_parallel": layout.sequence_parallel,
                                                          "recompute_granularity": layout.recompute}, 3))
             for _ in range(3))
         workload = Workload(vocab_size=tp_test.V, seq_length=tp_test.S, micro_batch_size=tp_test.B,
                             global_batch_size=tp_test.B * tp_test.M * layout.dp, make_vocab_size_divisible_by=8,
                             mask_bytes=2)
         hardware = Hardware(num_devices=layout.tp * layout.pp * layout.dp * layout.cp, memory_per_device_gb=1,
-                            peak_tflops=peak, intra_node_bandwidth_gbps=gbps, devices_per_node=4, compute_efficiency=1.0)
+                            peak_tflops=peak, intra_node_bandwidth_gbps=gbps, devices_per_node=4,
+                            compute_efficiency=1.0)
         plan = plan_layout(base, workload, hardware, layout)
         predicted, measured = max(p for p, _ in pairs), max(m for _, m in pairs)
         lines.append(f"| {layout.tp} | {layout.pp} | {layout.dp} | {layout.vpp or 1} | {layout.zero_stage} | "
                      f"{'yes' if layout.sequence_parallel else 'no'} | {layout.recompute or 'none'} | "
                      f"{predicted / 2**20:.3f} | {measured / 2**20:.3f} | {predicted / measured:.3f} | "
-                     f"{plan.step_seconds * 1e3:.1f} | {measured_ms:.1f} | {plan.step_seconds * 1e3 / measured_ms:.2f} |")
+                     f"{plan.step_seconds * 1e3:.1f} | {measured_ms:.1f} | "
+                     f"{plan.step_seconds * 1e3 / measured_ms:.2f} |")
     return lines
 
 

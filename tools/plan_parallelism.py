@@ -120,10 +120,12 @@ def format_table(plans: list[Plan], top: int) -> str:
                     "| ---: | ---: |"]
     for i, plan in enumerate(plans[:top], 1):
         lay = plan.layout
-        rows.append(f"| {i} | {lay.tp} | {lay.pp} | {lay.cp} | {lay.ep} | {lay.etp} | {lay.dp} | {lay.vpp or 1} | {lay.zero_stage} | "
+        rows.append(f"| {i} | {lay.tp} | {lay.pp} | {lay.cp} | {lay.ep} | {lay.etp} | {lay.dp} | {lay.vpp or 1} | "
+                    f"{lay.zero_stage} | "
                     f"{'yes' if lay.sequence_parallel else 'no'} | {lay.recompute or 'none'} | "
                     f"{plan.model_state_bytes / 2**30:.2f} | {plan.activation_bytes / 2**30:.2f} | "
-                    f"{plan.transient_bytes / 2**30:.2f} | {plan.memory_bytes / 2**30:.2f} | {'yes' if plan.fits else 'NO'} | {plan.step_seconds:.3f} | "
+                    f"{plan.transient_bytes / 2**30:.2f} | {plan.memory_bytes / 2**30:.2f} | "
+                    f"{'yes' if plan.fits else 'NO'} | {plan.step_seconds:.3f} | "
                     f"{plan.compute_seconds:.3f} | {plan.comm_seconds:.3f} | {plan.bubble:.3f} |")
     return "\n".join(rows)
 
@@ -151,7 +153,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"plan_parallelism.py: error: {error}", file=sys.stderr)
         return 2
     print(f"{len(plans)} layouts of {options.num_devices} devices, {sum(p.fits for p in plans)} fit in "
-          f"{options.memory_per_device_gb:g} GiB; vocab {workload.vocab_size}, global batch {workload.global_batch_size}\n")
+          f"{options.memory_per_device_gb:g} GiB; vocab {workload.vocab_size}, "
+          f"global batch {workload.global_batch_size}\n")
     print(format_table(plans, options.top))
     if not plans[0].fits:
         offloaded = sorted((p for p in plans if p.fits_with_offload), key=lambda p: p.step_seconds)

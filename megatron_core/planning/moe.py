@@ -58,7 +58,8 @@ def moe_dense_parameters(config: TransformerConfig, *, tp: int) -> tuple[float, 
     h = config.hidden_size
     router = config.moe.num_moe_experts * h
     shared = config.moe.moe_shared_expert_intermediate_size or 0
-    partitioned = (_gated(config) * shared * h + h * shared + (_gated(config) * shared if config.add_bias_linear else 0)) / tp
+    partitioned = (_gated(config) * shared * h + h * shared
+                   + (_gated(config) * shared if config.add_bias_linear else 0)) / tp
     replicated = router + (h if shared and config.add_bias_linear else 0)
     return partitioned, replicated, router if config.sequence_parallel else 0.0
 

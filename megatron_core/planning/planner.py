@@ -259,7 +259,8 @@ def rank_transient_bytes(config: TransformerConfig, workload: Workload, *, pp_ra
 
 def _bandwidth(span: int, hardware: Hardware) -> float:
     """Bytes/s of a group whose ranks span ``span`` consecutive global ranks."""
-    gbps = hardware.intra_node_bandwidth_gbps if span <= hardware.devices_per_node else hardware.inter_node_bandwidth_gbps
+    gbps = (hardware.intra_node_bandwidth_gbps if span <= hardware.devices_per_node
+            else hardware.inter_node_bandwidth_gbps)
     return gbps * 1e9
 
 
@@ -273,7 +274,8 @@ def _comm_seconds(config: TransformerConfig, workload: Workload, layout: Layout,
     tp_s = tp_ops * (config.num_layers // p) * m * 2 * (t - 1) / t * activation / _bandwidth(t, hardware)
     pp_s = 0.0
     if p > 1:
-        pp_s = 2 * m * (layout.vpp or 1) * activation / (t if layout.sequence_parallel else 1) / _bandwidth(t * c * d * p, hardware)
+        pp_s = (2 * m * (layout.vpp or 1) * activation / (t if layout.sequence_parallel else 1)
+                / _bandwidth(t * c * d * p, hardware))
     tp_s += cp_comm_seconds(config, workload, layout, hardware, num_microbatches)
     tp_s += ep_comm_seconds(config, workload, layout, hardware, num_microbatches)
     params, _ = stage_parameters(config, workload, pp_rank=0)
@@ -302,7 +304,8 @@ def ep_comm_seconds(config: TransformerConfig, workload: Workload, layout: Layou
     layers = moe_layers_on_stage(config, pp_rank=0)
     if not layers:
         return 0.0
-    tokens = workload.seq_length / layout.cp * workload.micro_batch_size / (layout.tp if layout.sequence_parallel else 1)
+    tokens = (workload.seq_length / layout.cp * workload.micro_batch_size
+              / (layout.tp if layout.sequence_parallel else 1))
     e, full = 2 if (config.bf16 or config.fp16) else 4, layout.recompute == "full"
     ep_bytes = ep_comm_bytes(config, tokens=layout.etp * tokens, element_bytes=e, ep=layout.ep, recompute_full=full)
     etp_bytes = etp_comm_bytes(config, tokens=tokens, element_bytes=e, etp=layout.etp, recompute_full=full)

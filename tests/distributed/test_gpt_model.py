@@ -180,7 +180,8 @@ def test_hand_split_pipeline_equals_whole_model(tied):
     grads = {_global_name(name, shift): param.grad
              for model, shift in ((first, 0), (last, 2)) for name, param in model.named_parameters()}
     if tied:  # what finalize_model_grads does over the embedding group
-        grads["embedding.word_embeddings.weight"] = grads["embedding.word_embeddings.weight"] + grads.pop("output_layer.weight")
+        grads["embedding.word_embeddings.weight"] = (grads["embedding.word_embeddings.weight"]
+                                                     + grads.pop("output_layer.weight"))
     assert grads.keys() == reference_grads.keys()
     for name, grad in grads.items():
         torch.testing.assert_close(grad, reference_grads[name][0], **GRAD_TOL, msg=lambda m: f"{name}: {m}")

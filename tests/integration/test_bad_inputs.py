@@ -73,7 +73,8 @@ def test_load_from_a_folder_without_a_checkpoint(distributed, tmp_path):
 def test_world_size_not_matching_the_layout(distributed):
     status, err = distributed(2, run_main,
                               [*TINY, "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"])[0]
-    assert status == 2 and "world_size 2 is not divisible by tensor_model_parallel_size 2 x pipeline_model_parallel_size 2" in err
+    assert status == 2 and ("world_size 2 is not divisible by tensor_model_parallel_size 2 x "
+                            "pipeline_model_parallel_size 2") in err
 
 
 def _write_dataset(prefix, tokens):
