@@ -27,6 +27,7 @@ from megatron_core.tensor_parallel.initialization import (
     init_method_constant,
     init_method_normal,
     init_param_,
+    scaled_init_method_normal,  # noqa: F401 (re-exported by megatron_core.tensor_parallel)
 )
 from megatron_core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
