@@ -11,6 +11,8 @@ run the Triton kernels under the interpreter only in mode "triton" (with ``TRITO
 This package never imports megatron_core.
 """
 from kernels._dispatch import BACKENDS, KernelBackend, triton_unavailable_reason
+from kernels.layernorm import layer_norm, rms_norm
+from kernels.softmax import scaled_masked_softmax, scaled_upper_triang_masked_softmax
 from kernels.xentropy import (
     CrossEntropyShardStats,
     cross_entropy,
@@ -18,8 +20,6 @@ from kernels.xentropy import (
     cross_entropy_shard_backward,
     cross_entropy_shard_stats,
 )
-from kernels.layernorm import layer_norm, rms_norm
-from kernels.softmax import scaled_masked_softmax, scaled_upper_triang_masked_softmax
 
 __all__ = [
     "BACKENDS",

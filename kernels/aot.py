@@ -19,9 +19,8 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-
-_POINTER = MappingProxyType({torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.int64: "*i64",
-            torch.int32: "*i32", torch.uint8: "*u8", torch.bool: "*i1"})
+_POINTER = MappingProxyType({torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16",
+                             torch.int64: "*i64", torch.int32: "*i32", torch.uint8: "*u8", torch.bool: "*i1"})
 
 Launch = tuple[Any, tuple, dict]
 

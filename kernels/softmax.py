@@ -141,9 +141,9 @@ def _forward_triton(x: torch.Tensor, mask: Optional[torch.Tensor], scale: float,
         strides = tuple(mask_arg.stride())
     block, one_block = _dispatch.block_size(sk, _MAX_BLOCK)
     rows = x.numel() // sk
-    backend.launch(_softmax_fwd_kernel, (rows,), x, y, mask_arg, sk, sq, heads, *strides, scale, HAS_MASK=mask is not None,
-                                 CAUSAL=causal, ONE_BLOCK=one_block, BLOCK=block,
-                                 num_warps=_dispatch.num_warps(block))
+    backend.launch(_softmax_fwd_kernel, (rows,), x, y, mask_arg, sk, sq, heads, *strides, scale,
+                   HAS_MASK=mask is not None, CAUSAL=causal, ONE_BLOCK=one_block, BLOCK=block,
+                   num_warps=_dispatch.num_warps(block))
     return y
 
 
@@ -153,8 +153,8 @@ def _backward_triton(y: torch.Tensor, dy: torch.Tensor, scale: float, causal: bo
     dx = torch.empty_like(y)
     sq, sk = y.shape[-2], y.shape[-1]
     block, one_block = _dispatch.block_size(sk, _MAX_BLOCK)
-    backend.launch(_softmax_bwd_kernel, (y.numel() // sk,), y, dy, dx, sk, sq, scale, CAUSAL=causal, ONE_BLOCK=one_block,
-                                            BLOCK=block, num_warps=_dispatch.num_warps(block))
+    backend.launch(_softmax_bwd_kernel, (y.numel() // sk,), y, dy, dx, sk, sq, scale, CAUSAL=causal,
+                   ONE_BLOCK=one_block, BLOCK=block, num_warps=_dispatch.num_warps(block))
     return dx
 
 

@@ -215,7 +215,8 @@ def cross_entropy_shard_backward(logits: torch.Tensor, target: torch.Tensor, row
     smooth, target_weight = label_smoothing / vocab_size, 1.0 - label_smoothing
     kernel_backend = resolve(backend)
     backend = kernel_backend.select("cross_entropy_shard_backward", logits.device,
-                                    _dispatch.unsupported_dtype("logits", logits) or _dispatch.unsupported_dtype("out", out))
+                                    _dispatch.unsupported_dtype("logits", logits)
+                                    or _dispatch.unsupported_dtype("out", out))
     buffer = out if out.is_contiguous() else torch.empty_like(out, memory_format=torch.contiguous_format)
     buffer_rows = buffer.view(-1, buffer.shape[-1])  # [tokens, V_shard]
     if backend == "torch" or rows.shape[0] == 0:
@@ -224,9 +225,9 @@ def cross_entropy_shard_backward(logits: torch.Tensor, target: torch.Tensor, row
     else:
         n, v = rows.shape
         block = _dispatch.block_size(v, _MAX_BLOCK)[0]
-        kernel_backend.launch(_ce_bwd_kernel, (n, -(-v // block)), rows, target, row_max, sum_exp, grad_scale, buffer_rows, v,
-                                            rows.stride(0), buffer_rows.stride(0), vocab_start, smooth,
-                                            target_weight, BLOCK=block, num_warps=_dispatch.num_warps(block))
+        kernel_backend.launch(_ce_bwd_kernel, (n, -(-v // block)), rows, target, row_max, sum_exp, grad_scale,
+                              buffer_rows, v, rows.stride(0), buffer_rows.stride(0), vocab_start, smooth,
+                              target_weight, BLOCK=block, num_warps=_dispatch.num_warps(block))
     return out if buffer is out else out.copy_(buffer)
 
 

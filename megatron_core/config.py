@@ -243,7 +243,8 @@ class TransformerConfig(ModelParallelConfig):
                                  "or give first_pipeline_num_layers / last_pipeline_num_layers")
             return
         if pp == 1 or vpp > 1:
-            raise ValueError(f"first/last_pipeline_num_layers need pipeline parallelism without virtual stages ({values})")
+            raise ValueError(f"first/last_pipeline_num_layers need pipeline parallelism without virtual stages "
+                             f"({values})")
         fixed = [n for n in (first, last) if n is not None]
         middle_stages, middle_layers = pp - len(fixed), self.num_layers - sum(fixed)
         if any(n < 1 for n in fixed) or middle_layers < middle_stages or (
@@ -268,7 +269,8 @@ class TransformerConfig(ModelParallelConfig):
         return sum(counts[:pp_rank]), counts[pp_rank]
 
     def _uneven_stage_counts(self) -> list[int]:
-        pp, first, last = self.pipeline_model_parallel_size or 1, self.first_pipeline_num_layers, self.last_pipeline_num_layers
+        pp, first, last = (self.pipeline_model_parallel_size or 1, self.first_pipeline_num_layers,
+                           self.last_pipeline_num_layers)
         middle_stages = pp - (first is not None) - (last is not None)
         middle_layers = self.num_layers - (first or 0) - (last or 0)
         per_middle = middle_layers // middle_stages if middle_stages else 0

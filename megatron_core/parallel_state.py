@@ -278,7 +278,8 @@ def layout_groups(world_size: int, tp: int, pp: int, cp: int = 1,
     expert_grid = torch.arange(world_size).view(pp, expert_dp, ep, etp)  # [pp, expert_dp, ep, etp]
     groups["ep"] = [tuple(row.tolist()) for row in expert_grid.permute(0, 1, 3, 2).reshape(-1, ep)]
     groups["expert_dp"] = [tuple(row.tolist()) for row in expert_grid.permute(0, 2, 3, 1).reshape(-1, expert_dp)]
-    groups["expert_mp"] = [tuple(sorted(row.tolist())) for row in expert_grid.permute(1, 0, 2, 3).reshape(expert_dp, -1)]
+    groups["expert_mp"] = [tuple(sorted(row.tolist()))
+                           for row in expert_grid.permute(1, 0, 2, 3).reshape(expert_dp, -1)]
     return groups
 
 

@@ -18,7 +18,8 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"megatron_core_inductor_{os.getuid()}"))
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR",
+                      os.path.join(tempfile.gettempdir(), f"megatron_core_inductor_{os.getuid()}"))
 
 import torch  # noqa: E402
 

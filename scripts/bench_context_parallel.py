@@ -38,8 +38,8 @@ from megatron_core.config import CP_COMM_TYPES, TransformerConfig
 from megatron_core.context_parallel import ring_attention, split_batch
 from megatron_core.models import GPTModel
 from megatron_core.planning.planner import Hardware, Layout, Workload, plan_layout
-from megatron_core.transformer import DotProductAttention, TransformerLayerSpec
 from megatron_core.testing import DistributedPool
+from megatron_core.transformer import DotProductAttention, TransformerLayerSpec
 from megatron_core.utils.live_memory import LiveMemoryTracker
 
 VOCAB = 256
@@ -57,7 +57,8 @@ def _model(args: argparse.Namespace, state, cp: int, comm_type: str, seq: int) -
     blockwise = comm_type == "blockwise"
     config = TransformerConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
                                position_embedding_type="rope", hidden_dropout=0.0, attention_dropout=0.0,
-                               context_parallel_size=cp, cp_comm_type=comm_type if comm_type in CP_COMM_TYPES else "p2p")
+                               context_parallel_size=cp,
+                               cp_comm_type=comm_type if comm_type in CP_COMM_TYPES else "p2p")
     torch.manual_seed(0)
     spec = TransformerLayerSpec(core_attention=BlockwiseAttention) if blockwise else None
     return GPTModel(config, parallel_state=state, vocab_size=VOCAB, max_sequence_length=seq, layer_spec=spec)

@@ -120,7 +120,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps({"preprocess": child_preprocess, "write": child_write, "index": child_index}[args.child](args)))
+        print(json.dumps({"preprocess": child_preprocess, "write": child_write,
+                          "index": child_index}[args.child](args)))
         return
     with tempfile.TemporaryDirectory(dir=args.dir) as scratch:
         bench(args, scratch)

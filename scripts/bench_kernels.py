@@ -92,7 +92,8 @@ def cases(backend, device: torch.device, dtype: torch.dtype):
     b_h, s = SHAPES["softmax"]
     x, scale, e = rand(b_h, s, s), 0.125, torch.finfo(dtype).bits // 8
     tri = b_h * s * (s + 1) // 2  # lower-triangle elements
-    yield ("softmax causal", (b_h, s, s), lambda t: kernels.scaled_upper_triang_masked_softmax(t, scale, backend=backend),
+    yield ("softmax causal", (b_h, s, s),
+           lambda t: kernels.scaled_upper_triang_masked_softmax(t, scale, backend=backend),
            lambda t: _causal_eager(t, scale), (x,), torch.randn_like(x), e * (3 * tri + 2 * x.numel()))
     del x
     rows, hidden = SHAPES["norm"]

@@ -15,7 +15,8 @@ reports, in bytes per parameter:
 next to the ZeRO paper's formula for fp32 Adam (4 + 4 + 8 bytes: parameter, gradient, two moments; fp32
 masters alias the parameters): 16, 8 + 8/dp, 4 + 12/dp, 16/dp. ZeRO-3 builds the model on the meta device
 (sharded construction). When ``deepspeed`` is installed (``pip install deepspeed``: pure Python on CPU, it
-falls back to gloo) its ZeRO-2 and ZeRO-3 engines run too, with their default settings. Freed tensors must leave the resident set for RSS to mean anything, so the script
+falls back to gloo) its ZeRO-2 and ZeRO-3 engines run too, with their default settings. Freed tensors must leave the
+resident set for RSS to mean anything, so the script
 re-executes itself with ``MALLOC_MMAP_THRESHOLD_=65536`` (allocations above 64 KiB are mmapped and unmapped).
 
     python scripts/bench_memory.py                   # dp 2 and 4; writes outputs/bench_memory.png
@@ -43,8 +44,8 @@ from megatron_core.optimizer import OptimizerConfig, get_optimizer
 from megatron_core.optimizer.memory import memory_categories
 from megatron_core.pipeline_parallel import get_forward_backward_func
 from megatron_core.testing import DistributedPool
-from megatron_core.utils.live_memory import LiveMemoryTracker, current_rss_bytes, peak_rss_bytes, reset_peak_rss
 from megatron_core.utils.files import new_figure, save_figure
+from megatron_core.utils.live_memory import LiveMemoryTracker, current_rss_bytes, peak_rss_bytes, reset_peak_rss
 
 FORMULA = {0: lambda dp: 16.0, 1: lambda dp: 8 + 8 / dp, 2: lambda dp: 4 + 12 / dp, 3: lambda dp: 16 / dp}
 RUNS = [("ZeRO-0", 0, True), ("ZeRO-1", 1, True), ("ZeRO-2", 2, True), ("ZeRO-3", 3, True),
@@ -312,7 +313,8 @@ def main() -> None:
     _chart(results, args.png)
     if args.pipeline:
         print("pp 2 x dp 2, ZeRO-3, 1F1B: peak live bytes per parameter of the stage (the largest dp rank)\n")
-        print("| micro-batches | stage | model states (incl. gathered, grad buckets) | of which gathered | activations |")
+        print("| micro-batches | stage | model states (incl. gathered, grad buckets) | of which gathered "
+              "| activations |")
         print("| ---: | ---: | ---: | ---: | ---: |")
         for m in (2, 8):
             with DistributedPool(4) as pool:

@@ -87,7 +87,8 @@ def bench_host_adam(numel: int, repeats: int = 5) -> dict[str, float]:
                "ours, fused (torch._fused_adamw_)": lambda s: fused_adamw_([param], [grad], [m], [v], step=s,
                                                                            hyper=hyper)}
     for label, flags in (("torch AdamW, plain (foreach=False)", dict(foreach=False)),
-                         ("torch AdamW, foreach=True", dict(foreach=True)), ("torch AdamW, fused=True", dict(fused=True))):
+                         ("torch AdamW, foreach=True", dict(foreach=True)),
+                         ("torch AdamW, fused=True", dict(fused=True))):
         p = torch.nn.Parameter(param.clone())
         p.grad = grad
         opt = torch.optim.AdamW([p], lr=1e-4, weight_decay=0.1, **flags)

@@ -67,11 +67,11 @@ def _our_step(args, state, vpp):
     chunks = _chunks(args, state, vpp)
     tokens, labels = _batch(args)
     positions = torch.arange(args.seq).expand(args.micro_batch, args.seq)
-    micro = [(t, l) for t, l in zip(tokens.split(args.micro_batch), labels.split(args.micro_batch))]
+    micro = [(t, lab) for t, lab in zip(tokens.split(args.micro_batch), labels.split(args.micro_batch))]
 
     def forward_step(iterator, model):
-        t, l = next(iterator)
-        return model(t, positions, labels=l), lambda loss: (loss.mean(), {"lm loss": loss.mean().detach()})
+        t, lab = next(iterator)
+        return model(t, positions, labels=lab), lambda loss: (loss.mean(), {"lm loss": loss.mean().detach()})
 
     schedule = get_forward_backward_func(state.pp_size, vpp)
 

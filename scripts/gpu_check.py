@@ -32,10 +32,10 @@ from typing import Callable, Optional, Sequence
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
 
+import bench_kernels  # noqa: E402 - scripts/bench_kernels.py: the benchmark cases and the peak-bandwidth table
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-import bench_kernels  # noqa: E402 - scripts/bench_kernels.py: the benchmark cases and the peak-bandwidth table
 import kernels  # noqa: E402
 
 FULL = dict(softmax=[(32, 2048), (15, 1000)], masked=[(2, 16, 2048), (1, 3, 777)],
@@ -62,12 +62,14 @@ def _check_cases(device: torch.device, shapes: dict) -> list[tuple[str, Callable
     out, kb = [], kernels.KernelBackend("triton")
     for bh, s in shapes["softmax"]:
         upper = torch.ones(s, s, dtype=torch.bool, device=device).triu(1)
-        out.append((f"softmax_causal[{bh},{s},{s}]", lambda x: kernels.scaled_upper_triang_masked_softmax(x, 0.125, backend=kb),
+        out.append((f"softmax_causal[{bh},{s},{s}]",
+                    lambda x: kernels.scaled_upper_triang_masked_softmax(x, 0.125, backend=kb),
                     lambda x, u=upper: torch.softmax((x * 0.125).masked_fill(u, float("-inf")), -1), [(bh, s, s)]))
     for b, h, s in shapes["masked"]:
         mask = torch.rand(b, 1, s, s, device=device, generator=None) < 0.2
         mask[..., 0] = False  # every row keeps one position
-        out.append((f"softmax_masked[{b},{h},{s},{s}]", lambda x, m=mask: kernels.scaled_masked_softmax(x, m, 0.5, backend=kb),
+        out.append((f"softmax_masked[{b},{h},{s},{s}]",
+                    lambda x, m=mask: kernels.scaled_masked_softmax(x, m, 0.5, backend=kb),
                     lambda x, m=mask: torch.softmax((x * 0.5).masked_fill(m, float("-inf")), -1), [(b, h, s, s)]))
     for rows, hidden in shapes["norm"]:
         out.append((f"layer_norm[{rows},{hidden}]", lambda x, w, b: kernels.layer_norm(x, w, b, 1e-5, backend=kb),

@@ -37,13 +37,14 @@ def _one_step(args) -> str:
         chunks.append(GPTModel(config, parallel_state=state, vocab_size=VOCAB, max_sequence_length=SEQ,
                                pre_process=first, post_process=last, vp_stage=vp if vpp else None,
                                share_embeddings_and_output_weights=False))
-    tokens = torch.randint(0, VOCAB, (MICRO_BATCH * args.microbatches, SEQ + 1), generator=torch.Generator().manual_seed(1))
+    tokens = torch.randint(0, VOCAB, (MICRO_BATCH * args.microbatches, SEQ + 1),
+                           generator=torch.Generator().manual_seed(1))
     micro = list(zip(tokens[:, :-1].split(MICRO_BATCH), tokens[:, 1:].split(MICRO_BATCH)))
     positions = torch.arange(SEQ).expand(MICRO_BATCH, SEQ)
 
     def forward_step(iterator, model):
-        t, l = next(iterator)
-        return model(t, positions, labels=l), lambda loss: (loss.mean(), {"lm loss": loss.mean().detach()})
+        t, lab = next(iterator)
+        return model(t, positions, labels=lab), lambda loss: (loss.mean(), {"lm loss": loss.mean().detach()})
 
     schedule = get_forward_backward_func(args.pp, vpp)
     for step in range(2):  # the first step warms up; the second is drawn

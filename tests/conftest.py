@@ -1,5 +1,6 @@
 """Shared fixtures: the multi-process pools live for the whole session and close at its end."""
 import os
+
 os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest
 import torch

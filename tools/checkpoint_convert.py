@@ -43,7 +43,6 @@ from megatron_core.checkpointing.convert import (  # noqa: E402
 )
 from megatron_core.inference.checkpoint_model import config_from_flags, run_flags  # noqa: E402
 
-
 MEGATRON_LM = ("core", "megatron")  # Megatron-LM checkpoints of megatron-core's GPTModel (torch or torch_dist)
 
 

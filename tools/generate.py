@@ -105,7 +105,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"generate.py: error: {error}", file=sys.stderr)
         return 2
     if not dist.is_initialized() or dist.get_rank() == 0:
-        print(result["text"] if result["text"] is not None else " ".join(map(str, result["prompt_ids"] + result["tokens"])))
+        print(result["text"] if result["text"] is not None
+              else " ".join(map(str, result["prompt_ids"] + result["tokens"])))
         if args.output_json:
             payload = {k: result[k] for k in ("prompt_ids", "tokens", "prompt_logprobs", "generated_logprobs")}
             tmp = f"{args.output_json}.tmp"

@@ -8,8 +8,8 @@ Model and batch flags are pretrain_gpt.py's (parsed by ``megatron_core.training.
 given there (tp, pp, cp, SP, ZeRO, recompute) are ignored: every valid layout is tried (tp x pp x cp x dp x
 vpp in {1, 2} x ZeRO 0-3 x SP x recompute none/selective/full; cp where --seq-length divides by 2 cp, with the
 --cp-comm-type given, p2p by default; with --num-experts every --expert-model-parallel-size dividing the
-experts, --expert-tensor-parallel-size 1 or tp, ep x etp dividing tp x cp x dp, experts' states sharded over expert-dp, the MoE activations and the ep
-all-to-all/all-gather traffic counted). Memory: parameters, fp32 grads, fp32 masters and
+experts, --expert-tensor-parallel-size 1 or tp, ep x etp dividing tp x cp x dp, experts' states sharded over expert-dp,
+the MoE activations and the ep all-to-all/all-gather traffic counted). Memory: parameters, fp32 grads, fp32 masters and
 Adam states per ZeRO stage, activations per Korthikanti et al. with SP, recompute and the micro-batches in
 flight on the fullest pipeline stage (``megatron_core.planning``). Time: hardware FLOPs (recompute included)
 over peak x --compute-efficiency, tp/cp/pp/dp volumes over the link bandwidths, bubble (p-1)/(v m).
@@ -120,10 +120,12 @@ def format_table(plans: list[Plan], top: int) -> str:
                     "| ---: | ---: |"]
     for i, plan in enumerate(plans[:top], 1):
         lay = plan.layout
-        rows.append(f"| {i} | {lay.tp} | {lay.pp} | {lay.cp} | {lay.ep} | {lay.etp} | {lay.dp} | {lay.vpp or 1} | {lay.zero_stage} | "
+        rows.append(f"| {i} | {lay.tp} | {lay.pp} | {lay.cp} | {lay.ep} | {lay.etp} | {lay.dp} | {lay.vpp or 1} | "
+                    f"{lay.zero_stage} | "
                     f"{'yes' if lay.sequence_parallel else 'no'} | {lay.recompute or 'none'} | "
                     f"{plan.model_state_bytes / 2**30:.2f} | {plan.activation_bytes / 2**30:.2f} | "
-                    f"{plan.transient_bytes / 2**30:.2f} | {plan.memory_bytes / 2**30:.2f} | {'yes' if plan.fits else 'NO'} | {plan.step_seconds:.3f} | "
+                    f"{plan.transient_bytes / 2**30:.2f} | {plan.memory_bytes / 2**30:.2f} | "
+                    f"{'yes' if plan.fits else 'NO'} | {plan.step_seconds:.3f} | "
                     f"{plan.compute_seconds:.3f} | {plan.comm_seconds:.3f} | {plan.bubble:.3f} |")
     return "\n".join(rows)
 
@@ -142,7 +144,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                             make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
                             optimizer_state_bytes=8 if args.optimizer == "adam" else 4, mask_bytes=options.mask_bytes)
         hardware = Hardware(num_devices=options.num_devices, memory_per_device_gb=options.memory_per_device_gb,
-                            peak_tflops=options.peak_tflops, intra_node_bandwidth_gbps=options.intra_node_bandwidth_gbps,
+                            peak_tflops=options.peak_tflops,
+                            intra_node_bandwidth_gbps=options.intra_node_bandwidth_gbps,
                             inter_node_bandwidth_gbps=options.inter_node_bandwidth_gbps,
                             devices_per_node=options.devices_per_node, compute_efficiency=options.compute_efficiency)
         plans = rank_plans(base, workload, hardware)
@@ -150,7 +153,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"plan_parallelism.py: error: {error}", file=sys.stderr)
         return 2
     print(f"{len(plans)} layouts of {options.num_devices} devices, {sum(p.fits for p in plans)} fit in "
-          f"{options.memory_per_device_gb:g} GiB; vocab {workload.vocab_size}, global batch {workload.global_batch_size}\n")
+          f"{options.memory_per_device_gb:g} GiB; vocab {workload.vocab_size}, "
+          f"global batch {workload.global_batch_size}\n")
     print(format_table(plans, options.top))
     if not plans[0].fits:
         offloaded = sorted((p for p in plans if p.fits_with_offload), key=lambda p: p.step_seconds)

@@ -155,7 +155,8 @@ def _shard_files(folder: str, tensors: dict[str, tuple[torch.Tensor, nn.Paramete
                  state: ParallelState) -> tuple[dict, list[tuple[str, dict[str, torch.Tensor]]]]:
     """dp rank 0 of each tp x pp writes its dense tensors (weights and optimizer states) into one file, and
     expert-dp rank 0 of each ep x pp (x etp) its experts' (stored under global expert ids; replicated over
-    tp, or with expert tensor parallelism split over it and recorded like tp shards) into another; returns ``({name: record}, [(path, tensors)])`` with each tensor's tp partition (an optimizer
+    tp, or with expert tensor parallelism split over it and recorded like tp shards) into another; returns
+    ``({name: record}, [(path, tensors)])`` with each tensor's tp partition (an optimizer
     state shares its parameter's) and the files this rank writes."""
     dense = {n: t for n, t in tensors.items() if not getattr(t[1], "is_expert", False)}
     experts = {n: t for n, t in tensors.items() if getattr(t[1], "is_expert", False)}

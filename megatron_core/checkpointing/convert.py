@@ -173,7 +173,8 @@ def pipeline_stage_of(name: str, config: TransformerConfig) -> int:
                      "output_layer.*, optionally under optim/<state>/)")
 
 
-def plan_target_tensors(source: SourceCheckpoint, *, tied: bool, pp: int, no_optim: bool) -> list[tuple[str, SourceTensor]]:
+def plan_target_tensors(source: SourceCheckpoint, *, tied: bool, pp: int,
+                        no_optim: bool) -> list[tuple[str, SourceTensor]]:
     """``[(target name, source tensor)]``: drops optimizer states with ``no_optim``; a tied output layer is
     stored as a copy of the word embedding only when pp > 1 (the last stage holds it)."""
     names = {t.name for t in source.tensors}
@@ -225,8 +226,9 @@ def write_mcore_checkpoint(source: SourceCheckpoint, save_dir: str, *, config: T
     if ep < 1 or (ep > 1 and num_experts is None) or (num_experts and num_experts % ep):
         raise ValueError(f"target expert_model_parallel_size {ep} does not fit num_moe_experts {num_experts} "
                          "(it must be >= 1 and divide the number of experts; 1 without experts)")
-    padded_vocab = vocab_size_with_padding(source.true_vocab_size, tensor_model_parallel_size=tp,
-                                           make_vocab_size_divisible_by=int(flags.get("make_vocab_size_divisible_by", 128)))
+    padded_vocab = vocab_size_with_padding(
+        source.true_vocab_size, tensor_model_parallel_size=tp,
+        make_vocab_size_divisible_by=int(flags.get("make_vocab_size_divisible_by", 128)))
     tied = not (flags.get("untie_embeddings_and_output_weights") or config.untie_embeddings_and_output_weights)
     plan = [(name, tensor, pipeline_stage_of(name, config), _target_shape(name, tensor, padded_vocab, tp))
             for name, tensor in plan_target_tensors(source, tied=tied, pp=pp, no_optim=no_optim)]
@@ -281,7 +283,8 @@ def _stream_tensors(folder: str, plan: list, *, tp: int, padded_vocab: int, true
                    for file, tensors in declared.items()}
         for writer in writers.values():
             stack.callback(writer._file.close)
-        for name, tensor, stage, shard_shape in progress_bar(plan, desc="converting", unit=" tensors", enabled=progress):
+        for name, tensor, stage, shard_shape in progress_bar(plan, desc="converting", unit=" tensors",
+                                                             enabled=progress):
             full = tensor.load()
             if tuple(full.shape) != tensor.shape:
                 raise ValueError(f"{name!r}: read shape {tuple(full.shape)}, expected {tensor.shape}")
@@ -296,4 +299,5 @@ def _stream_tensors(folder: str, plan: list, *, tp: int, padded_vocab: int, true
 
 
 __all__ = ["SourceTensor", "SourceCheckpoint", "read_mcore_checkpoint", "write_mcore_checkpoint",
-           "plan_target_tensors", "pipeline_stage_of", "expert_id_of", "parameter_name", "is_vocab_tensor", "VOCAB_PARAMS"]
+           "plan_target_tensors", "pipeline_stage_of", "expert_id_of", "parameter_name", "is_vocab_tensor",
+           "VOCAB_PARAMS"]

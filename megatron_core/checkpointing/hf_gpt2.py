@@ -183,7 +183,8 @@ def hf_config_from_flags(flags: dict, vocab: int, positions: int) -> dict:
               "activation_function": "gelu_new" if flags.get("openai_gelu") else "gelu",
               "layer_norm_epsilon": flags.get("layernorm_epsilon", 1e-5),
               "resid_pdrop": flags.get("hidden_dropout", 0.0), "embd_pdrop": flags.get("hidden_dropout", 0.0),
-              "attn_pdrop": flags.get("attention_dropout", 0.0), "initializer_range": flags.get("init_method_std", 0.02),
+              "attn_pdrop": flags.get("attention_dropout", 0.0),
+              "initializer_range": flags.get("init_method_std", 0.02),
               "tie_word_embeddings": tied, "torch_dtype": "float32"}
     if flags.get("tokenizer_type") in (None, "ByteTokenizer", "NullTokenizer", "GPT2BPETokenizer"):
         config["bos_token_id"] = config["eos_token_id"] = vocab - 1  # their eod is the last id

@@ -269,7 +269,8 @@ def megatron_args(flags: dict, *, true_vocab: int, padded_vocab: int, tp: int, p
     values["kv_channels"] = values["kv_channels"] or flags["hidden_size"] // flags["num_attention_heads"]
     values["num_query_groups"] = values["num_query_groups"] or flags["num_attention_heads"]
     values["ffn_hidden_size"] = values["ffn_hidden_size"] or 4 * flags["hidden_size"]
-    values.update(norm_epsilon=flags.get("layernorm_epsilon", 1e-5), add_bias_linear=not flags.get("disable_bias_linear"),
+    values.update(norm_epsilon=flags.get("layernorm_epsilon", 1e-5),
+                  add_bias_linear=not flags.get("disable_bias_linear"),
                   add_qkv_bias=False,
                   add_position_embedding=flags.get("position_embedding_type") == "learned_absolute",
                   padded_vocab_size=padded_vocab, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,

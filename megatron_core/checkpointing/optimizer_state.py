@@ -29,7 +29,8 @@ def _piece_states(optimizer: Any, piece: Any) -> dict[str, torch.Tensor]:
 def collect_optimizer_state(optimizer: Any, named: dict[str, Any],
                             state: ParallelState) -> tuple[dict[str, tuple[torch.Tensor, Any]], dict]:
     """``({"optim/<state>/<name>": (tensor shaped like the param's tp shard, param)}, scalars)`` on dp rank 0
-    (empty tensors elsewhere); ``named`` maps this rank's global parameter names to its parameters. Collective over the data(-and-context)-parallel group when ZeRO shards it."""
+    (empty tensors elsewhere); ``named`` maps this rank's global parameter names to its parameters. Collective over the
+    data(-and-context)-parallel group when ZeRO shards it."""
     names = {id(param): name for name, param in named.items()}
     tensors = {}
     for expert, group, ranks, rank in ((False, state.dp_cp_group, state.dp_cp_ranks, state.dp_cp_rank),

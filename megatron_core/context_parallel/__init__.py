@@ -9,6 +9,7 @@
 Gradients of replicated parameters are reduced over dp x cp (``ParallelState.dp_cp_group``), and the loss
 of a micro-batch is normalized by its token count over every cp rank (``training.loop.forward_step``).
 """
+from megatron_core.context_parallel.allgather import allgather_attention
 from megatron_core.context_parallel.attention import CP_COMM_TYPES, check_cp_comm_type, context_parallel_attention
 from megatron_core.context_parallel.ring import ring_attention
 from megatron_core.context_parallel.split import (
@@ -22,7 +23,6 @@ from megatron_core.context_parallel.split import (
     to_rank_chunk_order,
 )
 from megatron_core.context_parallel.ulysses import check_heads_divisible, ulysses_attention
-from megatron_core.context_parallel.allgather import allgather_attention
 
 __all__ = [
     "CP_COMM_TYPES", "allgather_attention", "check_cp_comm_type", "check_heads_divisible", "check_sequence_split",

@@ -13,6 +13,7 @@ from megatron_core.context_parallel.split import check_sequence_split
 from megatron_core.context_parallel.ulysses import ulysses_attention
 from megatron_core.parallel_state import ParallelState
 
+
 def check_cp_comm_type(cp_comm_type: str) -> None:
     if cp_comm_type not in CP_COMM_TYPES:
         raise ValueError(f"cp_comm_type must be one of {CP_COMM_TYPES}, got {cp_comm_type!r}")

@@ -147,7 +147,8 @@ def _tile_probs(q: torch.Tensor, k: torch.Tensor, *, scale: float, causal: bool,
 
 
 def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, causal: bool,
-                  causal_offset: int = 0, mask: Optional[torch.Tensor] = None, dropout_p: float = 0.0, dropout_seed: Optional[int] = None,
+                  causal_offset: int = 0, mask: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
+                  dropout_seed: Optional[int] = None,
                   tile_elements: int = TILE_ELEMENTS) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of ``q`` over this block's keys only.
 
@@ -246,5 +247,5 @@ def block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torc
     return torch.cat(dq_tiles, dim=2), fold_kv(dk, heads_per_group), fold_kv(dv, heads_per_group)
 
 
-__all__ = ["FUSED", "TILE_ELEMENTS", "accumulation_dtype", "fused_ok", "block_backward", "block_forward", "expand_kv", "fold_kv",
-           "merge_", "tile_keep_mask"]
+__all__ = ["FUSED", "TILE_ELEMENTS", "accumulation_dtype", "fused_ok", "block_backward", "block_forward", "expand_kv",
+           "fold_kv", "merge_", "tile_keep_mask"]

@@ -6,8 +6,14 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from megatron_core.data.blended_dataset import (BlendedDataset, normalize_weights, parse_data_path, parse_split,
-                                                samples_per_dataset, split_document_ranges)
+from megatron_core.data.blended_dataset import (
+    BlendedDataset,
+    normalize_weights,
+    parse_data_path,
+    parse_split,
+    samples_per_dataset,
+    split_document_ranges,
+)
 from megatron_core.data.default_corpus import default_corpus_prefix
 from megatron_core.data.gpt_dataset import GPTDataset, GPTDatasetConfig
 from megatron_core.data.indexed_dataset import IndexedDataset

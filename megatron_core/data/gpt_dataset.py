@@ -114,7 +114,8 @@ def _separate_final_epoch(num_epochs: int, tokens_per_epoch: int, seq_length: in
 class GPTDataset(torch.utils.data.Dataset):
     """Samples of ``seq_length + 1`` tokens from a split of an indexed dataset.
 
-    ``len`` is ``num_samples`` (one epoch's samples when None). Items are dicts of torch tensors, each of shape ``(seq_length,)``: ``tokens`` and ``labels`` (int64,
+    ``len`` is ``num_samples`` (one epoch's samples when None). Items are dicts of torch tensors, each of shape
+    ``(seq_length,)``: ``tokens`` and ``labels`` (int64,
     labels are tokens shifted by one), ``loss_mask`` (float32) and ``position_ids`` (int64).
 
     Args:

@@ -64,7 +64,8 @@ class TikTokenizer(Tokenizer):
         try:
             import tiktoken
         except ImportError as error:
-            raise ValueError("--tokenizer-type TikTokenizer needs the tiktoken package: pip install tiktoken") from error
+            raise ValueError("--tokenizer-type TikTokenizer needs the tiktoken package: "
+                             "pip install tiktoken") from error
         if not vocab_file or not os.path.isfile(vocab_file):
             raise ValueError(f"TikTokenizer vocab {vocab_file!r} does not exist; pass the JSON vocab as "
                              "--tokenizer-model")

@@ -193,7 +193,8 @@ class GPT2BPETokenizer(Tokenizer):
     """
 
     def __init__(self, vocab_file: str, merge_file: str) -> None:
-        from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+        from tokenizers import Tokenizer as HFTokenizer
+        from tokenizers import decoders, models, pre_tokenizers
 
         for name, path in (("vocab_file", vocab_file), ("merge_file", merge_file)):
             if not path or not os.path.isfile(path):

@@ -27,8 +27,8 @@ class DistributedDataParallelConfig:
     bucket_size: Optional[int] = None
     """Elements per gradient bucket (stages 0-2). None means Megatron's default max(40M, 1M * dp) at stages 0-1,
     where the grad buffer is persistent anyway, and 4M at stage 2, where a full-size bucket exists transiently
-    during backward; either capped at a quarter of the model (at least 1M), so small models overlap too. At stage 3 a bucket holds the parameters
-    of one submodule instead."""
+    during backward; either capped at a quarter of the model (at least 1M), so small models overlap too. At stage 3 a
+    bucket holds the parameters of one submodule instead."""
 
     overlap_grad_reduce: bool = True
     """Launch each bucket's collective from a backward hook as soon as its grads are ready (else all buckets

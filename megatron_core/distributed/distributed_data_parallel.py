@@ -13,7 +13,8 @@ the rank's 1/dp grad shard after every backward (``no_sync()`` does not defer th
 across micro-batches would undo the grad sharding, so they accumulate in the shard, as in DeepSpeed). The
 transient full-size bucket of stages 2-3 is freed as soon as its reduce-scatter completes: at most two
 exist at once, and usually one: the reduce-scatters in flight are waited for (they overlapped the backward
-compute in between) before the next transient bucket is allocated, and none outlives the backward. Stage 3 also all-gathers parameters
+compute in between) before the next transient bucket is allocated, and none outlives the backward. Stage 3 also
+all-gathers parameters
 around every submodule (see ``zero3``); at stages 1-2 the optimizer's updated shards are all-gathered after
 the step (with ``overlap_param_gather``, waited on by each module just before its next forward).
 
@@ -142,7 +143,8 @@ class DistributedDataParallel(nn.Module):
             groups.extend(open_groups.items())
         return [Bucket(index=i, kind=kind, params=params,
                        dp_group=self.expert_dp_group if kind.expert else self.dp_group,
-                       shard_params=self.config.zero_stage == 3, device=self.device) for i, (kind, params) in enumerate(groups)]
+                       shard_params=self.config.zero_stage == 3, device=self.device)
+                for i, (kind, params) in enumerate(groups)]
 
     def _storage_device(self, device: Optional[torch.device]) -> torch.device:
         """The device of the buffers; a meta-device module (sharded construction) needs stage 3."""

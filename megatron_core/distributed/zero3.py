@@ -21,8 +21,8 @@ prefetch that would exceed it waits until a unit is freed. Under activation reco
 (run from inside a unit's backward) gathers and frees each unit as a forward does, without prefetching and
 after dropping pending prefetches; the unit whose backward triggered it stays gathered. A parameter that a
 unit returns (a bias under ``skip_bias_add``) is used by the caller: its bucket (the 1-D parameters of a unit
-with ``skip_bias_add`` get buckets of their own) stays gathered until the root's forward ends and is gathered again when the root's
-backward starts. A module called twice is gathered twice in forward and once in backward (its grads
+with ``skip_bias_add`` get buckets of their own) stays gathered until the root's forward ends and is gathered again when
+the root's backward starts. A module called twice is gathered twice in forward and once in backward (its grads
 accumulate once). All ranks issue the same collectives in the same order: the hooks fire in the same order on
 every dp rank, and every collection iterated here is ordered (lists and dicts, never sets).
 """

@@ -39,7 +39,8 @@ def config_from_flags(flags: dict, *, tensor_model_parallel_size: int, pipeline_
     sp = bool(flags.get("sequence_parallel")) if sequence_parallel is None else sequence_parallel
     args = run_flags(flags, tensor_model_parallel_size=tensor_model_parallel_size,
                      pipeline_model_parallel_size=pipeline_model_parallel_size,
-                     num_layers_per_virtual_pipeline_stage=None, sequence_parallel=sp and tensor_model_parallel_size > 1)
+                     num_layers_per_virtual_pipeline_stage=None,
+                     sequence_parallel=sp and tensor_model_parallel_size > 1)
     if args.num_layers < pipeline_model_parallel_size:
         raise ValueError(f"num_layers {args.num_layers} < pipeline_model_parallel_size {pipeline_model_parallel_size}:"
                          " every pipeline stage needs at least one layer")

@@ -46,7 +46,8 @@ class LanguageModelEmbedding(nn.Module):
             self.position_embeddings = nn.Embedding(*shape, _weight=torch.empty(
                 shape, dtype=config.params_dtype, device=parallel_state.device))
             with seeded_init(base_seed, POSITION_EMBEDDING_SEED_OFFSET):
-                init_param_(self.position_embeddings.weight, shape, init_method=init_method_normal(config.init_method_std))
+                init_param_(self.position_embeddings.weight, shape,
+                            init_method=init_method_normal(config.init_method_std))
             set_tensor_model_parallel_attributes(self.position_embeddings.weight, is_parallel=False, dim=-1, stride=1)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:

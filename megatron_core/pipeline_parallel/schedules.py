@@ -1,6 +1,7 @@
 """Megatron's forward-backward schedules: no pipelining, 1F1B and interleaved 1F1B.
 
-Each schedule is an order of passes from ``schedule_plan`` run by one executor (``_Executor``, given a ``ScheduleCall``):
+Each schedule is an order of passes from ``schedule_plan`` run by one executor (``_Executor``, given a
+``ScheduleCall``):
 
 - F of (chunk, micro-batch): take the activation from the previous stage (or the data, on the model's first
   chunk), run ``forward_step_func``, send the output to the next stage (or, on the model's last chunk, turn

@@ -13,7 +13,8 @@ import torch.distributed as dist
 
 from megatron_core.utils.files import atomic_write, new_figure, save_figure
 
-COLORS = MappingProxyType({"forward": "#4285f4", "backward": "#34a853", "send": "#fbbc05", "recv": "#ea4335", "idle": "#ebebeb"})
+COLORS = MappingProxyType({"forward": "#4285f4", "backward": "#34a853", "send": "#fbbc05", "recv": "#ea4335",
+                           "idle": "#ebebeb"})
 
 
 @dataclasses.dataclass
@@ -145,5 +146,6 @@ def summarize(per_rank: list[list[dict]], formula: float) -> str:
     """Per-rank measured bubble (idle + communication over compute, from the rank's first to its last
     event) next to the formula."""
     lines = [f"bubble formula (p-1)/(v*m) = {formula:.3f}"]
-    lines += [f"  pp rank {rank}: measured bubble {bubble:.3f}" for rank, bubble in enumerate(measured_bubbles(per_rank))]
+    lines += [f"  pp rank {rank}: measured bubble {bubble:.3f}"
+              for rank, bubble in enumerate(measured_bubbles(per_rank))]
     return "\n".join(lines)

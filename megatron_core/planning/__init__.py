@@ -6,3 +6,8 @@ from megatron_core.planning.activations import (
     layer_activation_bytes,
     stage_activation_bytes,
 )
+
+__all__ = [
+    "ActivationShape", "in_flight_microbatches", "korthikanti_bytes", "layer_activation_bytes",
+    "stage_activation_bytes",
+]

@@ -30,7 +30,8 @@ def moe_layers_on_stage(config: TransformerConfig, *, pp_rank: int) -> int:
         return 0
     count = 0
     for vp in range(config.virtual_pipeline_model_parallel_size or 1):
-        offset, layers = config.pipeline_layer_range(pp_rank, vp if config.virtual_pipeline_model_parallel_size else None)
+        offset, layers = config.pipeline_layer_range(pp_rank,
+                                                     vp if config.virtual_pipeline_model_parallel_size else None)
         count += sum(config.moe.is_moe_layer(n, config.num_layers) for n in range(offset + 1, offset + layers + 1))
     return count
 
@@ -57,7 +58,8 @@ def moe_dense_parameters(config: TransformerConfig, *, tp: int) -> tuple[float, 
     h = config.hidden_size
     router = config.moe.num_moe_experts * h
     shared = config.moe.moe_shared_expert_intermediate_size or 0
-    partitioned = (_gated(config) * shared * h + h * shared + (_gated(config) * shared if config.add_bias_linear else 0)) / tp
+    partitioned = (_gated(config) * shared * h + h * shared
+                   + (_gated(config) * shared if config.add_bias_linear else 0)) / tp
     replicated = router + (h if shared and config.add_bias_linear else 0)
     return partitioned, replicated, router if config.sequence_parallel else 0.0
 

@@ -151,7 +151,8 @@ def stage_parameters(config: TransformerConfig, workload: Workload, *, pp_rank: 
     the tied embedding copy on the first and last stage (pp > 1) and sequence-parallel norms/biases."""
     tp, pp = config.tensor_model_parallel_size, config.pipeline_model_parallel_size
     h = config.hidden_size
-    padded = vocab_size_with_padding(workload.vocab_size, make_vocab_size_divisible_by=workload.make_vocab_size_divisible_by,
+    padded = vocab_size_with_padding(workload.vocab_size,
+                                     make_vocab_size_divisible_by=workload.make_vocab_size_divisible_by,
                                      tensor_model_parallel_size=tp)
     partitioned, replicated = _layer_params(config, tp)
     layers = config.num_layers // pp
@@ -235,7 +236,8 @@ def rank_activation_bytes(config: TransformerConfig, workload: Workload, *, pp_r
     """Peak activation bytes on a rank of pipeline stage ``pp_rank`` (1F1B or interleaved), MoE layers at
     expert-parallel size ``ep``."""
     pp, vpp = config.pipeline_model_parallel_size, config.virtual_pipeline_model_parallel_size
-    padded = vocab_size_with_padding(workload.vocab_size, make_vocab_size_divisible_by=workload.make_vocab_size_divisible_by,
+    padded = vocab_size_with_padding(workload.vocab_size,
+                                     make_vocab_size_divisible_by=workload.make_vocab_size_divisible_by,
                                      tensor_model_parallel_size=config.tensor_model_parallel_size)
     in_flight = in_flight_microbatches(pp_rank, pp, num_microbatches, vpp)
     return stage_activation_bytes(config, _shape(config, workload, ep, etp), layers=config.num_layers // pp,
@@ -257,7 +259,8 @@ def rank_transient_bytes(config: TransformerConfig, workload: Workload, *, pp_ra
 
 def _bandwidth(span: int, hardware: Hardware) -> float:
     """Bytes/s of a group whose ranks span ``span`` consecutive global ranks."""
-    gbps = hardware.intra_node_bandwidth_gbps if span <= hardware.devices_per_node else hardware.inter_node_bandwidth_gbps
+    gbps = (hardware.intra_node_bandwidth_gbps if span <= hardware.devices_per_node
+            else hardware.inter_node_bandwidth_gbps)
     return gbps * 1e9
 
 
@@ -271,7 +274,8 @@ def _comm_seconds(config: TransformerConfig, workload: Workload, layout: Layout,
     tp_s = tp_ops * (config.num_layers // p) * m * 2 * (t - 1) / t * activation / _bandwidth(t, hardware)
     pp_s = 0.0
     if p > 1:
-        pp_s = 2 * m * (layout.vpp or 1) * activation / (t if layout.sequence_parallel else 1) / _bandwidth(t * c * d * p, hardware)
+        pp_s = (2 * m * (layout.vpp or 1) * activation / (t if layout.sequence_parallel else 1)
+                / _bandwidth(t * c * d * p, hardware))
     tp_s += cp_comm_seconds(config, workload, layout, hardware, num_microbatches)
     tp_s += ep_comm_seconds(config, workload, layout, hardware, num_microbatches)
     params, _ = stage_parameters(config, workload, pp_rank=0)
@@ -300,7 +304,8 @@ def ep_comm_seconds(config: TransformerConfig, workload: Workload, layout: Layou
     layers = moe_layers_on_stage(config, pp_rank=0)
     if not layers:
         return 0.0
-    tokens = workload.seq_length / layout.cp * workload.micro_batch_size / (layout.tp if layout.sequence_parallel else 1)
+    tokens = (workload.seq_length / layout.cp * workload.micro_batch_size
+              / (layout.tp if layout.sequence_parallel else 1))
     e, full = 2 if (config.bf16 or config.fp16) else 4, layout.recompute == "full"
     ep_bytes = ep_comm_bytes(config, tokens=layout.etp * tokens, element_bytes=e, ep=layout.ep, recompute_full=full)
     etp_bytes = etp_comm_bytes(config, tokens=tokens, element_bytes=e, etp=layout.etp, recompute_full=full)
@@ -356,7 +361,8 @@ def plan_layout(base: TransformerConfig, workload: Workload, hardware: Hardware,
     flops = hardware_flops_per_iteration(config, batch_size=workload.global_batch_size,
                                          seq_length=workload.seq_length,
                                          padded_vocab_size=vocab_size_with_padding(
-                                             workload.vocab_size, make_vocab_size_divisible_by=workload.make_vocab_size_divisible_by,
+                                             workload.vocab_size,
+                                             make_vocab_size_divisible_by=workload.make_vocab_size_divisible_by,
                                              tensor_model_parallel_size=layout.tp))
     compute = flops / hardware.num_devices / (hardware.peak_tflops * 1e12 * hardware.compute_efficiency)
     tp_s, other_s = _comm_seconds(config, workload, layout, hardware, m)
@@ -408,7 +414,8 @@ def rank_plans(base: TransformerConfig, workload: Workload, hardware: Hardware) 
     if workload.global_batch_size % workload.micro_batch_size:
         raise ValueError(f"global batch {workload.global_batch_size} is not divisible by micro batch "
                          f"{workload.micro_batch_size}")
-    plans = [plan_layout(base, workload, hardware, layout) for layout in valid_layouts(base, workload, hardware.num_devices)]
+    plans = [plan_layout(base, workload, hardware, layout)
+             for layout in valid_layouts(base, workload, hardware.num_devices)]
     if not plans:
         raise ValueError(f"no layout of {hardware.num_devices} devices divides heads {base.num_attention_heads}, "
                          f"layers {base.num_layers} and global batch {workload.global_batch_size} / micro batch "

@@ -1,7 +1,8 @@
 """The transient bytes of data parallelism that model states miss: what exists only for part of a step.
 
 - ZeRO-3 gathers parameters around each unit (a module owning parameters): at most two neighbouring units
-  (current + prefetched) are full at once (in an MoE model's backward: the local experts of two MoE layers), plus the small unit (norms and biases) of this layer and the next.
+  (current + prefetched) are full at once (in an MoE model's backward: the local experts of two MoE layers), plus the
+  small unit (norms and biases) of this layer and the next.
 - ZeRO 2-3 reduce-scatter full-size fp32 gradient buckets that are freed when the collective completes; the
   reduce-scatters in flight are finished before the next bucket is allocated, so one exists at a time.
 - At every stage autograd first produces a parameter's grad in the parameter's dtype before it moves into its

@@ -3,7 +3,8 @@
 No rank ever holds a full row of logits. Each rank reads its vocab shard once with the fused kernel
 ``kernels.cross_entropy_shard_stats`` (per-token max, sum of exp relative to that max, target logit, and the
 sum of ``logit - max`` with label smoothing; all fp32 ``[tokens]``), then two small all-reduces over tp combine
-them: the max, then the target logit and the sums rebased to the global max, stacked in one call. The backward, ``kernels.cross_entropy_shard_backward``, recomputes the softmax from the
+them: the max, then the target logit and the sums rebased to the global max, stacked in one call. The backward,
+``kernels.cross_entropy_shard_backward``, recomputes the softmax from the
 logits and writes the gradient straight into a fresh buffer of the logits' dtype: no ``[tokens, V/tp]`` fp32
 softmax is kept between forward and backward.
 

@@ -27,7 +27,7 @@ from megatron_core.tensor_parallel.initialization import (
     init_method_constant,
     init_method_normal,
     init_param_,
-    scaled_init_method_normal,
+    scaled_init_method_normal,  # noqa: F401 (re-exported by megatron_core.tensor_parallel)
 )
 from megatron_core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
@@ -38,6 +38,7 @@ from megatron_core.tensor_parallel.mappings import (
 )
 from megatron_core.tensor_parallel.sequence_parallel_linear import sequence_parallel_linear
 from megatron_core.tensor_parallel.utils import check_ids_in_range, divide, group_rank, group_size, vocab_range
+
 
 def set_tensor_model_parallel_attributes(param: torch.Tensor, *, is_parallel: bool, dim: int, stride: int) -> None:
     """Records how ``param`` is split over tp ranks (read by grad-norm, checkpoints and converters)."""

@@ -88,14 +88,16 @@ def moe_config(args: argparse.Namespace) -> Optional[MoEConfig]:
 def validate_moe_flags(args: argparse.Namespace) -> None:
     """Checks that need no process group (ValueError naming the values and the fix); the world-size checks
     run in ``initialize_model_parallel`` and the MoE layer."""
-    ep, etp, tp = args.expert_model_parallel_size, args.expert_tensor_parallel_size or 1, args.tensor_model_parallel_size
+    ep, etp, tp = (args.expert_model_parallel_size, args.expert_tensor_parallel_size or 1,
+                   args.tensor_model_parallel_size)
     if ep < 1:
         raise ValueError(f"--expert-model-parallel-size must be >= 1, got {ep}")
     if etp not in (1, tp):
         raise ValueError(f"--expert-tensor-parallel-size {etp} must be 1 or --tensor-model-parallel-size {tp}: "
                          "experts are split over the tp group or not at all")
     if args.num_experts is None:
-        given = [f for f, v in (("--expert-model-parallel-size", ep != 1), ("--moe-grouped-gemm", args.moe_grouped_gemm),
+        given = [f for f, v in (("--expert-model-parallel-size", ep != 1),
+                                ("--moe-grouped-gemm", args.moe_grouped_gemm),
                                 ("--expert-tensor-parallel-size", etp != 1),
                                 ("--moe-expert-capacity-factor", args.moe_expert_capacity_factor is not None)) if v]
         if given:

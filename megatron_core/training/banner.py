@@ -16,12 +16,10 @@ import contextlib
 import os
 from typing import Any, Iterator, Optional
 
-import torch
 import torch.distributed as dist
 
-from megatron_core.planning.planner import (Workload, model_state_bytes, rank_activation_bytes,
-                                            rank_transient_bytes)
 from megatron_core.optimizer.memory import memory_categories
+from megatron_core.planning.planner import Workload, model_state_bytes, rank_activation_bytes, rank_transient_bytes
 from megatron_core.training.metrics import memory_bytes
 from megatron_core.utils.live_memory import LiveMemoryTracker, peak_rss_bytes
 

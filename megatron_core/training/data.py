@@ -10,8 +10,13 @@ import torch
 import torch.distributed as dist
 
 from megatron_core.context_parallel import split_batch
-from megatron_core.data import (GPTDataConfig, MegatronPretrainingSampler, MockGPTDataset, build_gpt_datasets,
-                                build_tokenizer)
+from megatron_core.data import (
+    GPTDataConfig,
+    MegatronPretrainingSampler,
+    MockGPTDataset,
+    build_gpt_datasets,
+    build_tokenizer,
+)
 from megatron_core.parallel_state import ParallelState
 
 

@@ -26,10 +26,9 @@ from megatron_core.pipeline_parallel import PipelineError, get_forward_backward_
 from megatron_core.tensor_parallel import model_parallel_seed
 from megatron_core.training.arguments import transformer_config
 from megatron_core.training.banner import end_report, memory_probe, start_banner
-from megatron_core.utils.progress import progress_bar
+from megatron_core.training.data import build_datasets_once_per_node, build_run_tokenizer, micro_batches, take
 from megatron_core.training.elastic import (check_elastic_world, exit_with_parent, layout_change_notice,
                                             straggler_report, warn_shared_agent_store)
-from megatron_core.training.data import build_datasets_once_per_node, build_run_tokenizer, micro_batches, take
 from megatron_core.training.metrics import MetricsWriter, format_log_line
 from megatron_core.training.optimizer_setup import build_optimizer, wrap_data_parallel
 from megatron_core.training.runtime import RuntimeHooks, WandbSink
@@ -37,6 +36,7 @@ from megatron_core.training.schedule import build_lr_scheduler, check_batch_sche
 from megatron_core.training.state import Run, reduce_losses, step_record
 from megatron_core.transformer.moe import moe_layer_spec
 from megatron_core.transformer.moe.tracking import moe_loss_report, set_aux_loss_scale, update_expert_bias
+from megatron_core.utils.progress import progress_bar
 
 logger = logging.getLogger(__name__)
 
@@ -246,7 +246,8 @@ def evaluate(run: Run, iteration: int, writer: MetricsWriter) -> Optional[float]
     with torch.no_grad():
         for _ in progress_bar(range(run.args.eval_iters), desc=f"evaluating at iteration {iteration}", leave=False,
                               enabled=run.is_logging_rank and not run.args.no_progress and run.args.eval_iters >= 10):
-            total += reduce_losses(run_schedule(run, take(iterator, run.num_microbatches), forward_only=True), run.state)
+            total += reduce_losses(run_schedule(run, take(iterator, run.num_microbatches), forward_only=True),
+                                   run.state)
     run.valid_consumed += run.args.eval_iters * run.global_batch
     for chunk in run.chunks:
         chunk.train()

@@ -167,7 +167,8 @@ def format_log_line(record: dict, *, train_iters: int, consumed_samples: int, gl
     def fmt(value, spec):
         return "n/a" if value is None else format(value, spec)
     return (f" [{time.strftime('%Y-%m-%d %H:%M:%S')}] iteration {record['iteration']:8d}/{train_iters:8d} |"
-            f" consumed samples: {consumed_samples:12d} | elapsed time per iteration (ms): {record['ms_per_iter']:.1f} |"
+            f" consumed samples: {consumed_samples:12d} |"
+            f" elapsed time per iteration (ms): {record['ms_per_iter']:.1f} |"
             f" learning rate: {record['lr']:.3E} | global batch size: {global_batch:5d} |"
             f" lm loss: {fmt(record['lm_loss'], '.6E')} | loss scale: {record['loss_scale']:.1f} |"
             f" grad norm: {fmt(record['grad_norm'], '.3f')} | number of skipped iterations: {record['skipped']:3d} |"

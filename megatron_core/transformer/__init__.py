@@ -8,5 +8,6 @@ from megatron_core.transformer.norms import LayerNorm, Norm, RMSNorm
 from megatron_core.transformer.rope import RotaryEmbedding, apply_rotary_pos_emb
 from megatron_core.transformer.spec import TransformerLayerSpec, gpt_layer_spec
 
-__all__ = ["DotProductAttention", "SelfAttention", "TransformerBlock", "InferenceCache", "TransformerLayer", "MLP", "LayerNorm",
-           "RMSNorm", "Norm", "RotaryEmbedding", "apply_rotary_pos_emb", "TransformerLayerSpec", "gpt_layer_spec"]
+__all__ = ["DotProductAttention", "SelfAttention", "TransformerBlock", "InferenceCache", "TransformerLayer", "MLP",
+           "LayerNorm", "RMSNorm", "Norm", "RotaryEmbedding", "apply_rotary_pos_emb", "TransformerLayerSpec",
+           "gpt_layer_spec"]

@@ -12,8 +12,8 @@ import math
 from typing import Optional
 
 import torch
-from einops import rearrange
 import torch.nn.functional as F
+from einops import rearrange
 from torch import nn
 
 import kernels
@@ -166,7 +166,8 @@ class SelfAttention(nn.Module):
             init_method=scaled_init_method_normal(config.init_method_std, config.num_layers), **common)
 
     def split_qkv(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``[s, b, groups/tp * (heads_per_group + 2) * d]`` -> q ``[s, b, heads/tp, d]``, k, v ``[s, b, groups/tp, d]``."""
+        """``[s, b, groups/tp * (heads_per_group + 2) * d]`` -> q ``[s, b, heads/tp, d]``,
+        k, v ``[s, b, groups/tp, d]``."""
         mixed = rearrange(mixed, "s b (g p d) -> s b g p d", g=self.groups_per_rank, d=self.config.kv_channels)
         # one split, whose backward is one cat (three slices would each zero-fill a full-size grad and add)
         query, key, value = torch.split(mixed, [self.heads_per_group, 1, 1], dim=3)

@@ -1,7 +1,8 @@
 """LayerNorm and RMSNorm over the hidden dim, running the fused kernels of ``kernels`` (fp32 statistics).
 
 Each norm runs its op through the ``kernels.KernelBackend`` it was built with (the layout's
-``ParallelState.kernel_backend``; a fresh "auto" one when none is given). Their parameters are replicated over tp. Under sequence parallelism each tp rank normalizes its own chunk of
+``ParallelState.kernel_backend``; a fresh "auto" one when none is given). Their parameters are replicated over tp. Under
+sequence parallelism each tp rank normalizes its own chunk of
 the sequence, so the weight grads are partial sums: the parameters carry ``sequence_parallel = True`` and
 ``finalize_model_grads`` all-reduces them over tp.
 """

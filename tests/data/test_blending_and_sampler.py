@@ -3,9 +3,17 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_core.data import (BlendedDataset, GPTDataConfig, MegatronPretrainingSampler, MockGPTDataset,
-                                NullTokenizer, build_blending_indices, build_gpt_datasets, parse_data_path,
-                                samples_per_dataset)
+from megatron_core.data import (
+    BlendedDataset,
+    GPTDataConfig,
+    MegatronPretrainingSampler,
+    MockGPTDataset,
+    NullTokenizer,
+    build_blending_indices,
+    build_gpt_datasets,
+    parse_data_path,
+    samples_per_dataset,
+)
 from tests.data.conftest import random_documents, write_dataset
 
 

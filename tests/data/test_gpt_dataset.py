@@ -5,8 +5,14 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_core.data import (GPTDataset, GPTDatasetConfig, IndexedDataset, MockGPTDataset, parse_split,
-                                split_document_ranges)
+from megatron_core.data import (
+    GPTDataset,
+    GPTDatasetConfig,
+    IndexedDataset,
+    MockGPTDataset,
+    parse_split,
+    split_document_ranges,
+)
 from megatron_core.data.gpt_dataset import build_sample_index
 from tests.data.conftest import random_documents, write_dataset
 

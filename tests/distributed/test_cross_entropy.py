@@ -88,9 +88,11 @@ def test_second_backward_raises():
 
 
 @pytest.mark.parametrize("make_input, fragment", [
-    (lambda: (torch.randn(2, 3, 8), torch.tensor([[0, 1, 8], [0, 0, 0]])), r"target must lie in \[0, 8\), got values in \[0, 8\]"),
+    (lambda: (torch.randn(2, 3, 8), torch.tensor([[0, 1, 8], [0, 0, 0]])),
+     r"target must lie in \[0, 8\), got values in \[0, 8\]"),
     (lambda: (torch.randn(2, 3, 8), torch.tensor([[0, -1, 2], [0, 0, 0]])), r"got values in \[-1, 2\]"),
-    (lambda: (torch.randn(2, 3, 8), torch.zeros(3, 2, dtype=torch.long)), r"logits shape \(2, 3, 8\) does not match target shape \(3, 2\)"),
+    (lambda: (torch.randn(2, 3, 8), torch.zeros(3, 2, dtype=torch.long)),
+     r"logits shape \(2, 3, 8\) does not match target shape \(3, 2\)"),
 ])
 def test_bad_inputs_raise_value_error(make_input, fragment):
     logits, target = make_input()

@@ -164,8 +164,10 @@ def test_hand_split_pipeline_equals_whole_model(tied):
                                                                  share_embeddings_and_output_weights=tied), whole_state)
     config = tiny_config(num_layers=4, pipeline_model_parallel_size=2)
     stages = [dataclasses.replace(whole_state, pp_size=2, pp_rank=r, pp_ranks=(0, 1)) for r in range(2)]
-    first = build_model(config, stages[0], pre_process=True, post_process=False, share_embeddings_and_output_weights=tied)
-    last = build_model(config, stages[1], pre_process=False, post_process=True, share_embeddings_and_output_weights=tied)
+    first = build_model(config, stages[0], pre_process=True, post_process=False,
+                        share_embeddings_and_output_weights=tied)
+    last = build_model(config, stages[1], pre_process=False, post_process=True,
+                       share_embeddings_and_output_weights=tied)
     assert [layer.layer_number for layer in last.decoder.layers] == [3, 4]
     input_ids, positions, labels = make_batch()
     sent = first(input_ids, positions)  # [s, b, h]
@@ -178,7 +180,8 @@ def test_hand_split_pipeline_equals_whole_model(tied):
     grads = {_global_name(name, shift): param.grad
              for model, shift in ((first, 0), (last, 2)) for name, param in model.named_parameters()}
     if tied:  # what finalize_model_grads does over the embedding group
-        grads["embedding.word_embeddings.weight"] = grads["embedding.word_embeddings.weight"] + grads.pop("output_layer.weight")
+        grads["embedding.word_embeddings.weight"] = (grads["embedding.word_embeddings.weight"]
+                                                     + grads.pop("output_layer.weight"))
     assert grads.keys() == reference_grads.keys()
     for name, grad in grads.items():
         torch.testing.assert_close(grad, reference_grads[name][0], **GRAD_TOL, msg=lambda m: f"{name}: {m}")
@@ -242,7 +245,8 @@ def test_two_pipeline_ranks_with_finalize_equal_whole_model(distributed, tied):
     (_, first_grads), (loss, last_grads) = distributed(2, _two_stage_pipeline, tied)
     torch.testing.assert_close(loss, ref_loss, **LOSS_TOL)
     if tied:  # both copies of the tied weight received the summed grad
-        torch.testing.assert_close(last_grads.pop("output_layer.weight"), ref_grads["embedding.word_embeddings.weight"][0],
+        torch.testing.assert_close(last_grads.pop("output_layer.weight"),
+                                   ref_grads["embedding.word_embeddings.weight"][0],
                                    **GRAD_TOL)
     merged = {**first_grads, **last_grads}
     assert merged.keys() == ref_grads.keys()

@@ -81,7 +81,8 @@ def _row_cases():
     for use_bias, input_is_parallel, skip_bias_add, sp in itertools.product([True, False], repeat=4):
         if sp and not input_is_parallel:
             continue
-        case = f"row tp={tp} bias={use_bias} input_is_parallel={input_is_parallel} skip_bias_add={skip_bias_add} sp={sp}"
+        case = (f"row tp={tp} bias={use_bias} input_is_parallel={input_is_parallel} "
+                f"skip_bias_add={skip_bias_add} sp={sp}")
         layer = RowParallelLinear(IN, OUT, tp_group=state.tp_group, bias=use_bias, input_is_parallel=input_is_parallel,
                                   skip_bias_add=skip_bias_add, sequence_parallel=sp)
         with torch.no_grad():

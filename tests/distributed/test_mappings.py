@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_core import tensor_parallel as tp_ops
 from megatron_core import destroy_model_parallel, initialize_model_parallel
+from megatron_core import tensor_parallel as tp_ops
 
 S, B, H = 8, 2, 8  # [s, b, h]; s and h divisible by 4
 

@@ -1,7 +1,7 @@
 """Training steps of a tiny MoE GPT at ep 2 x expert-dp 2 (dp 4) with ZeRO 0/1/2/3 equal the single-process
 run: losses, grad norms (clipping active: expert elements counted once) and every parameter, experts compared
-under their global names. Expert grads are reduced over expert-dp, dense ones over dp; at ZeRO-3 the experts are also gathered and
-sharded over expert-dp."""
+under their global names. Expert grads are reduced over expert-dp, dense ones over dp; at ZeRO-3 the experts are also
+gathered and sharded over expert-dp."""
 import pytest
 import torch
 import torch.distributed as dist

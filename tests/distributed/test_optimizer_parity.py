@@ -24,7 +24,8 @@ class Net(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.fc1, self.norm, self.fc2, self.head = nn.Linear(8, 32), nn.LayerNorm(32), nn.Linear(32, 32), nn.Linear(32, 4)
+        self.fc1, self.norm, self.fc2, self.head = (nn.Linear(8, 32), nn.LayerNorm(32), nn.Linear(32, 32),
+                                                    nn.Linear(32, 4))
 
     def forward(self, x):
         return self.head(F.gelu(self.fc2(F.gelu(self.norm(self.fc1(x))))))

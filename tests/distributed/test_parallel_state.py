@@ -20,7 +20,8 @@ def _describe_layout(tp, pp, cp=1, vpp=None):
         dist.all_reduce(value, group=group)
         sums[kind] = value.item()
     description = {
-        "ranks": {kind: getattr(state, f"{kind}_ranks") for kind in ("tp", "cp", "dp", "dp_cp", "tp_cp", "pp", "mp", "embedding")},
+        "ranks": {kind: getattr(state, f"{kind}_ranks") for kind in ("tp", "cp", "dp", "dp_cp", "tp_cp", "pp", "mp",
+                                                                     "embedding")},
         "sums": sums,
         "sizes": (state.tp_size, state.cp_size, state.dp_size, state.pp_size, state.vpp_size),
         "ranks_in_axes": (state.tp_rank, state.cp_rank, state.dp_rank, state.pp_rank),

@@ -81,8 +81,8 @@ def _pipeline_run(tp, pp, vpp, num_layers, num_microbatches, forward_only=False,
                       num_microbatches=num_microbatches, seq_length=SEQ, micro_batch_size=MICRO_BATCH,
                       forward_only=forward_only, parallel_state=state, timeline=timeline)
     grads = {} if forward_only else _global_grads(config, state, chunks)
-    result = dict(losses=[l["lm loss"] for l in losses], grads=grads, pp_rank=state.pp_rank, tp_rank=state.tp_rank,
-                  max_in_flight=timeline.max_in_flight)
+    result = dict(losses=[loss["lm loss"] for loss in losses], grads=grads, pp_rank=state.pp_rank,
+                  tp_rank=state.tp_rank, max_in_flight=timeline.max_in_flight)
     destroy_model_parallel(state)
     return result
 
@@ -96,7 +96,7 @@ def _reference(num_layers, num_microbatches, forward_only=False, tied=True):
                       num_microbatches=num_microbatches, seq_length=SEQ, micro_batch_size=MICRO_BATCH,
                       forward_only=forward_only, parallel_state=state)
     grads = {} if forward_only else {name: g for name, (g, _, _) in _global_grads(config, state, [model]).items()}
-    return [l["lm loss"] for l in losses], grads
+    return [loss["lm loss"] for loss in losses], grads
 
 
 def _check_against_reference(results, reference, tp, tied=True):

@@ -59,9 +59,9 @@ def test_every_file_and_folder_is_fsynced_before_the_pointer_moves(tmp_path, mon
 
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(os, "replace", replace)
+    from megatron_core import destroy_model_parallel
     from megatron_core.training.arguments import parse_args
     from megatron_core.training.loop import build_run, save
-    from megatron_core import destroy_model_parallel
     os.environ.update(MASTER_PORT=str(_free_port()))
     run = build_run(parse_args([*KEEP, "--save", str(tmp_path), "--train-iters", "1"]))
     try:

@@ -15,29 +15,38 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 FLAG_CASES = {
     "negative layers": (["--num-layers", "-1"], "num_layers must be >= 1, got -1"),
     "zero hidden size": (["--hidden-size", "0"], "hidden_size must be >= 1, got 0"),
-    "heads not dividing hidden": (["--num-attention-heads", "3"], "hidden_size 32 is not divisible by num_attention_heads 3"),
-    "tp larger than the world": (["--tensor-model-parallel-size", "2"], "world_size 1 is not divisible by tensor_model_parallel_size 2"),
+    "heads not dividing hidden": (["--num-attention-heads", "3"],
+                                  "hidden_size 32 is not divisible by num_attention_heads 3"),
+    "tp larger than the world": (["--tensor-model-parallel-size", "2"],
+                                 "world_size 1 is not divisible by tensor_model_parallel_size 2"),
     "zero tp": (["--tensor-model-parallel-size", "0"], "tensor_model_parallel_size must be >= 1, got 0"),
-    "pp larger than layers": (["--pipeline-model-parallel-size", "8"], "num_layers 2 is not divisible by pipeline_model_parallel_size 8"),
+    "pp larger than layers": (["--pipeline-model-parallel-size", "8"],
+                              "num_layers 2 is not divisible by pipeline_model_parallel_size 8"),
     "vpp without pp": (["--num-layers-per-virtual-pipeline-stage", "1"], "needs --pipeline-model-parallel-size > 1"),
     "bf16 and fp16": (["--bf16", "--fp16"], "--bf16 and --fp16 are mutually exclusive"),
-    "micro batch not dividing global batch": (["--micro-batch-size", "3", "--global-batch-size", "4"], "--global-batch-size 4 is not divisible by --micro-batch-size 3"),
+    "micro batch not dividing global batch": (["--micro-batch-size", "3", "--global-batch-size", "4"],
+                                              "--global-batch-size 4 is not divisible by --micro-batch-size 3"),
     "zero micro batch": (["--micro-batch-size", "0"], "--micro-batch-size must be >= 1, got 0"),
     "zero sequence length": (["--seq-length", "0"], "--seq-length must be >= 1, got 0"),
     "zero train iters": (["--train-iters", "0"], "--train-iters must be >= 1, got 0"),
-    "query groups without GQA flag": (["--num-query-groups", "2"], "--num-query-groups 2 needs --group-query-attention"),
-    "query groups not dividing heads": (["--group-query-attention", "--num-query-groups", "3"], "num_query_groups 3 does not divide num_attention_heads 4"),
-    "full recompute without method": (["--recompute-granularity", "full"], "recompute_granularity='full' needs recompute_method"),
+    "query groups without GQA flag": (["--num-query-groups", "2"],
+                                      "--num-query-groups 2 needs --group-query-attention"),
+    "query groups not dividing heads": (["--group-query-attention", "--num-query-groups", "3"],
+                                        "num_query_groups 3 does not divide num_attention_heads 4"),
+    "full recompute without method": (["--recompute-granularity", "full"],
+                                      "recompute_granularity='full' needs recompute_method"),
     "recompute method alone": (["--recompute-method", "uniform"], "only apply to recompute_granularity='full'"),
     "save interval without save": (["--save-interval", "5"], "--save-interval needs --save DIR"),
     "min lr above lr": (["--min-lr", "1", "--lr", "0.1"], "--min-lr 1.0 is larger than --lr 0.1"),
-    "warmup longer than decay": (["--lr-warmup-iters", "50", "--train-iters", "10"], "--lr-warmup-iters 50 is larger than --lr-decay-iters 10"),
+    "warmup longer than decay": (["--lr-warmup-iters", "50", "--train-iters", "10"],
+                                 "--lr-warmup-iters 50 is larger than --lr-decay-iters 10"),
     "conflicting ZeRO flags": (["--zero-stage", "1", "--data-parallel-sharding-strategy", "optim_grads"], "disagree"),
     "ZeRO stage 4": (["--zero-stage", "4"], "invalid choice: 4"),
     "unknown position embedding": (["--position-embedding-type", "alibi"], "invalid choice: 'alibi'"),
     "misspelt flag": (["--tensor-model-paralel-size", "2"], "did you mean --tensor-model-parallel-size?"),
     "dropout of 1.5": (["--hidden-dropout", "1.5"], "hidden_dropout must lie in [0, 1), got 1.5"),
-    "sequence longer than positions": (["--max-position-embeddings", "16"], "--seq-length 32 is longer than --max-position-embeddings 16"),
+    "sequence longer than positions": (["--max-position-embeddings", "16"],
+                                       "--seq-length 32 is longer than --max-position-embeddings 16"),
     "unknown tokenizer": (["--tokenizer-type", "NoSuchTokenizer"], "unknown tokenizer type 'NoSuchTokenizer'"),
     "sentencepiece without a model": (["--tokenizer-type", "SentencePieceTokenizer"], "tokenizer"),
     "missing data prefix": (["--data-path", "/nonexistent/corpus_text_document"], "/nonexistent/corpus_text_document"),
@@ -62,8 +71,10 @@ def test_load_from_a_folder_without_a_checkpoint(distributed, tmp_path):
 
 
 def test_world_size_not_matching_the_layout(distributed):
-    status, err = distributed(2, run_main, [*TINY, "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"])[0]
-    assert status == 2 and "world_size 2 is not divisible by tensor_model_parallel_size 2 x pipeline_model_parallel_size 2" in err
+    status, err = distributed(2, run_main,
+                              [*TINY, "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"])[0]
+    assert status == 2 and ("world_size 2 is not divisible by tensor_model_parallel_size 2 x "
+                            "pipeline_model_parallel_size 2") in err
 
 
 def _write_dataset(prefix, tokens):
@@ -97,7 +108,8 @@ def _checkpoint(distributed, directory):
 
 def test_checkpoint_of_another_model_shape(distributed, tmp_path):
     before = _checkpoint(distributed, tmp_path)
-    status, err = distributed(1, run_main, [*TINY, "--hidden-size", "64", "--train-iters", "4", "--load", str(tmp_path)])[0]
+    status, err = distributed(1, run_main,
+                              [*TINY, "--hidden-size", "64", "--train-iters", "4", "--load", str(tmp_path)])[0]
     assert status == 2 and "but the model expects a shard of" in err and "another model shape" in err
     assert _files_digest(str(tmp_path)) == before
 

@@ -138,7 +138,8 @@ def test_hf_round_trip_keeps_tensors(hf_model, tmp_path):
 def test_bad_inputs_name_the_file_and_tensor(trained, hf_model, tmp_path):
     with pytest.raises(ValueError, match="num_attention_heads 4 is not divisible by tensor_model_parallel_size 3"):
         _convert(trained, tmp_path / "a", 3, 1)
-    with pytest.raises(ValueError, match="num_layers 2 is not divisible by pipeline_model_parallel_size 3|num_layers 2 <"):
+    with pytest.raises(ValueError,
+                       match="num_layers 2 is not divisible by pipeline_model_parallel_size 3|num_layers 2 <"):
         _convert(trained, tmp_path / "a", 1, 3)
     with pytest.raises(ValueError, match="--target-data-parallel-size must be >= 1"):
         _convert(trained, tmp_path / "a", 1, 1, extra=["--target-data-parallel-size", "0"])
@@ -149,7 +150,8 @@ def test_bad_inputs_name_the_file_and_tensor(trained, hf_model, tmp_path):
     entry = metadata["tensors"]["decoder.layers.0.mlp.linear_fc1.weight"]
     del entry["shards"]["1"]
     open(metadata_path, "w").write(json.dumps(metadata))
-    with pytest.raises(ValueError, match=r"'decoder.layers.0.mlp.linear_fc1.weight' has no shard for tp rank\(s\) \[1\]"):
+    with pytest.raises(ValueError,
+                       match=r"'decoder.layers.0.mlp.linear_fc1.weight' has no shard for tp rank\(s\) \[1\]"):
         _convert(tmp_path / "b", tmp_path / "c", 1, 1)
     open(metadata_path, "w").write(original)
     os.remove(os.path.join(os.path.dirname(metadata_path), "model_tp01_pp000.safetensors"))

@@ -216,7 +216,8 @@ def test_megatron_fsdp_llama_example_trains(distributed, tmp_path):
                           "--softmax-type learnable", "--window-size 127,0", "Transformer Engine"]),
     ("llama fp8", ["--bf16", *FP8], ["--fp8-format hybrid", "--fp8-amax-history-len 1024", "fp8"]),
     ("deepseek MLA and MTP", ["--multi-latent-attention", "--q-lora-rank", "1536", "--mtp-num-layers", "1",
-                              "--recompute-granularity", "selective", "--recompute-modules", "mlp", "moe", "mla_up_proj"],
+                              "--recompute-granularity", "selective", "--recompute-modules", "mlp", "moe",
+                              "mla_up_proj"],
      ["--multi-latent-attention", "--q-lora-rank 1536", "--mtp-num-layers 1", "multi-latent attention",
       "multi-token prediction", "--recompute-modules mla_up_proj moe"]),
 ], ids=lambda value: value if isinstance(value, str) else None)
@@ -249,8 +250,10 @@ def test_mixtral_example_trains(distributed, tmp_path):
     ckpt = str(tmp_path / "ckpt")
     argv = _replace_flags(MIXTRAL, {
         "--tokenizer-type": ["--tokenizer-type", "NullTokenizer", "--vocab-size", "200", "--mock-data"],
-        "--tokenizer-model": [], "--data-path": [], "--expert-model-parallel-size": ["--expert-model-parallel-size", "2"],
-        "--save": ["--save", ckpt], "--load": ["--load", ckpt], "--tensorboard-dir": [], "--eval-iters": ["--eval-iters", "1"]})
+        "--tokenizer-model": [], "--data-path": [],
+        "--expert-model-parallel-size": ["--expert-model-parallel-size", "2"],
+        "--save": ["--save", ckpt], "--load": ["--load", ckpt], "--tensorboard-dir": [],
+        "--eval-iters": ["--eval-iters", "1"]})
     status, err, out = _run(distributed, 2, argv)
     assert status == 0, err
     assert _iteration_lines(out) == 3 and "load_balancing_loss" in out

@@ -130,6 +130,7 @@ def test_unsupported_megatron_checkpoints_are_refused_clearly(tmp_path, capsys):
     legacy = tmp_path / "legacy" / "iter_0000003" / "mp_rank_00"
     legacy.mkdir(parents=True)
     (tmp_path / "legacy" / "latest_checkpointed_iteration.txt").write_text("3")
-    torch.save({"args": argparse.Namespace(num_layers=2), "model": {"language_model": {}}}, legacy / "model_optim_rng.pt")
+    torch.save({"args": argparse.Namespace(num_layers=2), "model": {"language_model": {}}},
+               legacy / "model_optim_rng.pt")
     assert convert("--loader", "megatron", "--load-dir", tmp_path / "legacy", "--save-dir", tmp_path / "y") == 2
     assert "legacy GPT model" in capsys.readouterr().err

@@ -110,6 +110,7 @@ def test_sigterm_saves_a_loadable_checkpoint_and_exits_0(distributed, tmp_path):
     assert iteration >= 3 and f"saved checkpoint at iteration {iteration}" in out
     from megatron_core.checkpointing import read_metadata
     folder, metadata = read_metadata(str(tmp_path / "ckpt"))
-    assert metadata["iteration"] == iteration and not any(p.name.endswith(".partial") for p in (tmp_path / "ckpt").iterdir())
+    assert metadata["iteration"] == iteration and not any(p.name.endswith(".partial")
+                                                          for p in (tmp_path / "ckpt").iterdir())
     resumed = distributed(1, _train, ["--load", str(tmp_path / "ckpt"), "--train-iters", str(iteration + 2)])[0]
     assert len(resumed) == 2

@@ -101,10 +101,14 @@ def test_vocab_parallel_cross_entropy_dispatches_to_the_kernel():
 
 
 @pytest.mark.parametrize("call, fragment", [
-    (lambda: kernels.cross_entropy(torch.randn(2, 8), torch.tensor([0, 8])), r"\[0, 8\) or equal ignore_index=-100, got values in \[8, 8\]"),
-    (lambda: kernels.cross_entropy(torch.randn(2, 8), torch.zeros(3, dtype=torch.long)), r"logits shape \(2, 8\) does not match target shape \(3,\)"),
-    (lambda: kernels.cross_entropy(torch.randn(2, 8), torch.zeros(2)), "target must be int64 or int32, got dtype torch.float32"),
-    (lambda: kernels.cross_entropy(torch.randn(2, 8), torch.zeros(2, dtype=torch.long), label_smoothing=1.0), r"\[0, 1\), got 1.0"),
+    (lambda: kernels.cross_entropy(torch.randn(2, 8), torch.tensor([0, 8])),
+     r"\[0, 8\) or equal ignore_index=-100, got values in \[8, 8\]"),
+    (lambda: kernels.cross_entropy(torch.randn(2, 8), torch.zeros(3, dtype=torch.long)),
+     r"logits shape \(2, 8\) does not match target shape \(3,\)"),
+    (lambda: kernels.cross_entropy(torch.randn(2, 8), torch.zeros(2)),
+     "target must be int64 or int32, got dtype torch.float32"),
+    (lambda: kernels.cross_entropy(torch.randn(2, 8), torch.zeros(2, dtype=torch.long), label_smoothing=1.0),
+     r"\[0, 1\), got 1.0"),
 ])
 def test_bad_input_raises_value_error(call, fragment):
     with pytest.raises(ValueError, match=fragment):

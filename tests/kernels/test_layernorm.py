@@ -78,8 +78,10 @@ def test_fp32_weight_with_bf16_input_and_no_bias():
 
 
 @pytest.mark.parametrize("call, fragment", [
-    (lambda: kernels.layer_norm(torch.randn(2, 8), torch.ones(7), torch.zeros(8)), r"weight must be .* \[8\] tensor, got shape \(7,\)"),
-    (lambda: kernels.layer_norm(torch.randn(2, 8), torch.ones(8), torch.zeros(2, 8)), r"bias must be .* got shape \(2, 8\)"),
+    (lambda: kernels.layer_norm(torch.randn(2, 8), torch.ones(7), torch.zeros(8)),
+     r"weight must be .* \[8\] tensor, got shape \(7,\)"),
+    (lambda: kernels.layer_norm(torch.randn(2, 8), torch.ones(8), torch.zeros(2, 8)),
+     r"bias must be .* got shape \(2, 8\)"),
     (lambda: kernels.rms_norm(torch.randn(2, 8), torch.ones(8), eps=0.0), "eps must be positive, got 0.0"),
     (lambda: kernels.rms_norm(torch.ones(2, 8, dtype=torch.long), torch.ones(8)), "torch.int64"),
 ])

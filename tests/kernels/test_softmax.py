@@ -87,7 +87,8 @@ def test_no_mask_broadcast_mask_and_huge_scores():
 
 
 @pytest.mark.parametrize("call, fragment", [
-    (lambda: kernels.scaled_masked_softmax(torch.randn(2, 3, 4), None, 1.0), r"\[b, heads, sq, sk\], got shape \(2, 3, 4\)"),
+    (lambda: kernels.scaled_masked_softmax(torch.randn(2, 3, 4), None, 1.0),
+     r"\[b, heads, sq, sk\], got shape \(2, 3, 4\)"),
     (lambda: kernels.scaled_masked_softmax(torch.randn(1, 2, 3, 4), torch.zeros(1, 1, 3, 5, dtype=torch.bool), 1.0),
      r"mask shape \(1, 1, 3, 5\) does not broadcast to x shape \(1, 2, 3, 4\)"),
     (lambda: kernels.scaled_masked_softmax(torch.randn(1, 2, 3, 4), torch.zeros(1, 1, 3, 4), 1.0), "torch.bool"),

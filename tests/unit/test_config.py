@@ -14,17 +14,21 @@ def test_derived_defaults():
 @pytest.mark.parametrize("overrides, fragment", [
     (dict(tensor_model_parallel_size=3), "num_attention_heads 8 is not divisible by tensor_model_parallel_size 3"),
     (dict(num_query_groups=3), "num_query_groups 3 does not divide num_attention_heads 8"),
-    (dict(num_query_groups=2, tensor_model_parallel_size=4), "num_query_groups 2 is not divisible by tensor_model_parallel_size 4"),
+    (dict(num_query_groups=2, tensor_model_parallel_size=4),
+     "num_query_groups 2 is not divisible by tensor_model_parallel_size 4"),
     (dict(hidden_size=60), "hidden_size 60 is not divisible by num_attention_heads 8"),
-    (dict(ffn_hidden_size=30, tensor_model_parallel_size=4), "ffn_hidden_size 30 is not divisible by tensor_model_parallel_size 4"),
+    (dict(ffn_hidden_size=30, tensor_model_parallel_size=4),
+     "ffn_hidden_size 30 is not divisible by tensor_model_parallel_size 4"),
     (dict(normalization="BatchNorm"), r"normalization must be one of \('LayerNorm', 'RMSNorm'\), got 'BatchNorm'"),
     (dict(activation="relu"), "activation must be one of"),
     (dict(recompute_granularity="full"), "recompute_granularity='full' needs recompute_method"),
     (dict(recompute_method="uniform"), "only apply to recompute_granularity='full'"),
-    (dict(sequence_parallel=True, tensor_model_parallel_size=1), "sequence_parallel=True needs tensor_model_parallel_size > 1"),
+    (dict(sequence_parallel=True, tensor_model_parallel_size=1),
+     "sequence_parallel=True needs tensor_model_parallel_size > 1"),
     (dict(bf16=True, fp16=True), "mutually exclusive"),
     (dict(pipeline_model_parallel_size=3), "num_layers 4 is not divisible by pipeline_model_parallel_size 3"),
-    (dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=4), "x virtual_pipeline_model_parallel_size 4"),
+    (dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=4),
+     "x virtual_pipeline_model_parallel_size 4"),
     (dict(num_layers=0), "num_layers must be >= 1, got 0"),
     (dict(hidden_dropout=1.0), r"hidden_dropout must lie in \[0, 1\), got 1.0"),
     (dict(max_position_embeddings=None), "learned_absolute' needs max_position_embeddings"),
@@ -42,7 +46,8 @@ def test_uneven_split():
 
 def test_uneven_split_that_does_not_divide():
     with pytest.raises(ValueError, match="3 layers left for 2 other stages"):
-        TransformerConfig(**{**BASE, "num_layers": 4, "pipeline_model_parallel_size": 3, "first_pipeline_num_layers": 1})
+        TransformerConfig(**{**BASE, "num_layers": 4, "pipeline_model_parallel_size": 3,
+                             "first_pipeline_num_layers": 1})
 
 
 def test_interleaved_layer_ranges():
@@ -67,4 +72,5 @@ def test_layout_sizes_come_from_the_parallel_state():
         TransformerConfig(num_layers=2, hidden_size=8, num_attention_heads=2, max_position_embeddings=8,
                           pipeline_model_parallel_size=2).bind_layout(state)
     with pytest.raises(ValueError, match="sequence_parallel=True needs tensor_model_parallel_size > 1"):
-        TransformerConfig(num_layers=2, hidden_size=8, num_attention_heads=2, max_position_embeddings=8, sequence_parallel=True).bind_layout(state)
+        TransformerConfig(num_layers=2, hidden_size=8, num_attention_heads=2, max_position_embeddings=8,
+                          sequence_parallel=True).bind_layout(state)

@@ -185,6 +185,7 @@ def test_expert_groups_match_the_documented_listing():
 def test_flops_count_active_parameters():
     """An MoE layer with top-k experts of size f counts like a dense MLP of size k x f (plus the shared one)."""
     import dataclasses
+
     from megatron_core.training.metrics import gpt_flops_per_iteration
     moe = _config(moe_ffn_hidden_size=6, moe_shared_expert_intermediate_size=4)
     dense = dataclasses.replace(moe, moe=None, ffn_hidden_size=2 * 6 + 4)

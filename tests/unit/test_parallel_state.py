@@ -50,7 +50,8 @@ def test_embedding_group_of_deep_pipeline_holds_first_and_last_stage():
 
 def test_single_process_state_without_torch_distributed():
     state = initialize_model_parallel()
-    assert (state.world_size, state.rank, state.tp_size, state.pp_size, state.dp_size, state.cp_size) == (1, 0, 1, 1, 1, 1)
+    assert (state.world_size, state.rank, state.tp_size, state.pp_size, state.dp_size,
+            state.cp_size) == (1, 0, 1, 1, 1, 1)
     assert state.tp_group is None and state.device == torch.device("cpu")
     assert state.is_pipeline_first_stage and state.is_pipeline_last_stage
     assert state.next_pipeline_rank == state.prev_pipeline_rank == 0
@@ -63,7 +64,8 @@ def test_single_process_state_without_torch_distributed():
     (dict(tensor_model_parallel_size=0), "tensor_model_parallel_size must be an integer >= 1, got 0"),
     (dict(pipeline_model_parallel_size=-1), "pipeline_model_parallel_size must be an integer >= 1, got -1"),
     (dict(context_parallel_size=0), "context_parallel_size must be an integer >= 1, got 0"),
-    (dict(virtual_pipeline_model_parallel_size=2), "virtual_pipeline_model_parallel_size 2 needs pipeline_model_parallel_size > 1"),
+    (dict(virtual_pipeline_model_parallel_size=2),
+     "virtual_pipeline_model_parallel_size 2 needs pipeline_model_parallel_size > 1"),
     (dict(virtual_pipeline_model_parallel_size=0), "virtual_pipeline_model_parallel_size must be None or >= 1"),
 ])
 def test_bad_sizes_raise_value_error_naming_values(kwargs, fragment):

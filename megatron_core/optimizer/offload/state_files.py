@@ -13,6 +13,7 @@ import os
 import shutil
 import tempfile
 import weakref
+
 import torch
 
 FP32_BYTES = 4

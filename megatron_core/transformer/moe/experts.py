@@ -22,8 +22,11 @@ from torch import nn
 from torch.nn.utils.rnn import pad_sequence
 
 from megatron_core.config import TransformerConfig
-from megatron_core.tensor_parallel import init_method_normal, scaled_init_method_normal
-from megatron_core.tensor_parallel import set_tensor_model_parallel_attributes
+from megatron_core.tensor_parallel import (
+    init_method_normal,
+    scaled_init_method_normal,
+    set_tensor_model_parallel_attributes,
+)
 from megatron_core.tensor_parallel.initialization import InitMethod, InitRecipe, init_method_constant, init_param_
 
 

@@ -12,8 +12,6 @@ Scores (Megatron-LM's ``topk_routing_with_score_function``):
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 from torch import nn
