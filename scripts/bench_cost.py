@@ -10,15 +10,15 @@ import time
 
 import torch
 import torch.distributed as dist
-
 from bench_peers import batch, ours_model
+from nanogpt_reference import GPTShape
+
 from megatron_core import destroy_model_parallel, initialize_model_parallel
 from megatron_core.config import TransformerConfig
 from megatron_core.optimizer import OptimizerConfig, get_optimizer, memory_report
 from megatron_core.planning.activations import ActivationShape, stage_activation_bytes
 from megatron_core.planning.measure import SavedActivationTracker
 from megatron_core.training.metrics import gpt_flops_per_iteration
-from nanogpt_reference import GPTShape
 
 
 def _time_steps(step, steps: int) -> float:
@@ -60,7 +60,8 @@ def bench_scaling(args) -> list[str]:
     base = shape_of(args)
     points = [("base", base), ("2x layers", _replace(base, layers=2 * base.layers)),
               ("2x hidden", _replace(base, hidden=2 * base.hidden)), ("2x seq", _replace(base, seq=2 * base.seq))]
-    lines = ["scaling (ours, one process):", "", "| shape | layers | hidden | seq | step s (median) | vs base | GFLOP/step | TFLOP/s | activations MiB "
+    lines = ["scaling (ours, one process):", "",
+             "| shape | layers | hidden | seq | step s (median) | vs base | GFLOP/step | TFLOP/s | activations MiB "
              "(measured / predicted) | model states MiB |", "| --- |" + " ---: |" * 9]
     base_time = None
     for name, shape in points:
@@ -95,6 +96,7 @@ def _allreduce_gbps(megabytes: int = 16) -> float:
 def bench_planner(args) -> list[str]:
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests" / "distributed"))
     import test_planner as tp_test
+
     from megatron_core.planning.planner import Hardware, Workload, plan_layout
     from megatron_core.testing import run_distributed
     torch.set_num_threads(1)
@@ -107,21 +109,24 @@ def bench_planner(args) -> list[str]:
     for layout in tp_test.LAYOUTS:
         pairs = tp_test.predicted_and_measured(run_distributed, layout)
         measured_ms = 1e3 * statistics.median(
-            max(r.step_seconds for r in run_distributed(layout.tp * layout.pp * layout.dp * layout.cp, tp_test._measure, layout,
-                                                        {**tp_test.MODEL, "sequence_parallel": layout.sequence_parallel,
-                                                         "recompute_granularity": layout.recompute}, 3))
+            max(r.step_seconds for r in run_distributed(
+                layout.tp * layout.pp * layout.dp * layout.cp, tp_test._measure, layout,
+                {**tp_test.MODEL, "sequence_parallel": layout.sequence_parallel,
+                 "recompute_granularity": layout.recompute}, 3))
             for _ in range(3))
         workload = Workload(vocab_size=tp_test.V, seq_length=tp_test.S, micro_batch_size=tp_test.B,
                             global_batch_size=tp_test.B * tp_test.M * layout.dp, make_vocab_size_divisible_by=8,
                             mask_bytes=2)
-        hardware = Hardware(num_devices=layout.tp * layout.pp * layout.dp * layout.cp, memory_per_device_gb=1, peak_tflops=peak,
-                            intra_node_bandwidth_gbps=gbps, devices_per_node=4, compute_efficiency=1.0)
+        hardware = Hardware(num_devices=layout.tp * layout.pp * layout.dp * layout.cp, memory_per_device_gb=1,
+                            peak_tflops=peak, intra_node_bandwidth_gbps=gbps, devices_per_node=4,
+                            compute_efficiency=1.0)
         plan = plan_layout(base, workload, hardware, layout)
         predicted, measured = max(p for p, _ in pairs), max(m for _, m in pairs)
         lines.append(f"| {layout.tp} | {layout.pp} | {layout.dp} | {layout.vpp or 1} | {layout.zero_stage} | "
                      f"{'yes' if layout.sequence_parallel else 'no'} | {layout.recompute or 'none'} | "
                      f"{predicted / 2**20:.3f} | {measured / 2**20:.3f} | {predicted / measured:.3f} | "
-                     f"{plan.step_seconds * 1e3:.1f} | {measured_ms:.1f} | {plan.step_seconds * 1e3 / measured_ms:.2f} |")
+                     f"{plan.step_seconds * 1e3:.1f} | {measured_ms:.1f} | "
+                     f"{plan.step_seconds * 1e3 / measured_ms:.2f} |")
     return lines
 
 

@@ -30,13 +30,13 @@ from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
+from nanogpt_reference import GPTShape, NanoGPT, parallelize_dtensor
 
 from megatron_core import initialize_model_parallel
 from megatron_core.config import TransformerConfig
 from megatron_core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron_core.models import GPTModel
 from megatron_core.optimizer import OptimizerConfig, get_optimizer
-from nanogpt_reference import GPTShape, NanoGPT, parallelize_dtensor
 
 Step = Callable[[], None]
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None

@@ -40,14 +40,14 @@ from typing import Callable
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE)]  # this checkout's megatron_core, then the scripts beside this one
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
 import bench_cost  # noqa: E402
 import bench_peers as peers  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from nanogpt_reference import GPTShape  # noqa: E402
+
 from megatron_core import initialize_model_parallel  # noqa: E402
 from megatron_core.testing import DistributedPool  # noqa: E402
-from nanogpt_reference import GPTShape  # noqa: E402
 
 ALL = ("single", "tp", "pp", "dp", "scaling", "planner")
 DEFAULT = ("single", "tp", "pp", "dp")
@@ -163,8 +163,8 @@ def _pp_reference(pp_args: argparse.Namespace) -> Callable[[], None]:
     micro = list(zip(tokens.split(pp_args.micro_batch), labels.split(pp_args.micro_batch)))
 
     def step() -> None:
-        for t, l in micro:
-            model(t, positions, labels=l).mean().backward()
+        for tokens, labels in micro:
+            model(tokens, positions, labels=labels).mean().backward()
     return step
 
 

@@ -29,17 +29,21 @@ import torch.distributed as dist
 from safetensors import safe_open
 from torch import nn
 
-from megatron_core.checkpointing.host_copy import buffer_copies, host_copies
 from megatron_core.checkpointing.durable import fsync_write, publish_folder, save_file_durably
+from megatron_core.checkpointing.host_copy import buffer_copies, host_copies
 from megatron_core.checkpointing.layout import (
     global_named_buffers,
     global_named_parameters,
     partition_record,
 )
 from megatron_core.checkpointing.megatron_lm_io import describe_foreign
-from megatron_core.checkpointing.shard_reader import (VOCAB_PARAMS, ShardReader, safe_path, sha256_file,
-                                                       verify_files, verify_once)
 from megatron_core.checkpointing.optimizer_state import collect_optimizer_state, restore_optimizer_state
+from megatron_core.checkpointing.shard_reader import (
+    ShardReader,
+    sha256_file,
+    verify_files,
+    verify_once,
+)
 from megatron_core.config import TransformerConfig
 from megatron_core.parallel_state import ParallelState
 

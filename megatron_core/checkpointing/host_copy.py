@@ -48,7 +48,8 @@ def host_copies(chunks: Sequence[nn.Module], named: dict[str, nn.Parameter],
     return copies
 
 
-def buffer_copies(buffers: dict[str, torch.Tensor], state: ParallelState) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+def buffer_copies(buffers: dict[str, torch.Tensor],
+                  state: ParallelState) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Host copies of the model-state buffers (replicated; written with the dense weights)."""
     if not writes_dense(state):
         return {}

@@ -27,8 +27,13 @@ from megatron_core.tensor_parallel import model_parallel_seed
 from megatron_core.training.arguments import transformer_config
 from megatron_core.training.banner import end_report, memory_probe, start_banner
 from megatron_core.training.data import build_datasets_once_per_node, build_run_tokenizer, micro_batches, take
-from megatron_core.training.elastic import (check_elastic_world, exit_with_parent, layout_change_notice,
-                                            straggler_report, warn_shared_agent_store)
+from megatron_core.training.elastic import (
+    check_elastic_world,
+    exit_with_parent,
+    layout_change_notice,
+    straggler_report,
+    warn_shared_agent_store,
+)
 from megatron_core.training.metrics import MetricsWriter, format_log_line
 from megatron_core.training.optimizer_setup import build_optimizer, wrap_data_parallel
 from megatron_core.training.runtime import RuntimeHooks, WandbSink

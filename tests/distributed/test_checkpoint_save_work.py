@@ -16,8 +16,8 @@ def _measure_save(argv, save_dir, bucket_size=None):
     from megatron_core.distributed.ddp_config import DistributedDataParallelConfig
     from megatron_core.optimizer.memory import memory_categories
     from megatron_core.training.arguments import parse_args
+    from megatron_core.training.data import micro_batches, take
     from megatron_core.training.loop import build_run, train_step
-    from megatron_core.training.data import take, micro_batches
     from megatron_core.utils.live_memory import LiveMemoryTracker
     original = DistributedDataParallelConfig.resolved_bucket_size
     if bucket_size:
@@ -72,6 +72,7 @@ def _save(argv, save_dir):
 def _measure_load(argv, load_dir):
     """On every rank: (tensor bytes it read, the files it hashed, bytes of every tensor file)."""
     import os
+
     from megatron_core import destroy_model_parallel
     from megatron_core.checkpointing import load_model_weights, read_metadata
     from megatron_core.training.arguments import parse_args

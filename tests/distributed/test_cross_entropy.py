@@ -2,11 +2,10 @@
 gradient, with label smoothing, a padded vocab and extreme logits (fp32)."""
 import pytest
 import torch
-
-import kernels
 import torch.distributed as dist
 import torch.nn.functional as F
 
+import kernels
 from megatron_core import destroy_model_parallel, initialize_model_parallel
 from megatron_core.tensor_parallel import vocab_parallel_cross_entropy, vocab_size_with_padding
 
@@ -77,7 +76,7 @@ def test_input_logits_are_not_modified():
 
 
 @pytest.mark.skipif(kernels.triton_unavailable_reason(torch.device("cpu")) is not None,
-                    reason="needs the Triton interpreter (the fused path; fp32 on one rank otherwise runs F.cross_entropy)")
+                    reason="needs the Triton interpreter (the fused path; one fp32 rank runs F.cross_entropy)")
 def test_second_backward_raises():
     logits, target, _ = _inputs(16, 3.0)
     logits.requires_grad_()
