@@ -25,14 +25,13 @@ from safetensors import safe_open
 
 from megatron_core.checkpointing.checkpoint import (
     LATEST,
-    VOCAB_PARAMS,
     fsync_write,
     read_metadata,
-    safe_path,
     sha256_file,
 )
 from megatron_core.checkpointing.durable import publish_folder
 from megatron_core.checkpointing.layout import merge_shards, repad_vocab, take_shard
+from megatron_core.checkpointing.shard_reader import VOCAB_PARAMS, safe_path
 from megatron_core.checkpointing.streaming import StreamingSafetensorsWriter, parse_dtype
 from megatron_core.config import TransformerConfig
 from megatron_core.tensor_parallel import vocab_size_with_padding
