@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -86,7 +87,7 @@ class DistributedDataParallel(nn.Module):
         self.buckets = self._build_buckets()
         self._param_to_bucket = {p: b for b in self.buckets for p in b.params}
         self._allocate_storage()
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_accumulated)
+        self._hooks = [p.register_post_accumulate_grad_hook(_weak_grad_hook(self))
                        for p in self._param_to_bucket]
         self.gatherer: Optional[ParameterGatherer] = None
         self.param_offload = "none"  # where stage-3 shards live between uses: see offload_param_shards
@@ -409,3 +410,16 @@ class DistributedDataParallel(nn.Module):
                     for param in bucket.params:
                         bucket.load_full(param, param.data)
         return result
+
+
+def _weak_grad_hook(ddp: "DistributedDataParallel") -> Callable[[torch.Tensor], None]:
+    """The post-accumulate-grad hook of ``ddp``'s parameters, holding ``ddp`` by weak reference: the hook lives
+    in the parameter's C++ grad accumulator, where Python's garbage collector cannot see it, so a strong
+    reference would keep the wrapper, its model, its buffers and its process groups alive forever."""
+    ref = weakref.ref(ddp)
+
+    def hook(param: torch.Tensor) -> None:
+        wrapper = ref()
+        if wrapper is not None:
+            wrapper._on_grad_accumulated(param)
+    return hook

@@ -217,3 +217,19 @@ def test_default_buckets_let_a_small_model_overlap():
     for stage in (0, 1, 2):
         ddp = DistributedDataParallel(model, config=DistributedDataParallelConfig(zero_stage=stage), dp_group=None)
         assert len(ddp.buckets) >= 4, (stage, len(ddp.buckets))
+
+
+def test_a_dropped_wrapper_frees_its_model_and_process_groups():
+    """The grad hooks live in the parameters' C++ grad accumulators, out of the garbage collector's sight: they
+    must not hold the wrapper, or every wrapped model (and its gloo groups, three threads each) lives forever."""
+    import gc
+    import weakref
+
+    from tests.model_helpers import build_model, tiny_config
+    state = initialize_model_parallel()
+    model = DistributedDataParallel(build_model(tiny_config(), state), config=DistributedDataParallelConfig(),
+                                    dp_group=state.dp_group)
+    ref = weakref.ref(model)
+    del model
+    gc.collect()
+    assert ref() is None
