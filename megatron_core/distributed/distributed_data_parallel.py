@@ -10,13 +10,16 @@ waits for the ones before it), so every dp rank issues the same collectives in t
 Collectives per backward: stage 0 all-reduces each bucket's grads over dp and stage 1 reduce-scatters them
 (none inside ``no_sync()``: grads accumulate in the full buffer); stages 2-3 reduce-scatter each bucket into
 the rank's 1/dp grad shard after every backward (``no_sync()`` does not defer them: keeping full grads
-across micro-batches would undo the grad sharding, so they accumulate in the shard, as in DeepSpeed). The
-transient full-size bucket of stages 2-3 is freed as soon as its reduce-scatter completes: at most two
-exist at once, and usually one: the reduce-scatters in flight are waited for (they overlapped the backward
-compute in between) before the next transient bucket is allocated, and none outlives the backward. Stage 3 also
-all-gathers parameters
-around every submodule (see ``zero3``); at stages 1-2 the optimizer's updated shards are all-gathered after
-the step (with ``overlap_param_gather``, waited on by each module just before its next forward).
+across micro-batches would undo the grad sharding, so they accumulate in the shard, as in DeepSpeed). On
+gloo a reduce-scatter is an in-place all-reduce and a slice (``reduce_scatter_with_all_reduce``: half the
+CPU time of gloo's reduce-scatter). Transient full-size buckets (stages 2-3) never outlive the backward.
+Stage 2 keeps two: the newest bucket's reduction runs while the next one fills, and is waited for when that
+one launches (DeepSpeed's ``overlap_comm`` double buffer), so the peak is fixed. Stage 3 keeps one: the
+reductions in flight (which overlapped the unit's backward) finish before the next unit's bucket exists.
+Stage 3 also all-gathers parameters around every submodule (see ``zero3``); at stages 1-2 the optimizer's
+updated shards are all-gathered after the step, last bucket first (with ``overlap_param_gather``, waited on
+by each module just before its next forward). Grad buffers are zeroed lazily: a parameter's first grad after
+``zero_grad_buffer()`` is copied into its slot.
 
 Mixture of experts: parameters tagged ``is_expert`` are held by the ranks of the expert-data-parallel group
 only, so they go to buckets of their own (launched after the dense ones of the same position, in the same
@@ -142,10 +145,18 @@ class DistributedDataParallel(nn.Module):
                 if sum(p.numel() for p in group) >= limit:
                     groups.append((kind, open_groups.pop(kind)))
             groups.extend(open_groups.items())
-        return [Bucket(index=i, kind=kind, params=params,
-                       dp_group=self.expert_dp_group if kind.expert else self.dp_group,
-                       shard_params=self.config.zero_stage == 3, device=self.device)
-                for i, (kind, params) in enumerate(groups)]
+        return [Bucket(index=i, kind=kind, params=params, dp_group=group,
+                       shard_params=self.config.zero_stage == 3, device=self.device,
+                       scatter_with_all_reduce=self._scatter_with_all_reduce(group))
+                for i, (kind, params) in enumerate(groups)
+                for group in [self.expert_dp_group if kind.expert else self.dp_group]]
+
+    def _scatter_with_all_reduce(self, group) -> bool:
+        """Whether grads are reduce-scattered as an all-reduce + slice (``reduce_scatter_with_all_reduce``;
+        default: on gloo)."""
+        if self.config.reduce_scatter_with_all_reduce is not None:
+            return self.config.reduce_scatter_with_all_reduce
+        return group is not None and dist.get_backend(group) == "gloo"
 
     def _storage_device(self, device: Optional[torch.device]) -> torch.device:
         """The device of the buffers; a meta-device module (sharded construction) needs stage 3."""
@@ -213,16 +224,19 @@ class DistributedDataParallel(nn.Module):
                     "between steps")
             self._retire(bucket)
         if bucket.kind.shard_grads and bucket.grad_data is None:
-            # a new transient bucket: the reduce-scatters in flight had this unit's backward to overlap with;
-            # finishing them first keeps a single full-size bucket alive at a time
-            for older in list(self._in_flight):
+            # a new transient bucket. Stage 2: the newest reduction stays in flight while this bucket fills
+            # (two full-size buckets, as DeepSpeed's overlap_comm double buffer); stage 3: the reductions in
+            # flight had this unit's backward to overlap with, and finishing them keeps one full-size bucket
+            keep = 1 if self.config.zero_stage == 2 else 0
+            for older in list(self._in_flight[:len(self._in_flight) - keep]):
                 self._retire(older)
         if bucket.add_grad(param):
             if self.gatherer is not None:
                 self.gatherer.on_bucket_grads_done(bucket)
             if self.config.overlap_grad_reduce:
                 self._launch_in_order(force=False)
-        self._retire_completed()
+        if self.config.zero_stage == 3:
+            self._retire_completed()  # (stage 2 frees its buckets at fixed points: a predictable peak)
 
     def _retire(self, bucket: Bucket) -> None:
         """Waits for ``bucket``'s reduce-scatter; its transient full-size grads are freed."""
@@ -296,6 +310,8 @@ class DistributedDataParallel(nn.Module):
         self.start_grad_sync()
         for bucket in self.buckets:
             bucket.wait_grad_sync()
+            if not bucket.kind.shard_grads:
+                bucket.fill_unwritten()  # a bucket no grad reached this step
         self._in_flight, self._next_launch = [], 0
 
     def zero_grad_buffer(self) -> None:
@@ -310,8 +326,12 @@ class DistributedDataParallel(nn.Module):
     # ----------------------------------------------------------------------------------------------------------
     # parameters
     def start_param_sync(self) -> None:
-        """Stages 1-2: starts the all-gather of the optimizer's updated shards into the full parameters."""
-        for bucket in self.buckets:
+        """Stages 1-2: starts the all-gather of the optimizer's updated shards into the full parameters, last
+        bucket first (the next forward needs the first layers first). Stage 0 gathers nothing: every rank
+        applied the same all-reduced grads to whole parameters."""
+        if self.config.zero_stage == 0:
+            return
+        for bucket in reversed(self.buckets):
             bucket.start_param_sync()
 
     def finish_param_sync(self) -> None:

@@ -79,10 +79,12 @@ class Bucket:
     """
 
     def __init__(self, *, index: int, kind: BucketKind, params: list[nn.Parameter], dp_group,
-                 shard_params: bool, device: Optional[torch.device] = None) -> None:
+                 shard_params: bool, device: Optional[torch.device] = None,
+                 scatter_with_all_reduce: bool = False) -> None:
         self.index, self.kind, self.params, self.dp_group = index, kind, list(params), dp_group
         self.dp_size, self.dp_rank = group_size(dp_group), group_rank(dp_group)
         self.shard_params, self.reduce_scatter = shard_params, kind.reduce_scatter or kind.shard_grads
+        self.scatter_with_all_reduce = scatter_with_all_reduce  # reduce-scatter = in-place all-reduce + slice
         self.device = device if device is not None else self.params[0].device
         self.shapes = {p: logical_shape(p) for p in self.params}
         self.ranges: dict[nn.Parameter, tuple[int, int]] = {}
@@ -90,6 +92,7 @@ class Bucket:
         for param in self.params:
             self.ranges[param] = (offset, offset + self.shapes[param].numel())
             offset += self.shapes[param].numel()
+        self._param_numel = offset
         self.numel = -(-offset // self.dp_size) * self.dp_size
         self.shard_size = self.numel // self.dp_size
         self.shard_lo = self.dp_rank * self.shard_size
@@ -99,6 +102,8 @@ class Bucket:
         self.grad_data: Optional[torch.Tensor] = None    # [numel]: buffer view, or transient (sharded grads)
         self.grad_shard: Optional[torch.Tensor] = None   # [shard]
         self._pending = set(self.params)
+        self._unwritten: set[nn.Parameter] = set()  # params whose grad slot holds no value since the last zero:
+        #                                             their first grad is copied in, not added to zeros
         self.dirty = False      # grads were added since the last launch
         self.launched = False
         self.gathered = not shard_params  # stage 3: the full parameters are in param_data
@@ -168,11 +173,19 @@ class Bucket:
     # ----------------------------------------------------------------------------------------------------------
     # gradients
     def add_grad(self, param: nn.Parameter) -> bool:
-        """Adds ``param.grad`` into the bucket (then frees it); True when every param of the bucket is in."""
+        """Adds ``param.grad`` into the bucket (then frees it); True when every param of the bucket is in.
+        The first grad of a param since the last zero is copied in: the buffer is zeroed lazily (a memset
+        and a read of the zeros saved per step), see ``fill_unwritten``."""
         if self.grad_data is None:  # sharded grads: the transient full bucket
-            self.grad_data = torch.zeros(self.numel, dtype=self.kind.grad_dtype, device=self.device)
+            self.grad_data = torch.empty(self.numel, dtype=self.kind.grad_dtype, device=self.device)
+            self.grad_data[self._param_numel:].zero_()  # the padding
             self._point_main_grads_at(self.grad_data)
-        param.main_grad.add_(param.grad)
+            self._unwritten = set(self.params)
+        if param in self._unwritten:
+            param.main_grad.copy_(param.grad)
+            self._unwritten.discard(param)
+        else:
+            param.main_grad.add_(param.grad)
         param.grad = None
         self.dirty = True
         self._pending.discard(param)
@@ -190,20 +203,29 @@ class Bucket:
     def reset_pending(self) -> None:
         self._pending = set(self.params)
 
+    def fill_unwritten(self) -> None:
+        """Zeros the grad slots no grad was written to since the last zero (before anything reads them)."""
+        for param in self._unwritten:
+            param.main_grad.zero_()
+        self._unwritten = set()
+
     def launch_grad_sync(self, *, scale: float, op) -> None:
         """Starts the asynchronous all-reduce (ZeRO-0) or reduce-scatter (ZeRO 1-3) of the grads over dp."""
         assert not self.launched, f"bucket {self.index} launched twice"
         if self.grad_data is None:
             self.grad_data = torch.zeros(self.numel, dtype=self.kind.grad_dtype, device=self.device)
+        self.fill_unwritten()
         if scale != 1.0:
             self.grad_data.mul_(scale)
-        if self.reduce_scatter:
+        if self.reduce_scatter and (self.dp_size == 1 or self.scatter_with_all_reduce):
+            # the shard of the (all-reduced) full bucket: a view, read once the all-reduce completes
+            self._recv = self.grad_data[self.shard_lo:self.shard_lo + self.shard_size]
+            if self.dp_size > 1:
+                self._grad_work = dist.all_reduce(self.grad_data, op=op, group=self.dp_group, async_op=True)
+        elif self.reduce_scatter:
             self._recv = torch.empty(self.shard_size, dtype=self.kind.grad_dtype, device=self.device)
-            if self.dp_size == 1:
-                self._recv.copy_(self.grad_data)
-            else:
-                self._grad_work = dist.reduce_scatter_single(self._recv, self.grad_data, op=op,
-                                                             group=self.dp_group, async_op=True)
+            self._grad_work = dist.reduce_scatter_single(self._recv, self.grad_data, op=op,
+                                                         group=self.dp_group, async_op=True)
         elif self.dp_size > 1:
             self._grad_work = dist.all_reduce(self.grad_data, op=op, group=self.dp_group, async_op=True)
         self.launched, self.dirty = True, False
@@ -217,23 +239,23 @@ class Bucket:
             self._grad_work.wait()
         if self.kind.shard_grads:
             self.grad_shard.add_(self._recv)
-            self.grad_data = None
+            self.grad_data, self._unwritten = None, set()
             for param in self.params:
                 param.main_grad = None
-        elif self.reduce_scatter:
-            self.grad_shard.copy_(self._recv)
+        elif self.reduce_scatter and self._recv.data_ptr() != self.grad_shard.data_ptr():
+            self.grad_shard.copy_(self._recv)  # (after an all-reduce the shard is in place already)
         self._grad_work, self._recv, self.launched = None, None, False
         self.reset_pending()
 
     def zero_grad(self) -> None:
         assert not self.launched, f"bucket {self.index}: zero_grad while its collective is in flight"
-        self.grad_shard.zero_()
         if self.kind.shard_grads:
-            self.grad_data = None
+            self.grad_shard.zero_()
+            self.grad_data, self._unwritten = None, set()
             for param in self.params:
                 param.main_grad = None
-        else:
-            self.grad_data.zero_()
+        else:  # zeroed lazily: the first grad of each param is copied in (the padding stays zero)
+            self._unwritten = set(self.params)
         for param in self.params:
             param.grad = None
         self.dirty = False

@@ -3,8 +3,9 @@
 - ZeRO-3 gathers parameters around each unit (a module owning parameters): at most two neighbouring units
   (current + prefetched) are full at once (in an MoE model's backward: the local experts of two MoE layers), plus the
   small unit (norms and biases) of this layer and the next.
-- ZeRO 2-3 reduce-scatter full-size fp32 gradient buckets that are freed when the collective completes; the
-  reduce-scatters in flight are finished before the next bucket is allocated, so one exists at a time.
+- ZeRO 2-3 reduce full-size fp32 gradient buckets that are freed when the collective completes; one bucket's
+  collective stays in flight while the next one fills (so that it overlaps that backward), and older ones are
+  finished before a new bucket is allocated: two exist at a time (at stage 3, two neighbouring units').
 - At every stage autograd first produces a parameter's grad in the parameter's dtype before it moves into its
   bucket: one parameter's worth.
 
@@ -86,7 +87,8 @@ def zero_transient_bytes(config: TransformerConfig, *, vocab_size: int, make_voc
         transient += 4 * (largest + small)  # a full-size fp32 grad bucket, and the layer's small one, which
         #                                     fills during the whole backward of the layer
     elif zero_stage == 2:  # DistributedDataParallelConfig's default: capped at a quarter of the model, >= 1M
-        transient += 4 * min(bucket_size, max(1_000_000, stage_params // 4), stage_params)
+        bucket = min(bucket_size, max(1_000_000, stage_params // 4), stage_params)
+        transient += 4 * min(2 * bucket, stage_params)  # one bucket reducing, the next one filling
     return transient
 
 

@@ -13,12 +13,13 @@ from megatron_core.optimizer import OptimizerConfig, get_optimizer, memory_repor
 from tests.distributed.test_optimizer_parity import OPT, Net, net_batch, reference_adamw
 
 
-def _overlap_events(stage: int):
+def _overlap_events(stage: int, scatter_with_all_reduce=None):
     """Records collectives and the input's grad (computed last in backward) in the order they happen."""
     state = initialize_model_parallel()
     torch.manual_seed(0)
-    ddp = DistributedDataParallel(Net(), config=DistributedDataParallelConfig(zero_stage=stage, bucket_size=100),
-                                  dp_group=state.dp_group)
+    config = DistributedDataParallelConfig(zero_stage=stage, bucket_size=100,
+                                           reduce_scatter_with_all_reduce=scatter_with_all_reduce)
+    ddp = DistributedDataParallel(Net(), config=config, dp_group=state.dp_group)
     events = []
     originals = {name: getattr(dist, name) for name in ("all_reduce", "reduce_scatter_single")}
 
@@ -44,9 +45,11 @@ def _overlap_events(stage: int):
 
 
 def test_first_bucket_collective_launched_before_backward_finishes(distributed):
-    # ZeRO-1 reduce-scatters too (Megatron's distributed optimizer), it does not all-reduce
-    for stage, collective in ((0, "all_reduce"), (1, "reduce_scatter_single"), (2, "reduce_scatter_single")):
-        events, launch_log, num_buckets = distributed(2, _overlap_events, stage)[0]
+    # ZeRO-1 reduce-scatters too (Megatron's distributed optimizer); on gloo, by default, as an all-reduce
+    for stage, scatter_with_all_reduce, collective in (
+            (0, None, "all_reduce"), (1, False, "reduce_scatter_single"), (2, False, "reduce_scatter_single"),
+            (1, None, "all_reduce"), (2, None, "all_reduce")):
+        events, launch_log, num_buckets = distributed(2, _overlap_events, stage, scatter_with_all_reduce)[0]
         names = [name for name, _ in events]
         assert num_buckets >= 3 and launch_log == list(range(num_buckets))
         first = names.index(collective)
