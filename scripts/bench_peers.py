@@ -65,8 +65,8 @@ def ours_step(shape: GPTShape, rows: int, *, state=None, zero_stage: Optional[in
     state = state or initialize_model_parallel()
     model = ours_model(shape, state, device)
     if zero_stage is not None:
-        model = DistributedDataParallel(model, dp_group=state.dp_group,
-                                        config=DistributedDataParallelConfig(zero_stage=zero_stage))
+        model = DistributedDataParallel(model, dp_group=state.dp_group, config=DistributedDataParallelConfig(
+            zero_stage=zero_stage, overlap_param_gather=zero_stage in (1, 2)))
     optimizer = get_optimizer(OptimizerConfig(lr=1e-4, clip_grad=0.0), model, parallel_state=state)
     micro = [batch(shape, rows, seed=seed + i, device=device) for i in range(micro_batches)]
     positions = torch.arange(shape.seq, device=device).expand(rows, shape.seq)

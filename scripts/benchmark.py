@@ -15,7 +15,9 @@ Parts (``--only``, comma-separated):
            fully_shard and DeepSpeed ZeRO-2/3 (when installed), all on our GPTModel
   scaling  our step time, TFLOP/s and memory as layers, hidden size and sequence length double
   planner  tools/plan_parallelism.py's predictions against measured steps at 12 layouts
-A train step is forward + backward + AdamW step, fp32, dropout off, on gloo ranks with one thread each.
+A train step is forward + backward + AdamW step, fp32, dropout off, on gloo ranks with one thread each, each
+rank bound to a core of its own (``--bind-cores-to-rank``; its gloo threads then compete with its own compute
+only). Ours at ZeRO-1/2 runs with ``overlap_param_gather`` (Megatron's ``--overlap-param-gather``).
 
 Parallel efficiency of a layout = (single-process time of the same work) / (ranks x layout step time): the
 core-seconds one process needs over the core-seconds the layout spends. The single-process reference runs on
@@ -48,6 +50,7 @@ from nanogpt_reference import GPTShape  # noqa: E402
 
 from megatron_core import initialize_model_parallel  # noqa: E402
 from megatron_core.testing import DistributedPool  # noqa: E402
+from megatron_core.utils.affinity import bind_cores_to_rank  # noqa: E402
 
 ALL = ("single", "tp", "pp", "dp", "scaling", "planner")
 DEFAULT = ("single", "tp", "pp", "dp")
@@ -81,6 +84,14 @@ def alternate(steps: dict[str, Callable[[], None]], *, rounds: int, per_round: i
     return times
 
 
+def _one_core_per_rank() -> None:
+    """One thread per rank, every rank (and its gloo threads) bound to a core share of its own
+    (``--bind-cores-to-rank``), the same for ours and every peer."""
+    torch.set_num_threads(1)
+    if dist.is_initialized():
+        bind_cores_to_rank(dist.get_rank(), dist.get_world_size())
+
+
 def _per_round_max(per_rank: list[dict[str, list[float]]]) -> dict[str, list[float]]:
     """The slowest rank of every round: a layout's step ends when its last rank does."""
     return {name: [max(r[name][i] for r in per_rank) for i in range(len(per_rank[0][name]))] for name in per_rank[0]}
@@ -96,7 +107,7 @@ def _on_rank_0(step: Callable[[], None]) -> Callable[[], None]:
 
 
 def _single_worker(shape: GPTShape, rows: int, rounds: int, per_round: int, clock: str) -> dict[str, list[float]]:
-    torch.set_num_threads(1)
+    _one_core_per_rank()
     steps = {"ours": peers.ours_step(shape, rows), "eager GPT": peers.eager_step(shape, rows),
              "eager GPT, fused AdamW": peers.eager_step(shape, rows, fused=True)}
     megatron_step, close = peers.megatron_core_step(shape, rows, tp=1)
@@ -108,7 +119,7 @@ def _single_worker(shape: GPTShape, rows: int, rounds: int, per_round: int, cloc
 
 
 def _tp_worker(shape: GPTShape, rows: int, rounds: int, per_round: int, clock: str) -> dict[str, list[float]]:
-    torch.set_num_threads(1)
+    _one_core_per_rank()
     single_state = initialize_model_parallel()  # tp 1: rank 0's reference makes no collective call
     steps = {"ours": peers.ours_step(shape, rows, state=initialize_model_parallel(tensor_model_parallel_size=2)),
              "DTensor tp 2": peers.eager_step(shape, rows, dtensor=True),
@@ -122,7 +133,7 @@ def _tp_worker(shape: GPTShape, rows: int, rounds: int, per_round: int, clock: s
 
 
 def _dp_worker(shape: GPTShape, rows: int, rounds: int, per_round: int, clock: str) -> dict[str, list[float]]:
-    torch.set_num_threads(1)
+    _one_core_per_rank()
     warnings.filterwarnings("ignore", category=FutureWarning)  # the peers' deprecated collective names
     state = initialize_model_parallel()  # dp = 2
     seed = 1 + state.dp_rank
@@ -140,7 +151,7 @@ def _pp_worker(pp_args: argparse.Namespace, rounds: int) -> dict[str, list[float
     """Our 1F1B and torch's (``bench_pipeline._bench``, which alternates the two itself when it takes
     ``(args, vpp)``; older versions run one of them per call), then rank 0's single-process reference."""
     import bench_pipeline
-    torch.set_num_threads(1)
+    _one_core_per_rank()
     times: dict[str, list[float]] = {"ours": [], "torch pipelining 1F1B": []}
     if len(inspect.signature(bench_pipeline._bench).parameters) == 2:
         result = bench_pipeline._bench(argparse.Namespace(**{**vars(pp_args), "steps": rounds}), None)

@@ -41,6 +41,7 @@ from megatron_core.training.schedule import build_lr_scheduler, check_batch_sche
 from megatron_core.training.state import Run, reduce_losses, step_record
 from megatron_core.transformer.moe import moe_layer_spec
 from megatron_core.transformer.moe.tracking import moe_loss_report, set_aux_loss_scale, update_expert_bias
+from megatron_core.utils.affinity import bind_cores_to_rank
 from megatron_core.utils.progress import progress_bar
 
 logger = logging.getLogger(__name__)
@@ -68,6 +69,10 @@ def initialize_distributed(args: argparse.Namespace) -> None:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         return
     dist.init_process_group(backend, timeout=timeout)
+    if args.bind_cores_to_rank:  # after the process group: its threads exist and are moved too
+        local = int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        cores = bind_cores_to_rank(*local)
+        print(f" rank {dist.get_rank()} (local rank {local[0]} of {local[1]}) bound to cores {cores}", flush=True)
 
 
 def build_run(args: argparse.Namespace) -> Run:
