@@ -8,8 +8,10 @@ of each schedule and its ratio to torch's; our measured bubble (mean over ranks 
 to the bubble replayed from the measured pass times (``simulate``: free transfers, no overhead) and the
 formula (p-1)/(v*m); the ratio of CPU time per step (all ranks' processes, all threads: little disturbed by
 other jobs on a shared machine); and each rank's peak resident memory (RSS, both schedules' models). Ranks
-are forked gloo processes on this machine (megatron_core.testing), one thread each; the model runs its torch
-reference kernels.
+are forked gloo processes on this machine (megatron_core.testing), one thread each, each bound to a core of its
+own (``--bind-cores-to-rank``: a rank's gloo thread then takes time from its own compute only, which turns
+the last stage's 1.4-3 ms gradient sends, blocked while the first stage's receiving thread waited for a
+core, into 0.2 ms); the model runs its torch reference kernels.
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ from megatron_core.pipeline_parallel.schedule_plan import (
     simulate,
 )
 from megatron_core.testing import run_distributed
+from megatron_core.utils.affinity import bind_cores_to_rank
 
 VOCAB = 512
 
@@ -124,6 +127,12 @@ def _torch_step(args, state, vpp):
     return step
 
 
+def _one_core_per_rank() -> None:
+    """One thread per rank, each rank (and its gloo threads) bound to a core share of its own."""
+    torch.set_num_threads(1)
+    bind_cores_to_rank(dist.get_rank(), dist.get_world_size())
+
+
 def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
@@ -131,7 +140,7 @@ def _peak_rss_mb() -> float:
 def _bench(which: str, args, vpp):
     """One schedule alone ("ours" or "torch"), as scripts/benchmark.py runs it: (median s/step, our measured
     bubble or None, peak RSS MB)."""
-    torch.set_num_threads(1)
+    _one_core_per_rank()
     state = initialize_model_parallel(pipeline_model_parallel_size=dist.get_world_size(),
                                       virtual_pipeline_model_parallel_size=vpp)
     step = (_our_step if which == "ours" else _torch_step)(args, state, vpp)
@@ -149,7 +158,7 @@ def _bench_alternating(args, vpp):
     """Alternates one step of ours and one of torch's (after a warm-up step of each); a barrier before each
     step lines the ranks up. Returns (our median s/step, torch's, our median measured bubble, our bubble
     replayed from the measured passes, peak RSS MB, our and torch's median CPU s/step of this process)."""
-    torch.set_num_threads(1)
+    _one_core_per_rank()
     state = initialize_model_parallel(pipeline_model_parallel_size=dist.get_world_size(),
                                       virtual_pipeline_model_parallel_size=vpp)
     ours, theirs = _our_step(args, state, vpp), _torch_step(args, state, vpp)
