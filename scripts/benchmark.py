@@ -15,9 +15,12 @@ Parts (``--only``, comma-separated):
            fully_shard and DeepSpeed ZeRO-2/3 (when installed), all on our GPTModel
   scaling  our step time, TFLOP/s and memory as layers, hidden size and sequence length double
   planner  tools/plan_parallelism.py's predictions against measured steps at 12 layouts
-A train step is forward + backward + AdamW step, fp32, dropout off, on gloo ranks with one thread each, each
-rank bound to a core of its own (``--bind-cores-to-rank``; its gloo threads then compete with its own compute
-only). Ours at ZeRO-1/2 runs with ``overlap_param_gather`` (Megatron's ``--overlap-param-gather``).
+A train step is forward + backward + AdamW step, fp32, dropout off, on gloo ranks with one thread each. In the
+dp and pp parts each rank is bound to a core of its own (``--bind-cores-to-rank``; its gloo threads then
+compete with its own compute only, which removes a 7-8 ms backward imbalance between the dp ranks); the tp
+part runs unbound, where binding made every tp 2 step 10-12% slower (the synchronous all-reduce's gloo
+thread then waits for its rank's core). Ours at ZeRO-1/2 runs with ``overlap_param_gather`` (Megatron's
+``--overlap-param-gather``).
 
 Parallel efficiency of a layout = (single-process time of the same work) / (ranks x layout step time): the
 core-seconds one process needs over the core-seconds the layout spends. The single-process reference runs on
@@ -84,11 +87,11 @@ def alternate(steps: dict[str, Callable[[], None]], *, rounds: int, per_round: i
     return times
 
 
-def _one_core_per_rank() -> None:
-    """One thread per rank, every rank (and its gloo threads) bound to a core share of its own
-    (``--bind-cores-to-rank``), the same for ours and every peer."""
+def _one_core_per_rank(*, bind: bool) -> None:
+    """One thread per rank; with ``bind`` every rank (and its gloo threads) bound to a core share of its own
+    (``--bind-cores-to-rank``), the same for ours and every peer of the part."""
     torch.set_num_threads(1)
-    if dist.is_initialized():
+    if bind and dist.is_initialized():
         bind_cores_to_rank(dist.get_rank(), dist.get_world_size())
 
 
@@ -107,7 +110,7 @@ def _on_rank_0(step: Callable[[], None]) -> Callable[[], None]:
 
 
 def _single_worker(shape: GPTShape, rows: int, rounds: int, per_round: int, clock: str) -> dict[str, list[float]]:
-    _one_core_per_rank()
+    _one_core_per_rank(bind=False)
     steps = {"ours": peers.ours_step(shape, rows), "eager GPT": peers.eager_step(shape, rows),
              "eager GPT, fused AdamW": peers.eager_step(shape, rows, fused=True)}
     megatron_step, close = peers.megatron_core_step(shape, rows, tp=1)
@@ -119,7 +122,7 @@ def _single_worker(shape: GPTShape, rows: int, rounds: int, per_round: int, cloc
 
 
 def _tp_worker(shape: GPTShape, rows: int, rounds: int, per_round: int, clock: str) -> dict[str, list[float]]:
-    _one_core_per_rank()
+    _one_core_per_rank(bind=False)  # bound, every tp 2 step here was 10-12% slower (ours and the peers')
     single_state = initialize_model_parallel()  # tp 1: rank 0's reference makes no collective call
     steps = {"ours": peers.ours_step(shape, rows, state=initialize_model_parallel(tensor_model_parallel_size=2)),
              "DTensor tp 2": peers.eager_step(shape, rows, dtensor=True),
@@ -133,7 +136,7 @@ def _tp_worker(shape: GPTShape, rows: int, rounds: int, per_round: int, clock: s
 
 
 def _dp_worker(shape: GPTShape, rows: int, rounds: int, per_round: int, clock: str) -> dict[str, list[float]]:
-    _one_core_per_rank()
+    _one_core_per_rank(bind=True)
     warnings.filterwarnings("ignore", category=FutureWarning)  # the peers' deprecated collective names
     state = initialize_model_parallel()  # dp = 2
     seed = 1 + state.dp_rank
@@ -151,7 +154,7 @@ def _pp_worker(pp_args: argparse.Namespace, rounds: int) -> dict[str, list[float
     """Our 1F1B and torch's (``bench_pipeline._bench``, which alternates the two itself when it takes
     ``(args, vpp)``; older versions run one of them per call), then rank 0's single-process reference."""
     import bench_pipeline
-    _one_core_per_rank()
+    _one_core_per_rank(bind=True)
     times: dict[str, list[float]] = {"ours": [], "torch pipelining 1F1B": []}
     if len(inspect.signature(bench_pipeline._bench).parameters) == 2:
         result = bench_pipeline._bench(argparse.Namespace(**{**vars(pp_args), "steps": rounds}), None)

@@ -95,7 +95,8 @@ def _parallel_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
     g.add_argument("--bind-cores-to-rank", action="store_true",
                    help="CPU runs: pin each rank of a host to its own share of the cores (DeepSpeed's "
-                        "--bind_cores_to_rank), so its gloo threads compete with its own compute only")
+                        "--bind_cores_to_rank), so its gloo threads compete with its own compute only; measured "
+                        "faster for dp and pp on gloo, slower for tp (docs/performance.md)")
 
 
 def _training_flags(p: argparse.ArgumentParser) -> None:

@@ -236,3 +236,67 @@ def test_a_dropped_wrapper_frees_its_model_and_process_groups():
     del model
     gc.collect()
     assert ref() is None
+
+
+# ------------------------------------------------------------------------------------------------------------
+def _gathers_in_the_step(stage: int) -> int:
+    """How many all-gathers one optimizer step issues at ``stage`` (dp 2)."""
+    state = initialize_model_parallel()
+    torch.manual_seed(0)
+    ddp = DistributedDataParallel(Net(), config=DistributedDataParallelConfig(zero_stage=stage, bucket_size=100),
+                                  dp_group=state.dp_group)
+    optimizer = get_optimizer(OptimizerConfig(**OPT), ddp, parallel_state=state)
+    x, y = net_batch(0)
+    F.mse_loss(ddp(x), y).backward()
+    finalize_model_grads([ddp], state)
+    original, calls = dist.all_gather_single, []
+    dist.all_gather_single = lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs)
+    try:
+        assert optimizer.step()[0]
+    finally:
+        dist.all_gather_single = original
+    return len(calls)
+
+
+def test_only_the_distributed_optimizer_gathers_parameters_after_its_step(distributed):
+    """Stage 0 updates whole parameters on every rank from the same all-reduced grads: nothing to gather (it
+    all-gathered every bucket before, 8 ms of a 130 ms dp 2 step in scripts/benchmark.py)."""
+    assert distributed(2, _gathers_in_the_step, 0) == [0, 0]
+    gathers = distributed(2, _gathers_in_the_step, 1)
+    assert gathers[0] == gathers[1] >= 3
+
+
+class _SometimesUnused(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.used, self.sometimes = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x, use_both: bool):
+        return self.sometimes(self.used(x)) if use_both else self.used(x)
+
+
+def _grads_of_an_unused_parameter(stage: int):
+    """Step 1 gives every parameter a grad; step 2 leaves ``sometimes`` out: its grad slot must read zero (the
+    buffers are zeroed lazily, so the slot still holds step 1's grad unless something zeros it)."""
+    state = initialize_model_parallel()
+    torch.manual_seed(0)
+    ddp = DistributedDataParallel(_SometimesUnused(), config=DistributedDataParallelConfig(zero_stage=stage),
+                                  dp_group=state.dp_group)
+    x = torch.randn(3, 4)
+    seen = []
+    for use_both in (True, False, True):
+        ddp.zero_grad_buffer()
+        for micro in range(2):  # accumulation: the second micro-batch adds to the first one's grads
+            with ddp.no_sync() if micro == 0 else contextlib.nullcontext():
+                ddp(x, use_both).square().sum().backward()
+        ddp.finish_grad_sync()
+        seen.append([ddp.module.sometimes.weight.main_grad.clone(), ddp.module.used.weight.main_grad.clone()])
+    return seen
+
+
+def test_lazily_zeroed_grad_buffers_read_zero_for_parameters_without_a_grad(distributed):
+    for stage in (0, 1):
+        (first, second, third), _ = distributed(2, _grads_of_an_unused_parameter, stage)
+        assert first[0].abs().sum() > 0 and torch.equal(second[0], torch.zeros_like(second[0]))
+        torch.testing.assert_close(third[0], first[0], rtol=0, atol=0)  # accumulation starts from zero again
+        torch.testing.assert_close(third[1], first[1], rtol=0, atol=0)
