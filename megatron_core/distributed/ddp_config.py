@@ -46,11 +46,14 @@ class DistributedDataParallelConfig:
     parameters is only started, per bucket; each module waits for its buckets just before its first use in
     the next forward, so the gather overlaps the forward. (Stage 3 always gathers on demand, with prefetch.)"""
 
-    reduce_scatter_with_all_reduce: Optional[bool] = None
-    """Stages 1-3: reduce the grads with an in-place all-reduce and keep this rank's shard of the result,
-    instead of a reduce-scatter. None (default) picks it on gloo, whose reduce-scatter of a bucket costs
-    about twice the CPU time of its all-reduce (10.1 against 5.5 ms for 14 MB on 2 ranks, torch 2.13) and
-    needs a receive buffer the all-reduce does not; NCCL keeps the reduce-scatter (half the bytes)."""
+    p2p_collectives: Optional[bool] = None
+    """Stages 1-3: each bucket's reduce-scatter and parameter all-gather as one batch of ``isend``/``irecv``
+    (``p2p_collectives``): chunk j of the grads goes to rank j and is summed there on arrival; each rank's
+    parameter shard goes to every other rank, straight into its slot. None (default) picks them on gloo, whose
+    collectives cost several times the same bytes point to point (14 MB over 2 ranks: reduce-scatter 16.0 ms
+    wall / 10.1 ms CPU, all-gather 10.3 / 9.1 ms, a pairwise exchange 2.2 / 1.8 ms). A reduce-scatter holds
+    (dp - 1)/dp of the bucket in receive buffers while in flight (gloo's and NCCL's: 1/dp). NCCL keeps its
+    own collectives. Stage 0 all-reduces with the backend's all-reduce either way."""
 
     reshard_after_forward: bool = True
     """Stage 3: free each unit's gathered parameters after its forward and gather them again for its backward

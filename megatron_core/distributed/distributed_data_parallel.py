@@ -11,8 +11,8 @@ Collectives per backward: stage 0 all-reduces each bucket's grads over dp and st
 (none inside ``no_sync()``: grads accumulate in the full buffer); stages 2-3 reduce-scatter each bucket into
 the rank's 1/dp grad shard after every backward (``no_sync()`` does not defer them: keeping full grads
 across micro-batches would undo the grad sharding, so they accumulate in the shard, as in DeepSpeed). On
-gloo a reduce-scatter is an in-place all-reduce and a slice (``reduce_scatter_with_all_reduce``: half the
-CPU time of gloo's reduce-scatter). Transient full-size buckets (stages 2-3) never outlive the backward.
+gloo the reduce-scatters and all-gathers are batches of isend/irecv (``p2p_collectives``: a fifth of the CPU
+time of gloo's own). Transient full-size buckets (stages 2-3) never outlive the backward.
 Stage 2 keeps two: the newest bucket's reduction runs while the next one fills, and is waited for when that
 one launches (DeepSpeed's ``overlap_comm`` double buffer), so the peak is fixed. Stage 3 keeps one: the
 reductions in flight (which overlapped the unit's backward) finish before the next unit's bucket exists.
@@ -147,15 +147,14 @@ class DistributedDataParallel(nn.Module):
             groups.extend(open_groups.items())
         return [Bucket(index=i, kind=kind, params=params, dp_group=group,
                        shard_params=self.config.zero_stage == 3, device=self.device,
-                       scatter_with_all_reduce=self._scatter_with_all_reduce(group))
+                       p2p_collectives=self._p2p_collectives(group))
                 for i, (kind, params) in enumerate(groups)
                 for group in [self.expert_dp_group if kind.expert else self.dp_group]]
 
-    def _scatter_with_all_reduce(self, group) -> bool:
-        """Whether grads are reduce-scattered as an all-reduce + slice (``reduce_scatter_with_all_reduce``;
-        default: on gloo)."""
-        if self.config.reduce_scatter_with_all_reduce is not None:
-            return self.config.reduce_scatter_with_all_reduce
+    def _p2p_collectives(self, group) -> bool:
+        """``config.p2p_collectives``, or (None) whether ``group`` is a gloo group."""
+        if self.config.p2p_collectives is not None:
+            return self.config.p2p_collectives
         return group is not None and dist.get_backend(group) == "gloo"
 
     def _storage_device(self, device: Optional[torch.device]) -> torch.device:
@@ -258,11 +257,12 @@ class DistributedDataParallel(nn.Module):
         return self._grad_scale
 
     def _launch(self, bucket: Bucket) -> None:
+        if bucket.kind.shard_grads:  # one reduce-scatter in flight: the older ones finish first (bounds memory:
+            for older in list(self._in_flight):  # their receive buffers go before this one's exist)
+                self._retire(older)
         bucket.launch_grad_sync(scale=self._scale(bucket), op=self._reduce_op)
         self.launch_log.append(bucket.index)
-        if bucket.kind.shard_grads:  # one reduce-scatter in flight: waiting for older ones bounds the memory
-            for older in list(self._in_flight):
-                self._retire(older)
+        if bucket.kind.shard_grads:
             self._in_flight.append(bucket)
 
     def _launch_in_order(self, *, force: bool) -> None:

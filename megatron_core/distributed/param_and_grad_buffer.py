@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatron_core.distributed.p2p_collectives import all_gather_p2p, reduce_scatter_p2p
 from megatron_core.tensor_parallel.initialization import logical_shape
 from megatron_core.tensor_parallel.utils import group_rank, group_size
 
@@ -80,11 +81,11 @@ class Bucket:
 
     def __init__(self, *, index: int, kind: BucketKind, params: list[nn.Parameter], dp_group,
                  shard_params: bool, device: Optional[torch.device] = None,
-                 scatter_with_all_reduce: bool = False) -> None:
+                 p2p_collectives: bool = False) -> None:
         self.index, self.kind, self.params, self.dp_group = index, kind, list(params), dp_group
         self.dp_size, self.dp_rank = group_size(dp_group), group_rank(dp_group)
         self.shard_params, self.reduce_scatter = shard_params, kind.reduce_scatter or kind.shard_grads
-        self.scatter_with_all_reduce = scatter_with_all_reduce  # reduce-scatter = in-place all-reduce + slice
+        self.p2p_collectives = p2p_collectives  # reduce-scatters and all-gathers as isend/irecv batches
         self.device = device if device is not None else self.params[0].device
         self.shapes = {p: logical_shape(p) for p in self.params}
         self.ranges: dict[nn.Parameter, tuple[int, int]] = {}
@@ -217,11 +218,11 @@ class Bucket:
         self.fill_unwritten()
         if scale != 1.0:
             self.grad_data.mul_(scale)
-        if self.reduce_scatter and (self.dp_size == 1 or self.scatter_with_all_reduce):
-            # the shard of the (all-reduced) full bucket: a view, read once the all-reduce completes
+        if self.reduce_scatter and (self.dp_size == 1 or self.p2p_collectives):
+            # this rank's shard of the bucket, reduced in place (a view, read once the work completes)
             self._recv = self.grad_data[self.shard_lo:self.shard_lo + self.shard_size]
             if self.dp_size > 1:
-                self._grad_work = dist.all_reduce(self.grad_data, op=op, group=self.dp_group, async_op=True)
+                self._grad_work = reduce_scatter_p2p(self.grad_data, self.dp_group)
         elif self.reduce_scatter:
             self._recv = torch.empty(self.shard_size, dtype=self.kind.grad_dtype, device=self.device)
             self._grad_work = dist.reduce_scatter_single(self._recv, self.grad_data, op=op,
@@ -243,7 +244,7 @@ class Bucket:
             for param in self.params:
                 param.main_grad = None
         elif self.reduce_scatter and self._recv.data_ptr() != self.grad_shard.data_ptr():
-            self.grad_shard.copy_(self._recv)  # (after an all-reduce the shard is in place already)
+            self.grad_shard.copy_(self._recv)  # (reduced in place, the shard is there already)
         self._grad_work, self._recv, self.launched = None, None, False
         self.reset_pending()
 
@@ -268,8 +269,7 @@ class Bucket:
         if self.shard_params or self.dp_size == 1:
             return
         self.wait_param_sync()
-        self._param_work = dist.all_gather_single(self.param_data, self.param_shard.clone(),
-                                                  group=self.dp_group, async_op=True)
+        self._param_work = self._all_gather(None)  # the shard is a view of its slot: in place
 
     def wait_param_sync(self) -> None:
         if self._param_work is not None:
@@ -300,8 +300,15 @@ class Bucket:
             self._gather_work = _Done()
             self._evict_after_gather()
         else:
-            self._gather_work = dist.all_gather_single(self.param_data, self.param_shard,
-                                                       group=self.dp_group, async_op=True)
+            self._gather_work = self._all_gather(self.param_shard)
+
+    def _all_gather(self, shard: Optional[torch.Tensor]):
+        """Starts the gather of every rank's parameter shard into ``param_data``; ``shard`` None: this rank's
+        is in its slot already."""
+        if self.p2p_collectives:
+            return all_gather_p2p(self.param_data, shard, self.dp_group)
+        source = self.param_data[self.shard_lo:self.shard_lo + self.shard_size] if shard is None else shard
+        return dist.all_gather_single(self.param_data, source, group=self.dp_group, async_op=True)
 
     def wait_gather(self) -> None:
         """Stage 3: makes every ``param.data`` a view of the gathered full parameters."""

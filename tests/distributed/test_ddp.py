@@ -13,15 +13,15 @@ from megatron_core.optimizer import OptimizerConfig, get_optimizer, memory_repor
 from tests.distributed.test_optimizer_parity import OPT, Net, net_batch, reference_adamw
 
 
-def _overlap_events(stage: int, scatter_with_all_reduce=None):
+def _overlap_events(stage: int, p2p_collectives=None):
     """Records collectives and the input's grad (computed last in backward) in the order they happen."""
     state = initialize_model_parallel()
     torch.manual_seed(0)
     config = DistributedDataParallelConfig(zero_stage=stage, bucket_size=100,
-                                           reduce_scatter_with_all_reduce=scatter_with_all_reduce)
+                                           p2p_collectives=p2p_collectives)
     ddp = DistributedDataParallel(Net(), config=config, dp_group=state.dp_group)
     events = []
-    originals = {name: getattr(dist, name) for name in ("all_reduce", "reduce_scatter_single")}
+    originals = {name: getattr(dist, name) for name in ("all_reduce", "reduce_scatter_single", "isend")}
 
     def recorder(name):
         def call(*args, **kwargs):
@@ -45,16 +45,17 @@ def _overlap_events(stage: int, scatter_with_all_reduce=None):
 
 
 def test_first_bucket_collective_launched_before_backward_finishes(distributed):
-    # ZeRO-1 reduce-scatters too (Megatron's distributed optimizer); on gloo, by default, as an all-reduce
-    for stage, scatter_with_all_reduce, collective in (
-            (0, None, "all_reduce"), (1, False, "reduce_scatter_single"), (2, False, "reduce_scatter_single"),
-            (1, None, "all_reduce"), (2, None, "all_reduce")):
-        events, launch_log, num_buckets = distributed(2, _overlap_events, stage, scatter_with_all_reduce)[0]
+    # ZeRO-1 reduce-scatters too (Megatron's distributed optimizer); on gloo, by default, point to point (one
+    # isend per bucket at dp 2)
+    for stage, p2p, collective in ((0, None, "all_reduce"), (1, False, "reduce_scatter_single"),
+                                   (2, False, "reduce_scatter_single"), (1, None, "isend"), (2, None, "isend")):
+        events, launch_log, num_buckets = distributed(2, _overlap_events, stage, p2p)[0]
         names = [name for name, _ in events]
         assert num_buckets >= 3 and launch_log == list(range(num_buckets))
         first = names.index(collective)
         assert first < names.index("input_grad") < names.index("backward_returned"), names
-        assert events[first][1] is True  # asynchronous: backward continues while it runs
+        if collective != "isend":  # (isend is asynchronous by nature)
+            assert events[first][1] is True  # asynchronous: backward continues while it runs
         assert names.count(collective) == num_buckets
 
 
@@ -249,12 +250,13 @@ def _gathers_in_the_step(stage: int) -> int:
     x, y = net_batch(0)
     F.mse_loss(ddp(x), y).backward()
     finalize_model_grads([ddp], state)
-    original, calls = dist.all_gather_single, []
-    dist.all_gather_single = lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs)
+    from megatron_core.distributed.param_and_grad_buffer import Bucket
+    original, calls = Bucket._all_gather, []
+    Bucket._all_gather = lambda self, shard: calls.append(1) or original(self, shard)
     try:
         assert optimizer.step()[0]
     finally:
-        dist.all_gather_single = original
+        Bucket._all_gather = original
     return len(calls)
 
 

@@ -57,14 +57,14 @@ def _net_loss(model, step):
 
 
 def train_net(stage: int, *, dtype=torch.float32, offload=False, bucket_size=200, steps=STEPS, lr=OPT["lr"],
-              fused_adam=True, scatter_with_all_reduce=None):
+              fused_adam=True, native_collectives=False):
     """Runs on every rank: dp = world size; each rank takes its BATCH/dp rows in MICRO micro-batches."""
     state = initialize_model_parallel()
     torch.manual_seed(0)
     model = Net().to(dtype)
     ddp = DistributedDataParallel(model, config=DistributedDataParallelConfig(
         zero_stage=stage, bucket_size=bucket_size, grad_reduce_in_fp32=True,
-        reduce_scatter_with_all_reduce=scatter_with_all_reduce), dp_group=state.dp_group)
+        p2p_collectives=False if native_collectives else None), dp_group=state.dp_group)
     config = OptimizerConfig(**{**OPT, "lr": lr}, bf16=dtype == torch.bfloat16, optimizer_cpu_offload=offload,
                              fused_adam=fused_adam)
     optimizer = get_optimizer(config, ddp, parallel_state=state)
@@ -98,12 +98,13 @@ def net_reference():
 
 
 @pytest.mark.parametrize("dp", [2, 4])
-@pytest.mark.parametrize("stage,scatter_with_all_reduce", [(0, None), (1, None), (2, None), (3, None), (1, False),
-                                                           (2, False), (3, False)])
-def test_fp32_stages_match_adamw(distributed, net_reference, dp, stage, scatter_with_all_reduce):
-    """Default on gloo: reduce-scatter as all-reduce + slice; False: gloo's reduce-scatter (NCCL's path)."""
+@pytest.mark.parametrize("stage,native", [(0, False), (1, False), (2, False), (3, False), (1, True), (2, True),
+                                          (3, True)])
+def test_fp32_stages_match_adamw(distributed, net_reference, dp, stage, native):
+    """Default on gloo: reduce-scatters and all-gathers as isend/irecv batches; native: gloo's own (NCCL's
+    path)."""
     ref_params, ref_norms = net_reference
-    results = distributed(dp, train_net, stage, scatter_with_all_reduce=scatter_with_all_reduce)
+    results = distributed(dp, train_net, stage, native_collectives=native)
     diff = max(_max_diff(params, ref_params) for params, *_ in results)
     LARGEST_DIFF[f"net dp={dp} stage={stage}"] = diff
     assert diff <= 1e-5, f"stage {stage} dp {dp}: largest parameter difference {diff:.3e}"
