@@ -310,8 +310,8 @@ class DistributedDataParallel(nn.Module):
         self.start_grad_sync()
         for bucket in self.buckets:
             bucket.wait_grad_sync()
-            if not bucket.kind.shard_grads:
-                bucket.fill_unwritten()  # a bucket no grad reached this step
+            bucket.fill_unwritten()  # a bucket (or its shard) no grad reached this step
+            bucket.fill_unwritten_shard()
         self._in_flight, self._next_launch = [], 0
 
     def zero_grad_buffer(self) -> None:

@@ -105,6 +105,7 @@ class Bucket:
         self._pending = set(self.params)
         self._unwritten: set[nn.Parameter] = set()  # params whose grad slot holds no value since the last zero:
         #                                             their first grad is copied in, not added to zeros
+        self._shard_fresh = False  # sharded grads: the shard holds no value since the last zero (first copy)
         self.dirty = False      # grads were added since the last launch
         self.launched = False
         self.gathered = not shard_params  # stage 3: the full parameters are in param_data
@@ -210,6 +211,12 @@ class Bucket:
             param.main_grad.zero_()
         self._unwritten = set()
 
+    def fill_unwritten_shard(self) -> None:
+        """Sharded grads: zeros the shard if no reduction reached it since the last zero."""
+        if self._shard_fresh:
+            self.grad_shard.zero_()
+            self._shard_fresh = False
+
     def launch_grad_sync(self, *, scale: float, op) -> None:
         """Starts the asynchronous all-reduce (ZeRO-0) or reduce-scatter (ZeRO 1-3) of the grads over dp."""
         assert not self.launched, f"bucket {self.index} launched twice"
@@ -239,7 +246,11 @@ class Bucket:
         if self._grad_work is not None:
             self._grad_work.wait()
         if self.kind.shard_grads:
-            self.grad_shard.add_(self._recv)
+            if self._shard_fresh:  # the first reduction since zero_grad: copied, not added to zeros
+                self.grad_shard.copy_(self._recv)
+                self._shard_fresh = False
+            else:
+                self.grad_shard.add_(self._recv)
             self.grad_data, self._unwritten = None, set()
             for param in self.params:
                 param.main_grad = None
@@ -250,8 +261,8 @@ class Bucket:
 
     def zero_grad(self) -> None:
         assert not self.launched, f"bucket {self.index}: zero_grad while its collective is in flight"
-        if self.kind.shard_grads:
-            self.grad_shard.zero_()
+        if self.kind.shard_grads:  # the shard is zeroed lazily too: the first reduction is copied in
+            self._shard_fresh = True
             self.grad_data, self._unwritten = None, set()
             for param in self.params:
                 param.main_grad = None

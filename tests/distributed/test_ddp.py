@@ -282,8 +282,8 @@ def _grads_of_an_unused_parameter(stage: int):
     buffers are zeroed lazily, so the slot still holds step 1's grad unless something zeros it)."""
     state = initialize_model_parallel()
     torch.manual_seed(0)
-    ddp = DistributedDataParallel(_SometimesUnused(), config=DistributedDataParallelConfig(zero_stage=stage),
-                                  dp_group=state.dp_group)
+    ddp = DistributedDataParallel(_SometimesUnused(), config=DistributedDataParallelConfig(zero_stage=stage,
+                                  bucket_size=16), dp_group=state.dp_group)  # a bucket per linear layer
     x = torch.randn(3, 4)
     seen = []
     for use_both in (True, False, True):
@@ -292,13 +292,18 @@ def _grads_of_an_unused_parameter(stage: int):
             with ddp.no_sync() if micro == 0 else contextlib.nullcontext():
                 ddp(x, use_both).square().sum().backward()
         ddp.finish_grad_sync()
-        seen.append([ddp.module.sometimes.weight.main_grad.clone(), ddp.module.used.weight.main_grad.clone()])
+        if stage >= 2:  # the grads live in this rank's shard of each bucket
+            seen.append([torch.cat([b.grad_shard.clone() for b in ddp.buckets
+                                    if any(p is module.weight for p in b.params)])
+                         for module in (ddp.module.sometimes, ddp.module.used)])
+        else:
+            seen.append([ddp.module.sometimes.weight.main_grad.clone(), ddp.module.used.weight.main_grad.clone()])
     return seen
 
 
 def test_lazily_zeroed_grad_buffers_read_zero_for_parameters_without_a_grad(distributed):
-    for stage in (0, 1):
+    for stage in (0, 1, 2, 3):
         (first, second, third), _ = distributed(2, _grads_of_an_unused_parameter, stage)
-        assert first[0].abs().sum() > 0 and torch.equal(second[0], torch.zeros_like(second[0]))
+        assert first[0].abs().sum() > 0 and torch.equal(second[0], torch.zeros_like(second[0])), stage
         torch.testing.assert_close(third[0], first[0], rtol=0, atol=0)  # accumulation starts from zero again
         torch.testing.assert_close(third[1], first[1], rtol=0, atol=0)
