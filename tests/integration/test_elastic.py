@@ -79,11 +79,24 @@ def test_a_worker_whose_agent_is_killed_exits_at_once(tmp_path):
     assert lived < 3, f"the orphaned worker still ran {lived:.1f} s after its agent was killed"
 
 
-def _segments(records):
-    """The metrics records split where the iteration goes back (a restart): [(checkpoint resumed, losses)]."""
+def _resumes(log):
+    """The iterations the log's restarts resumed from ("loaded checkpoint ... (iteration N)")."""
+    return [int(n) for n in re.findall(r"loaded checkpoint \S+ \(iteration (\d+)\)", log)]
+
+
+def _segments(records, resumes=()):
+    """The metrics records split into runs: [(checkpoint resumed, losses)]. A run starts where the iteration
+    goes back, or at the record after a resume point N of ``resumes`` when the previous run's records ended
+    exactly at N (a restart from the newest iteration leaves no seam; N + 1 is then recorded once only)."""
+    iterations = [record["iteration"] for record in records]
+    starts = {i for i in range(1, len(iterations)) if iterations[i] <= iterations[i - 1]}
+    for resumed in set(resumes):
+        at = [i for i, iteration in enumerate(iterations) if iteration == resumed + 1]
+        if len(at) == 1 and at[0] > 0 and iterations[at[0] - 1] == resumed:
+            starts.add(at[0])
     segments = []
-    for record in records:
-        if not segments or record["iteration"] <= segments[-1][0] + len(segments[-1][1]):
+    for i, record in enumerate(records):
+        if i == 0 or i in starts:
             segments.append((record["iteration"] - 1, []))
         segments[-1][1].append(record["lm_loss"])
     return segments
@@ -116,8 +129,9 @@ def test_a_returning_node_scales_the_job_back_to_dp2(tmp_path, distributed):
                 script=script) as agents:
         assert agents.wait(90, until=lambda: len(_records(metrics)) >= kill_after), agents.log(0)[-3000:]
         agents.kill_node(1)
-        at_dp1 = lambda: "continuing at dp 1" in agents.log(0) and len(_segments(_records(metrics))) >= 2 \
-            and len(_segments(_records(metrics))[-1][1]) >= 2
+        def at_dp1():
+            segments = _segments(_records(metrics), _resumes(agents.log(0)))
+            return "continuing at dp 1" in agents.log(0) and len(segments) >= 2 and len(segments[-1][1]) >= 2
         assert agents.wait(90, until=at_dp1), agents.log(0)[-3000:]
         agents.start()  # node 2: a machine coming back
         assert agents.wait(150, until=lambda: agents.procs[0].poll() is not None and agents.procs[2].poll()
@@ -125,7 +139,7 @@ def test_a_returning_node_scales_the_job_back_to_dp2(tmp_path, distributed):
         logs = agents.log(0) + agents.log(2)
         assert agents.procs[0].returncode == 0 and agents.procs[2].returncode == 0, logs[-6000:]
     assert "continuing at dp 2 (tp 1, pp 1 kept) with 2 micro-batches per rank" in logs, logs[-6000:]
-    segments = _segments(_records(metrics))
+    segments = _segments(_records(metrics), _resumes(logs))
     assert len(segments) >= 3, segments
     (dp1_start, dp1_losses), (dp2_start, dp2_losses) = segments[-2], segments[-1]
     assert dp1_start + 1 < dp2_start and dp2_start + len(dp2_losses) == SCALE_ITERS, segments
@@ -176,9 +190,8 @@ def test_a_stopped_rank_is_detected_within_the_timeout_and_torchrun_restarts_the
     assert "--distributed-timeout-minutes 0.1" in log and "loaded checkpoint" in log, log[-4000:]
     # The restart resumes the newest checkpoint; when that is the last iteration the first run logged, the
     # records run on without a seam, so the resume point comes from the log, not from the records.
-    resumed = re.search(r"loaded checkpoint \S+ \(iteration (\d+)\)", log)
-    assert resumed, log[-4000:]
-    start, records = int(resumed.group(1)), _records(metrics)
+    assert _resumes(log), log[-4000:]
+    start, records = _resumes(log)[-1], _records(metrics)
     assert 2 <= start < HANG_ITERS, (start, records)
     tail = records[-(HANG_ITERS - start):]
     assert [r["iteration"] for r in tail] == list(range(start + 1, HANG_ITERS + 1)), records
