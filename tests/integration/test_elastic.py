@@ -199,3 +199,16 @@ def test_a_stopped_rank_is_detected_within_the_timeout_and_torchrun_restarts_the
     for record in records:  # both runs, each iteration against the uninterrupted run
         want = reference[record["iteration"] - 1]
         assert abs(record["lm_loss"] - want) <= 1e-5 * abs(want), (record, reference)
+
+
+def test_runs_split_at_seams_and_at_seamless_resume_points():
+    """The splitting the restart tests rely on: a go-back, a restart from exactly the last logged iteration
+    (no seam), both in one file, and no resume at all."""
+    def records(iterations):
+        return [{"iteration": i, "lm_loss": float(i)} for i in iterations]
+    assert _segments(records([1, 2, 3, 4, 5, 6]), [3]) == [(0, [1.0, 2.0, 3.0]), (3, [4.0, 5.0, 6.0])]
+    assert _segments(records([1, 2, 3, 4, 5, 3, 4]), [2]) == [(0, [1.0, 2.0, 3.0, 4.0, 5.0]), (2, [3.0, 4.0])]
+    assert _segments(records([1, 2, 3, 4, 3, 4, 5, 6, 7]), [2, 5]) == [
+        (0, [1.0, 2.0, 3.0, 4.0]), (2, [3.0, 4.0, 5.0]), (5, [6.0, 7.0])]
+    assert _segments(records([1, 2, 3]), []) == [(0, [1.0, 2.0, 3.0])]
+    assert _resumes("x loaded checkpoint /a/b (iteration 7) y\nloaded checkpoint c (iteration 12)") == [7, 12]
