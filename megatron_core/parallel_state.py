@@ -138,7 +138,14 @@ class ParallelState:
     unless ``initialize_model_parallel(kernel_backend=...)`` says otherwise); ``kernel_backend.report()`` says
     which implementation each op ran."""
 
+    weight_grad_store: Any = dataclasses.field(default=None, compare=False, repr=False)
+    """The ``WeightGradStore`` of the linears built with this state: the zero-bubble schedule defers their
+    weight-gradient GEMMs into it (created with the state)."""
+
     def __post_init__(self) -> None:
+        if self.weight_grad_store is None:
+            from megatron_core.tensor_parallel.weight_grad_store import WeightGradStore
+            object.__setattr__(self, "weight_grad_store", WeightGradStore())
         if self.kernel_backend is None or isinstance(self.kernel_backend, str):
             import kernels
             object.__setattr__(self, "kernel_backend", kernels.KernelBackend(self.kernel_backend or "auto"))

@@ -1,7 +1,11 @@
-"""Our 1F1B / interleaved 1F1B against torch.distributed.pipelining (Schedule1F1B, ScheduleInterleaved1F1B) on
-the same GPT, micro-batches and gloo ranks, side by side in one run.
+"""Our 1F1B / zero-bubble (ZB-H1) / interleaved 1F1B against torch.distributed.pipelining (Schedule1F1B,
+ScheduleInterleavedZeroBubble with one stage per rank, ScheduleInterleaved1F1B) on the same GPT, micro-batches
+and gloo ranks, side by side in one run.
 
     python scripts/bench_pipeline.py [--pp 2 --microbatches 8 --layers 8 --hidden 128 --seq 128 --steps 3]
+
+Rows: each of our schedules against torch's same schedule, and our zero bubble against torch's 1F1B (the
+schedule of the same memory a user of torch pipelining runs by default).
 
 Steps of ours and torch's alternate in the same ranks (a barrier before each). Prints the median step time
 of each schedule and its ratio to torch's; our measured bubble (mean over ranks of the per-step median) next
@@ -34,11 +38,18 @@ from megatron_core.pipeline_parallel.schedule_plan import (
     interleaved_ops,
     one_f_one_b_ops,
     simulate,
+    zero_bubble_ops,
 )
+from megatron_core.pipeline_parallel.timeline import COMPUTE
 from megatron_core.testing import run_distributed
 from megatron_core.utils.affinity import bind_cores_to_rank
 
 VOCAB = 512
+# (row name, our schedule: "1f1b" | "zb" | "interleaved", torch's schedule class name)
+ROWS = (("1F1B", "1f1b", "Schedule1F1B"),
+        ("zero bubble (ZB-H1)", "zb", "ScheduleInterleavedZeroBubble"),
+        ("zero bubble vs torch 1F1B", "zb", "Schedule1F1B"),
+        ("interleaved 1F1B (v={vpp})", "interleaved", "ScheduleInterleaved1F1B"))
 
 
 def _config(args, pp: int, vpp) -> TransformerConfig:
@@ -65,7 +76,7 @@ def _batch(args):
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def _our_step(args, state, vpp):
+def _our_step(args, state, vpp, zero_bubble=False):
     """A function running one step of our schedule on this rank; it returns that step's Timeline."""
     chunks = _chunks(args, state, vpp)
     tokens, labels = _batch(args)
@@ -76,7 +87,7 @@ def _our_step(args, state, vpp):
         t, lab = next(iterator)
         return model(t, positions, labels=lab), lambda loss: (loss.mean(), {"lm loss": loss.mean().detach()})
 
-    schedule = get_forward_backward_func(state.pp_size, vpp)
+    schedule = get_forward_backward_func(state.pp_size, vpp, zero_bubble=zero_bubble)
 
     def step() -> Timeline:
         timeline = Timeline()
@@ -102,9 +113,10 @@ class _TorchStage(nn.Module):
         return self.model(None, self.positions)  # hidden [s, b, h], or logits [b, s, V] on the last stage
 
 
-def _torch_step(args, state, vpp):
-    """A function running one step of torch.distributed.pipelining's schedule on this rank."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+def _torch_step(args, state, vpp, schedule_name):
+    """A function running one step of torch.distributed.pipelining's ``schedule_name`` on this rank."""
+    from torch.distributed import pipelining
+    from torch.distributed.pipelining import PipelineStage
     chunks = _chunks(args, state, vpp)
     p, v = state.pp_size, vpp or 1
     stages = [PipelineStage(_TorchStage(chunk, args.seq, args.micro_batch), state.pp_rank + vp * p, p * v,
@@ -113,8 +125,9 @@ def _torch_step(args, state, vpp):
     def loss_fn(logits, target):
         return F.cross_entropy(logits.flatten(0, 1), target.flatten())
 
-    schedule = (ScheduleInterleaved1F1B(stages, args.microbatches, loss_fn=loss_fn) if vpp
-                else Schedule1F1B(stages[0], args.microbatches, loss_fn=loss_fn))
+    schedule_class = getattr(pipelining, schedule_name)
+    multi_stage = issubclass(schedule_class, pipelining.schedules.PipelineScheduleMulti)
+    schedule = schedule_class(stages if multi_stage else stages[0], args.microbatches, loss_fn=loss_fn)
     tokens, labels = _batch(args)
 
     def step() -> None:
@@ -137,13 +150,19 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _bench(which: str, args, vpp):
+def _ours(args, state, kind: str):
+    """Our schedule ``kind`` ("1f1b", "zb" or "interleaved") as a step function."""
+    return _our_step(args, state, args.vpp if kind == "interleaved" else None, zero_bubble=kind == "zb")
+
+
+def _bench(which: str, args, vpp, zero_bubble: bool = False):
     """One schedule alone ("ours" or "torch"), as scripts/benchmark.py runs it: (median s/step, our measured
-    bubble or None, peak RSS MB)."""
+    bubble or None, peak RSS MB). Torch runs Schedule1F1B (ScheduleInterleaved1F1B with vpp)."""
     _one_core_per_rank()
     state = initialize_model_parallel(pipeline_model_parallel_size=dist.get_world_size(),
                                       virtual_pipeline_model_parallel_size=vpp)
-    step = (_our_step if which == "ours" else _torch_step)(args, state, vpp)
+    step = (_our_step(args, state, vpp, zero_bubble) if which == "ours" else
+            _torch_step(args, state, vpp, "ScheduleInterleaved1F1B" if vpp else "Schedule1F1B"))
     times, bubbles = [], []
     for _ in range(args.steps + 1):  # the first step warms up
         start = time.perf_counter()
@@ -154,14 +173,16 @@ def _bench(which: str, args, vpp):
     return statistics.median(times[1:]), bubbles[-1], _peak_rss_mb()
 
 
-def _bench_alternating(args, vpp):
-    """Alternates one step of ours and one of torch's (after a warm-up step of each); a barrier before each
-    step lines the ranks up. Returns (our median s/step, torch's, our median measured bubble, our bubble
-    replayed from the measured passes, peak RSS MB, our and torch's median CPU s/step of this process)."""
+def _bench_alternating(args, kind: str, torch_schedule: str):
+    """Alternates one step of our ``kind`` and one of torch's ``torch_schedule`` (after a warm-up step of
+    each); a barrier before each step lines the ranks up. Returns (our median s/step, torch's, our median
+    measured bubble, our bubble replayed from the measured passes, peak RSS MB, our and torch's median CPU
+    s/step of this process)."""
     _one_core_per_rank()
+    vpp = args.vpp if kind == "interleaved" else None
     state = initialize_model_parallel(pipeline_model_parallel_size=dist.get_world_size(),
                                       virtual_pipeline_model_parallel_size=vpp)
-    ours, theirs = _our_step(args, state, vpp), _torch_step(args, state, vpp)
+    ours, theirs = _ours(args, state, kind), _torch_step(args, state, vpp, torch_schedule)
     our_times, their_times, bubbles, our_cpu, their_cpu = [], [], [], [], []
     for index in range(args.steps + 1):  # the first step of each warms up
         dist.barrier(group=state.pp_group)
@@ -169,7 +190,7 @@ def _bench_alternating(args, vpp):
         timeline = ours()
         our_times.append(time.perf_counter() - start)
         our_cpu.append(time.process_time() - cpu)
-        bubbles.append((timeline.measured_bubble(), _replayed_bubble(timeline, state, vpp, args.microbatches)))
+        bubbles.append((timeline.measured_bubble(), _replayed_bubble(timeline, state, kind, args)))
         dist.barrier(group=state.pp_group)
         start, cpu = time.perf_counter(), time.process_time()
         theirs()
@@ -181,20 +202,22 @@ def _bench_alternating(args, vpp):
             _peak_rss_mb(), statistics.median(our_cpu[1:]), statistics.median(their_cpu[1:]))
 
 
-def _replayed_bubble(timeline: Timeline, state, vpp, num_microbatches: int) -> float:
+def _replayed_bubble(timeline: Timeline, state, kind: str, args) -> float:
     """The bubble this rank would have with the passes as long as measured (every rank's) but free
     transfers and no per-pass overhead: ``simulate`` of the schedule's orders. The gap between it and the
     measured bubble is what communication and the executor cost; the gap between it and the formula is
     stage imbalance (embedding on the first stage, output layer and loss on the last) and B != 2 F."""
     mine = {(e.kind[0].upper(), e.chunk or 0, e.microbatch): e.end - e.start
-            for e in timeline.events if e.kind in ("forward", "backward")}
+            for e in timeline.events if e.kind in COMPUTE}
     everyone: list = [None] * state.pp_size
     dist.all_gather_object(everyone, mine, group=state.pp_group)
     durations = {(rank, *key): value for rank, passes in enumerate(everyone) for key, value in passes.items()}
-    p, v = state.pp_size, vpp or 1
-    orders = [interleaved_ops(r, p, v, num_microbatches) if vpp else one_f_one_b_ops(r, p, num_microbatches)
-              for r in range(p)]
-    finish = simulate(orders, v, durations=durations)[state.pp_rank]
+    p, m = state.pp_size, args.microbatches
+    v = args.vpp if kind == "interleaved" else 1
+    order = {"1f1b": lambda r: one_f_one_b_ops(r, p, m), "zb": lambda r: zero_bubble_ops(r, p, m),
+             "interleaved": lambda r: interleaved_ops(r, p, v, m)}[kind]
+    # zero bubble: a W the executor folded into its B (rank 0's) has no event and costs nothing here
+    finish = simulate([order(r) for r in range(p)], v, durations=durations, weight_time=0.0)[state.pp_rank]
     compute = sum(mine.values())
     return (finish - compute) / compute
 
@@ -207,16 +230,23 @@ def main() -> None:
     args = parser.parse_args()
     print(f"GPT {args.layers} layers, hidden {args.hidden}, seq {args.seq}; pp={args.pp}, {args.microbatches} "
           f"micro-batches of {args.micro_batch}; gloo on this machine, 1 thread per rank")
-    print(f"{'schedule':<28}{'ours s/step':>12}{'torch s/step':>14}{'ours/torch':>11}{'bubble':>8}{'replayed':>9}"
-          f"{'formula':>9}{'CPU ours/torch':>16}{'peak RSS MB/rank':>20}")
-    for name, vpp in (("1F1B", None), (f"interleaved 1F1B (v={args.vpp})", args.vpp)):
-        results = run_distributed(args.pp, _bench_alternating, args, vpp, timeout_s=600)
+    print(f"{'ours':<28}{'torch':<31}{'ours s':>8}{'torch s':>9}{'ours/torch':>11}{'bubble':>8}{'replayed':>9}"
+          f"{'formula':>9}{'CPU ours/torch':>16}{'RSS MB/rank':>12}")
+    for name, kind, torch_schedule in ROWS:
+        try:
+            results = run_distributed(args.pp, _bench_alternating, args, kind, torch_schedule, timeout_s=600)
+        except Exception as error:  # noqa: BLE001 - a peer schedule this torch lacks or refuses: say so, go on
+            print(f"{name.format(vpp=args.vpp):<28}torch {torch_schedule} failed: {type(error).__name__}: "
+                  f"{str(error).splitlines()[0][:120]}")
+            continue
         ours_t, theirs_t = max(r[0] for r in results), max(r[1] for r in results)
         bubble, replayed = statistics.mean(r[2] for r in results), statistics.mean(r[3] for r in results)
         rss = " ".join(f"{r[4]:.0f}" for r in results)
         cpu = sum(r[5] for r in results) / sum(r[6] for r in results)
-        print(f"{name:<28}{ours_t:>12.3f}{theirs_t:>14.3f}{ours_t / theirs_t:>11.2f}{bubble:>8.3f}{replayed:>9.3f}"
-              f"{bubble_fraction_formula(args.pp, args.microbatches, vpp):>9.3f}{cpu:>16.2f}{rss:>20}")
+        formula = bubble_fraction_formula(args.pp, args.microbatches, args.vpp if kind == "interleaved" else None,
+                                          zero_bubble=kind == "zb")
+        print(f"{name.format(vpp=args.vpp):<28}{torch_schedule:<31}{ours_t:>8.3f}{theirs_t:>9.3f}"
+              f"{ours_t / theirs_t:>11.2f}{bubble:>8.3f}{replayed:>9.3f}{formula:>9.3f}{cpu:>16.2f}{rss:>12}")
 
 
 if __name__ == "__main__":

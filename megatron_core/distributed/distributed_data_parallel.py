@@ -213,6 +213,8 @@ class DistributedDataParallel(nn.Module):
             torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
 
     def _on_grad_accumulated(self, param: nn.Parameter) -> None:
+        if param.grad is None:  # no grad arrived (a weight gradient the zero-bubble B pass deferred to its W)
+            return
         bucket = self._param_to_bucket[param]
         self._queue_backward_end()
         if bucket.launched:

@@ -56,16 +56,27 @@ def allreduce_sequence_parallel_grads(models: Sequence[nn.Module], state: Parall
             _all_reduce_coalesced(grads, state.tp_group)
 
 
+UNTIED_MARK = "_embedding_group_agreed_untied"
+"""Set on model chunks once both ends of the pipeline agreed that none of their parameters is tied: later
+steps then skip the check (a collective that made the last stage wait for the first stage's last backward)."""
+
+
 def allreduce_embedding_grads(models: Sequence[nn.Module], state: ParallelState) -> None:
     """All-reduce over the embedding group (first + last stage) of the grads tagged ``shared_embedding``."""
     if state.embedding_group is None or group_size(state.embedding_group) == 1:
         return
+    if models and all(getattr(model, UNTIED_MARK, False) for model in models):
+        return
+    tagged = sum(getattr(p, "shared_embedding", False) for model in models for p in model.parameters())
     grads = _tagged_grads(models, "shared_embedding")
     # Both ends must agree on tying before the (large) reduction: a scalar check turns a disagreement into
     # the same ValueError on both ranks instead of one rank waiting forever.
-    counts = torch.tensor([len(grads), -len(grads)], dtype=torch.float32, device=state.device)
+    counts = torch.tensor([len(grads), -len(grads), tagged], dtype=torch.float32, device=state.device)
     dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=state.embedding_group)
     most, fewest = int(counts[0]), -int(counts[1])
+    if int(counts[2]) == 0:  # no tied parameter on either end: the same on every later step
+        for model in models:
+            setattr(model, UNTIED_MARK, True)
     if most == 0:
         return
     if most != 1 or fewest != 1:

@@ -89,7 +89,7 @@ class GPTModel(nn.Module):
                 sequence_parallel=config.sequence_parallel, tp_comm_overlap=config.tp_comm_overlap,
                 params_dtype=config.params_dtype, device=state.device,
                 init_method=padded_vocab_init(config.init_method_std, self.vocab_size),
-                skip_weight_param_allocation=tied and self.pre_process)
+                skip_weight_param_allocation=tied and self.pre_process, weight_grad_store=state.weight_grad_store)
 
     def _tag_shared_embedding(self) -> None:
         """Marks the tied weight on the first and last stage, whose grads are summed over the embedding group."""

@@ -12,6 +12,14 @@ micro-batches' activations. Interleaved 1F1B (same paper, section 2.2): each ran
 virtual micro-batch k runs on chunk ``(k // p) % v`` (backward: reversed) for micro-batch
 ``(k // (p v)) p + k % p``, with ``2 (p - r - 1) + (v - 1) p`` warm-up forwards. Bubble fraction
 (idle over compute time) is ``(p - 1) / (v m)``.
+
+Zero bubble, ZB-H1 (Qi et al. 2023, arXiv 2401.10241): backward is split into B (input gradients, which the
+previous stage waits for) and W (weight gradients, which nobody waits for). Rank r runs the 1F1B order of F
+and B, and the W of micro-batch i after the B of micro-batch ``i + r``; its last r W passes run after its last
+B, while the ranks before it finish their backwards. The later a stage, the more W passes it holds back
+(the last stage, the bottleneck of a 1F1B pipeline, sends each input gradient a W pass earlier); a held-back
+W keeps only the inputs and output gradients of the linear layers, so no rank holds more than rank 0's p
+micro-batches of 1F1B. With F = B = W the bubble is ``(p - 1) / (3 m)``, a third of 1F1B's.
 """
 from __future__ import annotations
 
@@ -21,7 +29,7 @@ from typing import Optional
 
 @dataclasses.dataclass(frozen=True)
 class Op:
-    kind: str  # "F" (forward) or "B" (backward)
+    kind: str  # "F" (forward), "B" (backward; input gradients only under zero bubble) or "W" (weight gradients)
     chunk: int  # model chunk index on this rank (0 without interleaving)
     microbatch: int
 
@@ -49,6 +57,19 @@ def one_f_one_b_ops(pp_rank: int, pp_size: int, num_microbatches: int, *, forwar
     return ops
 
 
+def zero_bubble_ops(pp_rank: int, pp_size: int, num_microbatches: int, *, forward_only: bool = False) -> list[Op]:
+    """The ZB-H1 order of pipeline rank ``pp_rank``: 1F1B's F and B, each W held back by ``pp_rank`` B passes."""
+    if forward_only:
+        return one_f_one_b_ops(pp_rank, pp_size, num_microbatches, forward_only=True)
+    ops, weights_done = [], 0
+    for op in one_f_one_b_ops(pp_rank, pp_size, num_microbatches):
+        ops.append(op)
+        if op.kind == "B" and op.microbatch >= pp_rank:
+            ops.append(Op("W", 0, weights_done))
+            weights_done += 1
+    return ops + [Op("W", 0, mb) for mb in range(weights_done, num_microbatches)]
+
+
 def _virtual(k: int, pp_size: int, vpp_size: int, forward: bool) -> tuple[int, int]:
     """``(chunk, microbatch)`` of virtual micro-batch ``k``."""
     group, within = divmod(k, pp_size * vpp_size)
@@ -71,22 +92,27 @@ def interleaved_ops(pp_rank: int, pp_size: int, vpp_size: int, num_microbatches:
     return ops + backwards[total - warmup:]
 
 
-def bubble_fraction_formula(pp_size: int, num_microbatches: int, vpp_size: Optional[int] = None) -> float:
-    """``(p - 1) / (v m)``: pipeline idle time over ideal compute time."""
+def bubble_fraction_formula(pp_size: int, num_microbatches: int, vpp_size: Optional[int] = None, *,
+                            zero_bubble: bool = False) -> float:
+    """``(p - 1) / (v m)``: pipeline idle time over ideal compute time; ``(p - 1) / (3 m)`` for ZB-H1
+    (``zero_bubble``, with F = B = W)."""
+    if zero_bubble:
+        return (pp_size - 1) / (3 * num_microbatches)
     return (pp_size - 1) / ((vpp_size or 1) * num_microbatches)
 
 
 def simulate(rank_ops: list[list[Op]], vpp_size: int = 1, *, forward_time: float = 1.0,
-             backward_time: float = 2.0,
+             backward_time: float = 2.0, weight_time: float = 1.0,
              durations: Optional[dict[tuple[int, str, int, int], float]] = None) -> list[float]:
     """Runs every rank's order with unit-cost passes and instant transfers; returns each rank's finish time.
+    (Under zero bubble, give B the input-gradient time: ``backward_time=1``; W costs ``weight_time``.)
 
     ``durations`` maps ``(rank, kind, chunk, microbatch)`` to a pass's time (e.g. measured), overriding
     ``forward_time`` / ``backward_time`` for the passes it names.
 
     An op starts once this rank finished its previous op and its input exists: the activation from the
-    previous model chunk's forward, the gradient from the next chunk's backward (and for B, the own F).
-    Raises ValueError if some rank can never proceed (the orders would deadlock).
+    previous model chunk's forward, the gradient from the next chunk's backward (and for B, the own F; for W,
+    the own B). Raises ValueError if some rank can never proceed (the orders would deadlock).
     """
     p = len(rank_ops)
     last_chunk = (p - 1, vpp_size - 1)
@@ -99,6 +125,8 @@ def simulate(rank_ops: list[list[Op]], vpp_size: int = 1, *, forward_time: float
                 return []
             prev = (rank - 1, op.chunk) if rank > 0 else (p - 1, op.chunk - 1)
             return [("F", *prev, op.microbatch)]
+        if op.kind == "W":
+            return [("B", rank, op.chunk, op.microbatch)]
         deps = [("F", rank, op.chunk, op.microbatch)]
         if (rank, op.chunk) != last_chunk:
             nxt = (rank + 1, op.chunk) if rank < p - 1 else (0, op.chunk + 1)
@@ -114,7 +142,7 @@ def simulate(rank_ops: list[list[Op]], vpp_size: int = 1, *, forward_time: float
                 if any(d not in done for d in deps):
                     break
                 start = max([clock[rank]] + [done[d] for d in deps])
-                cost = forward_time if op.kind == "F" else backward_time
+                cost = {"F": forward_time, "B": backward_time, "W": weight_time}[op.kind]
                 if durations is not None:
                     cost = durations.get((rank, op.kind, op.chunk, op.microbatch), cost)
                 clock[rank] = start + cost

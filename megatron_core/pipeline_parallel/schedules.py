@@ -1,4 +1,4 @@
-"""Megatron's forward-backward schedules: no pipelining, 1F1B and interleaved 1F1B.
+"""Megatron's forward-backward schedules: no pipelining, 1F1B, interleaved 1F1B, and zero bubble (ZB-H1).
 
 Each schedule is an order of passes from ``schedule_plan`` run by one executor (``_Executor``, given a
 ``ScheduleCall``):
@@ -9,14 +9,18 @@ Each schedule is an order of passes from ``schedule_plan`` run by one executor (
   its autograd node kept), so a stage holds activations only for micro-batches whose backward is pending.
 - B: take the output gradient from the next stage (or back-propagate the loss), run backward, send the
   input gradient to the previous stage.
+- W (zero bubble only): the weight-gradient GEMMs the linear layers deferred in an earlier B
+  (``WeightGradStore``, held by the ``ParallelState``). Under zero bubble every B and every W but the last
+  micro-batch's runs inside the chunk's ``no_sync()``: a data-parallel wrapper reduces after the last W.
 
 Optional keywords beyond Megatron's: ``timeline`` (a ``Timeline`` to record into) and ``grad_scale_func``
 (applied to the loss before backward: the fp16 loss scaler). Model chunks with a ``no_sync()`` context (a
 data-parallel wrapper) run every backward but the last micro-batch's inside it.
 
 Transfers are posted in one ``batch_isend_irecv`` per pass: the pass's send plus the receive the next pass
-needs, so receives are always posted ahead and no rank waits on a send. After the last pass,
-``finalize_model_grads`` sums tied-embedding grads over the first and last stage (and sequence-parallel
+needs, so receives are always posted ahead and no rank waits on a send. On gloo, where each transfer is its
+own background operation, each stream's next receive is posted as soon as the previous one is taken. After
+the last pass, ``finalize_model_grads`` sums tied-embedding grads over the first and last stage (and sequence-parallel
 grads over tp). If a rank raises, it publishes the error in the default store and sends a placeholder (all
 NaN) for every transfer it still owed; each peer's next receive completes, finds the error, and raises
 ``PipelineError`` carrying it (then does the same for its own peers): no rank is left waiting.
@@ -28,6 +32,7 @@ would synchronize the stream, the store is asked every ``STORE_CHECK_EVERY`` rec
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import math
@@ -46,6 +51,7 @@ from megatron_core.pipeline_parallel.schedule_plan import (
     interleaved_ops,
     no_pipelining_ops,
     one_f_one_b_ops,
+    zero_bubble_ops,
 )
 from megatron_core.pipeline_parallel.timeline import Timeline
 
@@ -57,10 +63,18 @@ class PipelineError(RuntimeError):
     """Another pipeline rank failed; the message carries its error."""
 
 
-def get_forward_backward_func(pp_size: int, vpp_size: Optional[int] = None) -> Callable[..., list]:
-    """The schedule for a layout: no pipelining (pp 1), 1F1B, or interleaved 1F1B (vpp > 1)."""
+def get_forward_backward_func(pp_size: int, vpp_size: Optional[int] = None, *,
+                              zero_bubble: bool = False) -> Callable[..., list]:
+    """The schedule for a layout: no pipelining (pp 1), 1F1B, interleaved 1F1B (vpp > 1), or with
+    ``zero_bubble`` the ZB-H1 schedule (pp > 1, no interleaving; ``--enable-zero-bubble``)."""
     if pp_size < 1 or (vpp_size is not None and vpp_size < 1):
         raise ValueError(f"pp_size must be >= 1 and vpp_size None or >= 1, got pp_size={pp_size}, vpp_size={vpp_size}")
+    if zero_bubble:
+        if pp_size == 1 or (vpp_size or 1) > 1:
+            raise ValueError(f"the zero-bubble schedule needs pipeline_model_parallel_size > 1 and no virtual "
+                             f"pipeline stages, got pp_size={pp_size}, vpp_size={vpp_size}: drop --enable-zero-bubble "
+                             "or --num-layers-per-virtual-pipeline-stage")
+        return forward_backward_pipelining_zero_bubble
     if pp_size == 1:
         if vpp_size not in (None, 1):
             raise ValueError(f"vpp_size {vpp_size} needs pp_size > 1 (got pp_size 1)")
@@ -97,6 +111,32 @@ def forward_backward_pipelining_without_interleaving(
     return _Executor(ScheduleCall(forward_step_func=forward_step_func, iterators=[data_iterator], chunks=chunks,
                                   num_microbatches=num_microbatches, forward_only=forward_only, state=parallel_state,
                                   shape=shape, timeline=timeline, grad_scale_func=grad_scale_func)).run(ops)
+
+
+def forward_backward_pipelining_zero_bubble(
+        *, forward_step_func: ForwardStepFunc, data_iterator, model, num_microbatches: int, seq_length: int,
+        micro_batch_size: int, forward_only: bool = False, parallel_state: ParallelState,
+        timeline: Optional[Timeline] = None,
+        grad_scale_func: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> list:
+    """ZB-H1 over ``parallel_state.pp_size`` stages (``schedule_plan.zero_bubble_ops``): 1F1B's memory, a third
+    of its bubble. The arguments and the result are those of the 1F1B schedule; the gradients are the same."""
+    chunks = _as_chunks(model, 1)
+    _check_common(num_microbatches, parallel_state, chunks, seq_length)
+    _check_zero_bubble(chunks[0])
+    ops = zero_bubble_ops(parallel_state.pp_rank, parallel_state.pp_size, num_microbatches, forward_only=forward_only)
+    shape = _tensor_shape(chunks[0], seq_length, micro_batch_size)
+    call = ScheduleCall(forward_step_func=forward_step_func, iterators=[data_iterator], chunks=chunks,
+                        num_microbatches=num_microbatches, forward_only=forward_only, state=parallel_state,
+                        shape=shape, timeline=timeline, grad_scale_func=grad_scale_func, zero_bubble=True)
+    with parallel_state.weight_grad_store.schedule():
+        return _Executor(call).run(ops)
+
+
+def _check_zero_bubble(chunk: nn.Module) -> None:
+    if getattr(chunk, "gatherer", None) is not None:  # a ZeRO-3 DistributedDataParallel
+        raise ValueError("the zero-bubble schedule cannot run with ZeRO-3 (its parameter gathering follows the "
+                         "backward, and the weight gradients come later): use --zero-stage 0-2 or drop "
+                         "--enable-zero-bubble")
 
 
 def forward_backward_pipelining_with_interleaving(
@@ -175,6 +215,8 @@ class ScheduleCall:
     """Shape and dtype of the activations between stages; None without pipelining (no transfers)."""
     timeline: Optional[Timeline] = None
     grad_scale_func: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+    zero_bubble: bool = False
+    """B computes input gradients only; the weight gradients wait for the W ops (``state.weight_grad_store``)."""
 
 
 class _Executor:
@@ -185,7 +227,7 @@ class _Executor:
         self.forward_step_func, self.iterators, self.chunks = call.forward_step_func, call.iterators, chunks
         self.grad_scale_func = call.grad_scale_func
         self.num_microbatches, self.forward_only, self.state = call.num_microbatches, call.forward_only, state
-        self.timeline = call.timeline
+        self.timeline, self.zero_bubble = call.timeline, call.zero_bubble
         self.vpp = len(chunks)
         self.comm = (P2PCommunicator(state, tensor_shape=shape[0], dtype=shape[1], record=self._record)
                      if shape is not None else None)
@@ -196,6 +238,13 @@ class _Executor:
         self.failure_key = f"megatron_core/pipeline_failure/{next(self.state.schedule_calls)}"
         self.store = _default_store() if self.comm is not None else None
         self.receives = 0
+        # On gloo each stream (activations for F, gradients for B) keeps its next receive posted from the moment
+        # the previous one is taken, so data a peer sends early lands while this rank computes. (NCCL pairs each
+        # receive with the pass's send in one batch, as Megatron does: separate launches could deadlock.)
+        self.receive_early = self.comm is not None and not self.comm.batched
+        self.upcoming: dict[str, collections.deque[Op]] = {}
+        self.whole_backwards: set[tuple[int, int]] = set()
+        """Zero bubble: (chunk, micro-batch) whose B computed the weight gradients too."""
 
     def _record(self, kind: str, start: float, end: float, op: Optional[Op] = None) -> None:
         if self.timeline is not None:
@@ -213,6 +262,10 @@ class _Executor:
         return not self.first_chunk(op.chunk) if op.kind == "F" else not self.last_chunk(op.chunk)
 
     def post(self, send_next=None, send_prev=None, next_op: Optional[Op] = None) -> None:
+        if self.receive_early:
+            if send_next is not None or send_prev is not None:
+                self.comm.post(send_next=send_next, send_prev=send_prev)
+            return
         recv_prev = next_op is not None and next_op.kind == "F" and self.needs_recv(next_op)
         recv_next = next_op is not None and next_op.kind == "B" and self.needs_recv(next_op)
         if self.comm is None or not (send_next is not None or send_prev is not None or recv_prev or recv_next):
@@ -222,10 +275,20 @@ class _Executor:
         if next_op is not None and (from_prev or from_next):
             self.pending[(next_op.kind, next_op.chunk, next_op.microbatch)] = from_prev or from_next
 
+    def _post_next_receive(self, kind: str) -> None:
+        """Posts the receive of the next op of ``kind`` that needs one (``receive_early``)."""
+        queue = self.upcoming.get(kind)
+        if queue:
+            op = queue.popleft()
+            from_prev, from_next = self.comm.post(recv_prev=kind == "F", recv_next=kind == "B")
+            self.pending[(op.kind, op.chunk, op.microbatch)] = from_prev or from_next
+
     def take(self, op: Op) -> Optional[torch.Tensor]:
         pending = self.pending.pop((op.kind, op.chunk, op.microbatch), None)
         if pending is None:
             return None
+        if self.receive_early:
+            self._post_next_receive(op.kind)
         tensor = self.comm.wait(pending)
         self.receives += 1
         if self._may_be_placeholder(tensor):
@@ -273,14 +336,33 @@ class _Executor:
         input_tensor, output = self.saved.pop((op.chunk, op.microbatch))
         start = time.perf_counter()
         chunk = self.chunks[op.chunk]
-        last_microbatch = op.microbatch == self.num_microbatches - 1
-        # A data-parallel wrapper reduces grads only in the backward of the last micro-batch (accumulation).
-        no_sync = chunk.no_sync() if hasattr(chunk, "no_sync") and not last_microbatch else contextlib.nullcontext()
-        with no_sync:
+        # Zero bubble: a B whose own W comes next (rank 0's, all of them) runs whole, and that W has nothing
+        # left to do (deferring would only cost the W pass's overhead).
+        deferred = self.zero_bubble and next_op != Op("W", op.chunk, op.microbatch)
+        if self.zero_bubble and not deferred:
+            self.whole_backwards.add((op.chunk, op.microbatch))
+        # A data-parallel wrapper reduces grads only in the backward of the last micro-batch (accumulation);
+        # under zero bubble, in its last W.
+        backward_pass = self.state.weight_grad_store.backward_pass() if deferred else contextlib.nullcontext()
+        with self._no_sync(chunk, op, last_pass=not deferred), backward_pass:
             self._backward(output, output_grad)
         self._record("backward", start, time.perf_counter(), op)
         input_grad = None if self.first_chunk(op.chunk) or input_tensor is None else input_tensor.grad
         self.post(send_prev=input_grad, next_op=next_op)
+
+    def weight(self, op: Op, next_op: Optional[Op]) -> None:
+        """The weight gradients of micro-batch ``op.microbatch`` (the oldest B whose W has not run)."""
+        if (op.chunk, op.microbatch) not in self.whole_backwards:
+            start = time.perf_counter()
+            with self._no_sync(self.chunks[op.chunk], op, last_pass=True):
+                self.state.weight_grad_store.run_weight_pass()
+            self._record("weight", start, time.perf_counter(), op)
+        self.post(next_op=next_op)
+
+    def _no_sync(self, chunk: nn.Module, op: Op, *, last_pass: bool = True):
+        """``chunk.no_sync()`` unless this pass is the last to produce grads of the last micro-batch."""
+        last = op.microbatch == self.num_microbatches - 1 and last_pass
+        return chunk.no_sync() if hasattr(chunk, "no_sync") and not last else contextlib.nullcontext()
 
     def _backward(self, output: torch.Tensor, output_grad: Optional[torch.Tensor]) -> None:
         if output_grad is None:  # the loss, on the model's last chunk
@@ -291,11 +373,16 @@ class _Executor:
                 allow_unreachable=True, accumulate_grad=True)
 
     def run(self, ops: list[Op]) -> list:
-        if ops:
+        if self.receive_early:
+            self.upcoming = {kind: collections.deque(op for op in ops if op.kind == kind and self.needs_recv(op))
+                             for kind in "FB"}
+            for kind in "FB":
+                self._post_next_receive(kind)
+        elif ops:
             self.post(next_op=ops[0])
         for index, (op, next_op) in enumerate(zip(ops, ops[1:] + [None])):
             try:
-                (self.forward if op.kind == "F" else self.backward)(op, next_op)
+                {"F": self.forward, "B": self.backward, "W": self.weight}[op.kind](op, next_op)
             except Exception as error:
                 if self.comm is not None:
                     self.fail(error, ops[index:])

@@ -13,13 +13,15 @@ import torch.distributed as dist
 
 from megatron_core.utils.files import atomic_write, new_figure, save_figure
 
-COLORS = MappingProxyType({"forward": "#4285f4", "backward": "#34a853", "send": "#fbbc05", "recv": "#ea4335",
-                           "idle": "#ebebeb"})
+COLORS = MappingProxyType({"forward": "#4285f4", "backward": "#34a853", "weight": "#9c27b0", "send": "#fbbc05",
+                           "recv": "#ea4335", "idle": "#ebebeb"})
+COMPUTE = ("forward", "backward", "weight")
+"""The event kinds that are compute (``weight``: the W passes of the zero-bubble schedule)."""
 
 
 @dataclasses.dataclass
 class Event:
-    kind: str  # forward | backward | send | recv | idle
+    kind: str  # forward | backward | weight | send | recv | idle
     start: float  # seconds since the timeline started
     end: float
     microbatch: Optional[int] = None
@@ -48,7 +50,7 @@ class Timeline:
     def total(self) -> float:
         return self.finish - self.origin
 
-    def busy(self, kinds: tuple[str, ...] = ("forward", "backward")) -> float:
+    def busy(self, kinds: tuple[str, ...] = COMPUTE) -> float:
         return sum(e.end - e.start for e in self.events if e.kind in kinds)
 
     def with_idle(self) -> list[Event]:
@@ -92,7 +94,7 @@ def write_chrome_trace(per_rank: list[list[dict]], path: str) -> None:
     for rank, events in enumerate(per_rank):
         for e in events:
             label = e["kind"] if e["microbatch"] is None else f"{e['kind'][0].upper()}{e['microbatch']}"
-            if e["chunk"] is not None and e["kind"] in ("forward", "backward"):
+            if e["chunk"] is not None and e["kind"] in COMPUTE:
                 label += f".c{e['chunk']}"
             trace.append({"name": label, "cat": e["kind"], "ph": "X", "pid": 0, "tid": rank,
                           "ts": e["start"] * 1e6, "dur": (e["end"] - e["start"]) * 1e6})
@@ -102,21 +104,22 @@ def write_chrome_trace(per_rank: list[list[dict]], path: str) -> None:
 def write_png(per_rank: list[list[dict]], path: str, *, formula: Optional[float] = None,
               title: str = "pipeline schedule") -> None:
     """A picture of the schedule: one labelled row per pipeline rank, time (ms) left to right; forward passes
-    blue and backward green, labelled with their micro-batch (``F3``, ``B3``; ``.c1`` for virtual chunk 1), sends
-    yellow, receives red, idle left blank. The title carries the measured bubble of each rank (and the formula's
+    blue, backward green and weight-gradient passes (zero bubble) purple, labelled with their micro-batch
+    (``F3``, ``B3``, ``W3``; ``.c1`` for virtual chunk 1), sends yellow, receives red, idle left blank. The
+    title carries the measured bubble of each rank (and the formula's
     ``(p-1)/(v*m)`` when ``formula`` is given)."""
     figure = new_figure(11.0, 0.7 * len(per_rank) + 1.6)
     ax = figure.add_subplot()
     total_ms = max((e["end"] for events in per_rank for e in events), default=1.0) * 1e3
     interleaved = any(e["chunk"] for events in per_rank for e in events)
     for rank, events in enumerate(per_rank):
-        for e in sorted(events, key=lambda e: e["kind"] in ("forward", "backward")):  # compute drawn on top
+        for e in sorted(events, key=lambda e: e["kind"] in COMPUTE):  # compute drawn on top
             if e["kind"] == "idle":
                 continue
             start, width = e["start"] * 1e3, (e["end"] - e["start"]) * 1e3
             ax.broken_barh([(start, width)], (rank - 0.38, 0.76), facecolors=COLORS[e["kind"]],
-                           edgecolors="#303030" if e["kind"] in ("forward", "backward") else "none", linewidth=0.5)
-            if e["kind"] in ("forward", "backward") and e["microbatch"] is not None and width > total_ms / 45:
+                           edgecolors="#303030" if e["kind"] in COMPUTE else "none", linewidth=0.5)
+            if e["kind"] in COMPUTE and e["microbatch"] is not None and width > total_ms / 45:
                 label = f"{e['kind'][0].upper()}{e['microbatch']}" + (f".c{e['chunk']}" if interleaved else "")
                 ax.text(start + width / 2, rank, label, ha="center", va="center", fontsize=7, color="white")
     ax.set_yticks(range(len(per_rank)), [f"pp rank {r}" for r in range(len(per_rank))])
@@ -126,7 +129,9 @@ def write_png(per_rank: list[list[dict]], path: str, *, formula: Optional[float]
     bubbles = ", ".join(f"{b:.2f}" for b in measured_bubbles(per_rank))
     ax.set_title(f"{title}: measured bubble per rank {bubbles}"
                  + ("" if formula is None else f" (formula (p-1)/(v*m) = {formula:.3f})"), fontsize=10)
-    handles = [ax.barh(0, 0, color=COLORS[kind], label=kind) for kind in ("forward", "backward", "send", "recv")]
+    kinds = {e["kind"] for events in per_rank for e in events}
+    legend = [kind for kind in ("forward", "backward", "weight", "send", "recv") if kind != "weight" or kind in kinds]
+    handles = [ax.barh(0, 0, color=COLORS[kind], label=kind) for kind in legend]
     ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.12 - 0.2 / len(per_rank)), ncol=4,
               frameon=False)
     save_figure(figure, path)
@@ -137,7 +142,7 @@ def measured_bubbles(per_rank: list[list[dict]]) -> list[float]:
     bubbles = []
     for events in per_rank:
         total = max((e["end"] for e in events), default=0.0) - min((e["start"] for e in events), default=0.0)
-        compute = sum(e["end"] - e["start"] for e in events if e["kind"] in ("forward", "backward"))
+        compute = sum(e["end"] - e["start"] for e in events if e["kind"] in COMPUTE)
         bubbles.append((total - compute) / max(compute, 1e-12))
     return bubbles
 

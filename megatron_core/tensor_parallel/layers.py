@@ -38,6 +38,7 @@ from megatron_core.tensor_parallel.mappings import (
 )
 from megatron_core.tensor_parallel.sequence_parallel_linear import sequence_parallel_linear
 from megatron_core.tensor_parallel.utils import check_ids_in_range, divide, group_rank, group_size, vocab_range
+from megatron_core.tensor_parallel.weight_grad_store import WeightGradStore, linear_deferrable
 
 
 def set_tensor_model_parallel_attributes(param: torch.Tensor, *, is_parallel: bool, dim: int, stride: int) -> None:
@@ -97,6 +98,8 @@ class ColumnParallelLinear(nn.Module):
         skip_weight_param_allocation: hold no weight; ``forward`` then needs ``weight=`` (tied output layer).
         tp_comm_overlap: overlap the sequence-parallel all-gather (and backward's reduce-scatter) with the
             GEMM, chunk by chunk (``comm_overlap``); needs sequence_parallel.
+        weight_grad_store: the layout's ``WeightGradStore`` (``parallel_state.weight_grad_store``): under a
+            zero-bubble pipeline schedule the weight-gradient GEMM waits for its W pass (not with tp_comm_overlap).
 
     Communication: forward all-gathers the input along s when sequence_parallel (backward all-gathers it
     again, as only the local chunk is saved, and reduce-scatters its gradient), else backward all-reduces
@@ -111,12 +114,13 @@ class ColumnParallelLinear(nn.Module):
         skip_bias_add: bool = False, sequence_parallel: bool = False, init_method: Optional[InitMethod] = None,
         params_dtype: torch.dtype = torch.float32, device=None, stride: int = 1,
         skip_weight_param_allocation: bool = False, tp_comm_overlap: bool = False,
+        weight_grad_store: Optional[WeightGradStore] = None,
     ) -> None:
         super().__init__()
         if gather_output and sequence_parallel:
             raise ValueError("ColumnParallelLinear: gather_output=True cannot be combined with sequence_parallel=True")
         _check_overlap("ColumnParallelLinear", tp_comm_overlap, sequence_parallel)
-        self.tp_comm_overlap = tp_comm_overlap
+        self.tp_comm_overlap, self.weight_grad_store = tp_comm_overlap, weight_grad_store
         self.input_size, self.output_size = input_size, output_size
         self.tp_group, self.tp_size, tp_rank = tp_group, group_size(tp_group), group_rank(tp_group)
         self.output_size_per_partition = divide(output_size, self.tp_size, what="output_size")
@@ -145,9 +149,10 @@ class ColumnParallelLinear(nn.Module):
         if self.sequence_parallel and self.tp_comm_overlap and self.tp_size > 1 and input_.shape[0] > 0:
             output = all_gather_linear(input_, weight, bias, self.tp_group)  # [s, b, out/tp], chunked overlap
         elif self.sequence_parallel:  # all-gathers s; saves only the local [s/tp, b, in] chunk for backward
-            output = sequence_parallel_linear(input_, weight, bias, self.tp_group)  # [s, b, out/tp]
+            output = sequence_parallel_linear(input_, weight, bias, self.tp_group, self.weight_grad_store)
         else:
-            output = F.linear(copy_to_tensor_model_parallel_region(input_, self.tp_group), weight, bias)
+            output = linear_deferrable(copy_to_tensor_model_parallel_region(input_, self.tp_group), weight, bias,
+                                       self.weight_grad_store)
         output_bias = self.bias if self.skip_bias_add else None
         if self.gather_output:
             output = gather_from_tensor_model_parallel_region(output, self.tp_group)  # [..., out]
@@ -176,6 +181,7 @@ class RowParallelLinear(nn.Module):
         init_method, params_dtype, device, stride: as in ColumnParallelLinear.
         tp_comm_overlap: overlap the reduce-scatter (and backward's all-gather) with the GEMM, chunk by
             chunk (``comm_overlap``); needs sequence_parallel.
+        weight_grad_store: as in ColumnParallelLinear.
 
     Communication: forward all-reduces the output over tp (reduce-scatter along s with sequence_parallel;
     backward then all-gathers the gradient); with ``input_is_parallel=False`` backward all-gathers the input
@@ -188,12 +194,13 @@ class RowParallelLinear(nn.Module):
         self, input_size: int, output_size: int, *, tp_group=None, bias: bool = True, input_is_parallel: bool = True,
         skip_bias_add: bool = False, sequence_parallel: bool = False, init_method: Optional[InitMethod] = None,
         params_dtype: torch.dtype = torch.float32, device=None, stride: int = 1, tp_comm_overlap: bool = False,
+        weight_grad_store: Optional[WeightGradStore] = None,
     ) -> None:
         super().__init__()
         if sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear: sequence_parallel=True needs input_is_parallel=True")
         _check_overlap("RowParallelLinear", tp_comm_overlap, sequence_parallel)
-        self.tp_comm_overlap = tp_comm_overlap
+        self.tp_comm_overlap, self.weight_grad_store = tp_comm_overlap, weight_grad_store
         self.input_size, self.output_size = input_size, output_size
         self.tp_group, self.tp_size, tp_rank = tp_group, group_size(tp_group), group_rank(tp_group)
         self.input_size_per_partition = divide(input_size, self.tp_size, what="input_size")
@@ -219,10 +226,12 @@ class RowParallelLinear(nn.Module):
         if self.sequence_parallel and self.tp_comm_overlap and self.tp_size > 1:
             output = linear_reduce_scatter(input_parallel, self.weight, self.tp_group)  # [s/tp, b, out], chunked
         elif self.sequence_parallel:
-            partial = F.linear(input_parallel, self.weight)  # [s, b, out], a partial sum on each tp rank
+            # [s, b, out], a partial sum on each tp rank
+            partial = linear_deferrable(input_parallel, self.weight, None, self.weight_grad_store)
             output = reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)  # [s/tp, b, out]
         else:
-            partial = F.linear(input_parallel, self.weight)  # [..., out], a partial sum on each tp rank
+            # [..., out], a partial sum on each tp rank
+            partial = linear_deferrable(input_parallel, self.weight, None, self.weight_grad_store)
             output = reduce_from_tensor_model_parallel_region(partial, self.tp_group, inplace=True)
         if self.skip_bias_add or self.bias is None:
             return output, (self.bias if self.skip_bias_add else None)

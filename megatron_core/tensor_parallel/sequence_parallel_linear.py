@@ -7,7 +7,8 @@ all-gathers it again, overlapped with the input-gradient GEMM, then reduce-scatt
 while it computes the weight gradient.
 
 Communication: forward all-gather along s; backward all-gather along s (of the saved input) and
-reduce-scatter along s (of the input gradient), both asynchronous.
+reduce-scatter along s (of the input gradient), both asynchronous. Under a zero-bubble schedule's B pass
+(``weight_grad_store``) the weight gradient, with its all-gather of the saved input, is deferred to the W pass.
 """
 from __future__ import annotations
 
@@ -18,6 +19,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron_core.tensor_parallel.utils import group_size
+from megatron_core.tensor_parallel.weight_grad_store import (
+    WeightGradStore,
+    deferrable_target,
+    linear_deferrable,
+    weight_gradient,
+)
 
 
 def _gather_first_dim(x: torch.Tensor, group, async_op: bool):
@@ -29,9 +36,11 @@ def _gather_first_dim(x: torch.Tensor, group, async_op: bool):
 
 class _SequenceParallelLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group):
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group,
+                store: Optional[WeightGradStore]):
         ctx.save_for_backward(x, weight)
-        ctx.group, ctx.has_bias = group, bias is not None
+        ctx.group, ctx.has_bias, ctx.store = group, bias is not None, store
+        ctx.weight = deferrable_target(weight) if store is not None else None
         total, _ = _gather_first_dim(x, group, async_op=False)  # [s, b, h]
         return F.linear(total, weight, bias)
 
@@ -39,6 +48,10 @@ class _SequenceParallelLinear(torch.autograd.Function):
     def backward(ctx, grad_output: torch.Tensor):
         x, weight = ctx.saved_tensors
         needs_input, needs_weight, needs_bias = ctx.needs_input_grad[:3]
+        if needs_weight and ctx.weight is not None and ctx.store.deferring:
+            group = ctx.group  # the W pass all-gathers the input again and runs the weight GEMM
+            ctx.store.defer(ctx.weight, lambda: weight_gradient(grad_output, _gather_first_dim(x, group, False)[0]))
+            needs_weight = False
         gathered = _gather_first_dim(x, ctx.group, async_op=True) if needs_weight else None
         grad_input = reduce_handle = None
         if needs_input:
@@ -49,18 +62,19 @@ class _SequenceParallelLinear(torch.autograd.Function):
         if needs_weight:
             total, gather_handle = gathered
             gather_handle.wait()
-            grad_weight = grad_output.reshape(-1, grad_output.shape[-1]).t() @ total.reshape(-1, total.shape[-1])
+            grad_weight = weight_gradient(grad_output, total)
         if ctx.has_bias and needs_bias:
             grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(0)
         if reduce_handle is not None:
             reduce_handle.wait()
-        return grad_input, grad_weight, grad_bias, None
+        return grad_input, grad_weight, grad_bias, None, None
 
 
 def sequence_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                             group) -> torch.Tensor:
+                             group, weight_grad_store: Optional[WeightGradStore] = None) -> torch.Tensor:
     """``F.linear(all_gather_s(x), weight, bias)`` for ``x`` ``[s/tp, b, in]`` -> ``[s, b, out/tp]``,
     saving only ``x`` for backward (see the module docstring)."""
     if x.shape[0] == 0 or group_size(group) == 1:
-        return F.linear(x, weight, bias)
-    return _SequenceParallelLinear.apply(x, weight, bias, group)
+        return linear_deferrable(x, weight, bias, weight_grad_store)
+    store = weight_grad_store if weight_grad_store is not None and weight_grad_store.active else None
+    return _SequenceParallelLinear.apply(x, weight, bias, group, store)

@@ -70,6 +70,9 @@ def _parallel_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    g.add_argument("--enable-zero-bubble", action="store_true",
+                   help="the zero-bubble ZB-H1 pipeline schedule (input and weight gradients in separate passes): "
+                        "1F1B's memory, a third of its bubble; needs pp > 1, no virtual stages, ZeRO 0-2")
     g.add_argument("--sequence-parallel", action="store_true", help="turned off with a warning at tp 1")
     g.add_argument("--tp-comm-overlap", action="store_true",
                    help="overlap the sequence-parallel all-gather / reduce-scatter with the linear layers' GEMMs "
@@ -282,6 +285,20 @@ def _resolve_model_flags(args: argparse.Namespace) -> None:
                          "all-gather / reduce-scatter with the GEMMs")
 
 
+def _check_zero_bubble(args: argparse.Namespace) -> None:
+    if not args.enable_zero_bubble:
+        return
+    if args.pipeline_model_parallel_size == 1:
+        raise ValueError("--enable-zero-bubble needs --pipeline-model-parallel-size > 1 (got 1): it is a pipeline "
+                         "schedule")
+    if args.num_layers_per_virtual_pipeline_stage is not None:
+        raise ValueError("--enable-zero-bubble runs without virtual stages: drop "
+                         f"--num-layers-per-virtual-pipeline-stage {args.num_layers_per_virtual_pipeline_stage}")
+    if args.zero_stage == 3:
+        raise ValueError("--enable-zero-bubble cannot run with ZeRO-3 (its parameter gathering follows the backward, "
+                         "and the weight gradients come later): use --zero-stage 0-2")
+
+
 def validate_args(args: argparse.Namespace) -> None:
     """Fills derived defaults and rejects invalid combinations (ValueError naming the values)."""
     if args.bf16 and args.fp16:
@@ -301,6 +318,7 @@ def validate_args(args: argparse.Namespace) -> None:
     if args.num_layers_per_virtual_pipeline_stage is not None and args.pipeline_model_parallel_size == 1:
         raise ValueError("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
     args.zero_stage = zero_stage(args)
+    _check_zero_bubble(args)
     if args.overlap_param_gather and args.zero_stage == 0:
         raise ValueError("--overlap-param-gather needs the distributed optimizer: add --use-distributed-optimizer "
                          "(or --zero-stage 1-3)")

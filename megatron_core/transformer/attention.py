@@ -147,7 +147,8 @@ class SelfAttention(nn.Module):
         self.heads_per_group = config.num_heads_per_group
         qkv_size = (config.num_attention_heads + 2 * config.num_query_groups) * config.kv_channels
         common = dict(tp_group=tp_group, sequence_parallel=config.sequence_parallel,
-                      tp_comm_overlap=config.tp_comm_overlap, params_dtype=config.params_dtype, device=device)
+                      tp_comm_overlap=config.tp_comm_overlap, params_dtype=config.params_dtype, device=device,
+                      weight_grad_store=parallel_state.weight_grad_store)
         self.linear_qkv = ColumnParallelLinear(config.hidden_size, qkv_size, bias=config.add_qkv_bias,
                                                init_method=init_method_normal(config.init_method_std), **common)
         self.core_attention = core_attention(config, layer_number=layer_number, parallel_state=parallel_state)

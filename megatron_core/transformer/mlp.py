@@ -33,7 +33,7 @@ class MLP(nn.Module):
         self.swiglu = config.activation == "swiglu"
         self.gelu_approximate = "tanh" if config.openai_gelu else "none"
         common = dict(tp_group=parallel_state.tp_group, sequence_parallel=config.sequence_parallel,
-                      tp_comm_overlap=config.tp_comm_overlap,
+                      tp_comm_overlap=config.tp_comm_overlap, weight_grad_store=parallel_state.weight_grad_store,
                       params_dtype=config.params_dtype, device=parallel_state.device, bias=config.add_bias_linear)
         fc1_size = 2 * config.ffn_hidden_size if self.swiglu else config.ffn_hidden_size
         self.linear_fc1 = ColumnParallelLinear(config.hidden_size, fc1_size, stride=2 if self.swiglu else 1,

@@ -1,6 +1,7 @@
 """Pipeline schedules on gloo ranks against forward_backward_no_pipelining of the whole model on one rank:
 losses and every weight gradient (fp32), forward-only evaluation, tied embeddings after a step, the
 in-flight activation bound, failure propagation, and the timeline outputs."""
+import importlib
 import json
 import time
 
@@ -10,7 +11,7 @@ import torch
 from megatron_core import destroy_model_parallel, initialize_model_parallel
 from megatron_core.models import GPTModel
 from megatron_core.pipeline_parallel import PipelineError, Timeline, get_forward_backward_func
-from megatron_core.pipeline_parallel.timeline import gather_timelines, summarize, write_chrome_trace, write_png
+from megatron_core.pipeline_parallel.timeline import COMPUTE, gather_timelines, summarize, write_chrome_trace, write_png
 from tests.model_helpers import DIVISIBLE_BY, SEQ, VOCAB, make_batch, tiny_config, unshard
 
 MICRO_BATCH = 2
@@ -62,10 +63,11 @@ def _global_grads(config, state, chunks):
     return grads
 
 
-def _pipeline_run(tp, pp, vpp, num_layers, num_microbatches, forward_only=False, tied=True, fail_at=None):
+def _pipeline_run(tp, pp, vpp, num_layers, num_microbatches, forward_only=False, tied=True, fail_at=None,
+                  zero_bubble=False, **overrides):
     state = initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                       virtual_pipeline_model_parallel_size=vpp)
-    config, chunks = _build_chunks(state, num_layers, vpp, tied)
+    config, chunks = _build_chunks(state, num_layers, vpp, tied, **overrides)
     batches = _batches(num_microbatches)
     iterators = [iter(batches) for _ in chunks] if vpp else iter(batches)
     step = _forward_step
@@ -76,21 +78,22 @@ def _pipeline_run(tp, pp, vpp, num_layers, num_microbatches, forward_only=False,
                 raise ValueError(f"boom on pipeline rank {state.pp_rank}")
             return _forward_step(data_iterator, model)
     timeline = Timeline()
-    schedule = get_forward_backward_func(pp, vpp)
+    schedule = get_forward_backward_func(pp, vpp, zero_bubble=zero_bubble)
     losses = schedule(forward_step_func=step, data_iterator=iterators, model=chunks if vpp else chunks[0],
                       num_microbatches=num_microbatches, seq_length=SEQ, micro_batch_size=MICRO_BATCH,
                       forward_only=forward_only, parallel_state=state, timeline=timeline)
     grads = {} if forward_only else _global_grads(config, state, chunks)
     result = dict(losses=[loss["lm loss"] for loss in losses], grads=grads, pp_rank=state.pp_rank,
-                  tp_rank=state.tp_rank, max_in_flight=timeline.max_in_flight)
+                  tp_rank=state.tp_rank, max_in_flight=timeline.max_in_flight,
+                  kinds=[(e.kind, e.microbatch) for e in timeline.events if e.kind in COMPUTE])
     destroy_model_parallel(state)
     return result
 
 
-def _reference(num_layers, num_microbatches, forward_only=False, tied=True):
+def _reference(num_layers, num_microbatches, forward_only=False, tied=True, **overrides):
     """The whole model on one process through forward_backward_no_pipelining."""
     state = initialize_model_parallel()
-    config, (model,) = _build_chunks(state, num_layers, None, tied)
+    config, (model,) = _build_chunks(state, num_layers, None, tied, **overrides)
     schedule = get_forward_backward_func(1)
     losses = schedule(forward_step_func=_forward_step, data_iterator=iter(_batches(num_microbatches)), model=model,
                       num_microbatches=num_microbatches, seq_length=SEQ, micro_batch_size=MICRO_BATCH,
@@ -206,6 +209,37 @@ def _tied_after_step():
 def test_tied_embeddings_stay_identical_after_a_step(distributed):
     first, last = distributed(2, _tied_after_step)
     assert torch.equal(first, last)
+
+
+def _embedding_collectives_per_step(tied):
+    """The collectives finalize_model_grads runs over the embedding group, in each of three steps."""
+    finalize_module = importlib.import_module("megatron_core.distributed.finalize_model_grads")
+    state = initialize_model_parallel(pipeline_model_parallel_size=2)
+    _, (model,) = _build_chunks(state, 4, None, tied)
+    counts, original = [], finalize_module.dist.all_reduce
+
+    def counting(tensor, *args, group=None, **kwargs):
+        counts[-1] += group is state.embedding_group
+        return original(tensor, *args, group=group, **kwargs)
+    finalize_module.dist.all_reduce = counting
+    try:
+        for _ in range(3):
+            counts.append(0)
+            get_forward_backward_func(2)(forward_step_func=_forward_step, data_iterator=iter(_batches(2)),
+                                         model=model, num_microbatches=2, seq_length=SEQ,
+                                         micro_batch_size=MICRO_BATCH, parallel_state=state)
+    finally:
+        finalize_module.dist.all_reduce = original
+        destroy_model_parallel(state)
+    return counts
+
+
+def test_untied_stages_check_the_embedding_group_once(distributed):
+    """Without tied embeddings the ends agree once (one scalar all-reduce), then finalize runs no collective
+    over the embedding group (the last stage no longer waits for the first stage's last backward); tied
+    embeddings are reduced every step."""
+    assert distributed(2, _embedding_collectives_per_step, False) == [[1, 0, 0]] * 2
+    assert distributed(2, _embedding_collectives_per_step, True) == [[2, 2, 2]] * 2
 
 
 def _timeline_files(directory):

@@ -1,0 +1,124 @@
+"""The zero-bubble (ZB-H1) schedule on gloo ranks against forward_backward_no_pipelining of the whole model on
+one rank: losses and every weight gradient (fp32), with tp + sequence parallelism, recompute, and inside
+DistributedDataParallel at ZeRO stages 0-2 (parameters after two optimizer steps equal 1F1B's); the W passes
+really run apart from B; the activation bound of 1F1B holds; a failing rank fails the others."""
+import pytest
+import torch
+
+from megatron_core import destroy_model_parallel, initialize_model_parallel
+from megatron_core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron_core.optimizer import OptimizerConfig, get_optimizer
+from megatron_core.pipeline_parallel import PipelineError, get_forward_backward_func
+from tests.distributed.test_pipeline_schedules import (
+    MICRO_BATCH,
+    _batches,
+    _build_chunks,
+    _check_against_reference,
+    _forward_step,
+    _pipeline_run,
+    _reference,
+)
+from tests.model_helpers import SEQ
+
+
+@pytest.mark.parametrize("pp, m", [(2, 4), (2, 3), (4, 8), (4, 5)])
+def test_zero_bubble_matches_no_pipelining(distributed, pp, m):
+    results = distributed(pp, _pipeline_run, 1, pp, None, 4, m, zero_bubble=True)
+    _check_against_reference(results, _reference(4, m), 1)
+    for r in results:  # rank r > 0 holds back r weight passes: W of micro-batch i runs after B of i + r
+        weights, backwards = ([mb for kind, mb in r["kinds"] if kind == k] for k in ("weight", "backward"))
+        assert backwards == list(range(m))
+        if r["pp_rank"] == 0:  # each W would follow its own B: rank 0 runs whole backwards
+            assert weights == []
+            continue
+        assert weights == list(range(m))
+        order = [(kind, mb) for kind, mb in r["kinds"] if kind != "forward"]
+        assert all(order.index(("weight", i)) > order.index(("backward", min(i + r["pp_rank"], m - 1)))
+                   for i in range(m))
+
+
+def test_zero_bubble_with_tensor_and_sequence_parallel(distributed):
+    results = distributed(4, _pipeline_run, 2, 2, None, 4, 3, tied=False, zero_bubble=True, sequence_parallel=True)
+    _check_against_reference(results, _reference(4, 3, tied=False), 2, tied=False)
+
+
+@pytest.mark.parametrize("granularity, method", [("full", "uniform"), ("selective", None)])
+def test_zero_bubble_with_recompute(distributed, granularity, method):
+    overrides = dict(recompute_granularity=granularity, recompute_method=method,
+                     recompute_num_layers=1 if method else None)
+    results = distributed(2, _pipeline_run, 1, 2, None, 4, 4, zero_bubble=True, **overrides)
+    _check_against_reference(results, _reference(4, 4), 1)
+
+
+def test_zero_bubble_keeps_the_1f1b_activation_bound(distributed):
+    results = distributed(4, _pipeline_run, 1, 4, None, 4, 8, zero_bubble=True)
+    assert [r["max_in_flight"] for r in results] == [4, 3, 2, 1]
+
+
+def test_zero_bubble_failing_rank_makes_the_others_fail(distributed):
+    with pytest.raises((PipelineError, ValueError), match="boom on pipeline rank 1") as info:
+        distributed(2, _pipeline_run, 1, 2, None, 4, 4, fail_at=(1, 3), zero_bubble=True)
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    assert "were still running" not in notes and "rank 0" in notes  # rank 0 failed by itself: it did not hang
+
+
+def _pipeline_ddp(stage: int, zero_bubble: bool):
+    state = initialize_model_parallel(pipeline_model_parallel_size=2)
+    _, (model,) = _build_chunks(state, 4, None)
+    ddp = DistributedDataParallel(model, config=DistributedDataParallelConfig(zero_stage=stage, bucket_size=300),
+                                  dp_group=state.dp_group)
+    optimizer = get_optimizer(OptimizerConfig(lr=1e-2, weight_decay=0.1, clip_grad=0.5), ddp, parallel_state=state)
+    schedule = get_forward_backward_func(2, zero_bubble=zero_bubble)
+    norms = []
+    for _ in range(2):
+        optimizer.zero_grad()
+        batches = _batches(8)[state.dp_rank * 4:(state.dp_rank + 1) * 4]
+        schedule(forward_step_func=_forward_step, data_iterator=iter(batches), model=ddp, num_microbatches=4,
+                 seq_length=SEQ, micro_batch_size=MICRO_BATCH, parallel_state=state)
+        ok, norm, _ = optimizer.step()
+        assert ok
+        norms.append(norm)
+    params = {name: value.clone() for name, value in ddp.state_dict().items()}
+    launches = list(ddp.launch_log)
+    destroy_model_parallel(state)
+    return params, norms, launches
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_zero_bubble_inside_data_parallel_matches_1f1b(distributed, stage):
+    """pp 2 x dp 2: the buckets are reduced once per step, after the last W (stages 0-1), and the parameters
+    after two steps equal those of 1F1B."""
+    reference = distributed(4, _pipeline_ddp, stage, False)
+    results = distributed(4, _pipeline_ddp, stage, True)
+    for rank, ((params, norms, launches), (ref_params, ref_norms, ref_launches)) in enumerate(zip(results, reference)):
+        for name, value in params.items():
+            torch.testing.assert_close(value, ref_params[name], rtol=0, atol=1e-5, msg=f"rank {rank} {name}")
+        torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5, atol=0)
+        if stage < 2:
+            assert sorted(launches) == sorted(ref_launches)
+
+
+def _zero3_refused():
+    state = initialize_model_parallel(pipeline_model_parallel_size=2)
+    _, (model,) = _build_chunks(state, 4, None)
+    ddp = DistributedDataParallel(model, config=DistributedDataParallelConfig(zero_stage=3), dp_group=state.dp_group)
+    try:
+        get_forward_backward_func(2, zero_bubble=True)(
+            forward_step_func=_forward_step, data_iterator=iter(_batches(2)), model=ddp, num_microbatches=2,
+            seq_length=SEQ, micro_batch_size=MICRO_BATCH, parallel_state=state)
+    except ValueError as error:
+        return str(error)
+    finally:
+        destroy_model_parallel(state)
+    return None
+
+
+def test_zero_bubble_refuses_zero3_before_any_communication(distributed):
+    assert all("ZeRO-3" in message for message in distributed(2, _zero3_refused))
+
+
+def test_zero_bubble_selection_rejects_other_layouts():
+    with pytest.raises(ValueError, match="pipeline_model_parallel_size > 1"):
+        get_forward_backward_func(1, zero_bubble=True)
+    with pytest.raises(ValueError, match="virtual pipeline"):
+        get_forward_backward_func(2, 2, zero_bubble=True)
