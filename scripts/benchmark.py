@@ -10,7 +10,8 @@ Parts (``--only``, comma-separated):
   single   1 process: our GPTModel vs the eager nanoGPT-style GPT (scripts/nanogpt_reference.py; torch's
            default AdamW, and with fused=True) and megatron-core 0.16.1's GPTModel (local spec, CPU-mapped)
   tp       2 ranks: our tp 2 vs megatron-core's tp 2 and PyTorch DTensor (parallelize_module)
-  pp       2 ranks: our 1F1B vs torch.distributed.pipelining Schedule1F1B (scripts/bench_pipeline.py)
+  pp       2 ranks: our 1F1B and zero bubble (ZB-H1) vs torch.distributed.pipelining Schedule1F1B
+           (scripts/bench_pipeline.py, which also runs torch's zero-bubble and interleaved schedules)
   dp       2 ranks: our DistributedDataParallel at ZeRO 0-3 vs torch DistributedDataParallel, FSDP2
            fully_shard and DeepSpeed ZeRO-2/3 (when installed), all on our GPTModel
   scaling  our step time, TFLOP/s and memory as layers, hidden size and sequence length double
@@ -33,7 +34,6 @@ efficiencies, with a dashed parity line at 1.0.
 from __future__ import annotations
 
 import argparse
-import inspect
 import os
 import pathlib
 import statistics
@@ -151,18 +151,15 @@ def _dp_worker(shape: GPTShape, rows: int, rounds: int, per_round: int, clock: s
 
 
 def _pp_worker(pp_args: argparse.Namespace, rounds: int) -> dict[str, list[float]]:
-    """Our 1F1B and torch's (``bench_pipeline._bench``, which alternates the two itself when it takes
-    ``(args, vpp)``; older versions run one of them per call), then rank 0's single-process reference."""
+    """Our 1F1B, our zero bubble (ZB-H1) and torch's 1F1B (``bench_pipeline._bench``, one step function per
+    call, alternated round by round), then rank 0's single-process reference."""
     import bench_pipeline
     _one_core_per_rank(bind=True)
-    times: dict[str, list[float]] = {"ours": [], "torch pipelining 1F1B": []}
-    if len(inspect.signature(bench_pipeline._bench).parameters) == 2:
-        result = bench_pipeline._bench(argparse.Namespace(**{**vars(pp_args), "steps": rounds}), None)
-        times = {"ours": [result[0]], "torch pipelining 1F1B": [result[1]]}
-    else:
-        for _ in range(rounds):
-            times["ours"].append(bench_pipeline._bench("ours", pp_args, None)[0])
-            times["torch pipelining 1F1B"].append(bench_pipeline._bench("torch", pp_args, None)[0])
+    times: dict[str, list[float]] = {"ours": [], "ours zero bubble": [], "torch pipelining 1F1B": []}
+    for _ in range(rounds):
+        times["ours"].append(bench_pipeline._bench("ours", pp_args, None)[0])
+        times["ours zero bubble"].append(bench_pipeline._bench("ours", pp_args, None, zero_bubble=True)[0])
+        times["torch pipelining 1F1B"].append(bench_pipeline._bench("torch", pp_args, None)[0])
     times.update(alternate({"single process": _on_rank_0(_pp_reference(pp_args))},
                            rounds=rounds, per_round=1))
     return times
@@ -232,8 +229,9 @@ def bench_pp(args) -> list[dict]:
                                  seq=args.seq, steps=args.steps, vpp=2)
     with DistributedPool(2) as pool:
         times = _per_round_max(pool.run(_pp_worker, pp_args, args.runs, timeout_s=1800))
-    ours, single = times.pop("ours"), times.pop("single process")
-    return _rows("pp", times, ours, 2, single, "ours 1F1B pp 2")
+    ours, zero_bubble, single = times.pop("ours"), times.pop("ours zero bubble"), times.pop("single process")
+    return _rows("pp", times, ours, 2, single, "ours 1F1B pp 2") + _rows("pp", times, zero_bubble, 2, single,
+                                                                        "ours zero bubble pp 2")
 
 
 def _common(args) -> tuple:

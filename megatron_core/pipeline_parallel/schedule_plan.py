@@ -19,12 +19,15 @@ and B, and the W of micro-batch i after the B of micro-batch ``i + r``; its last
 B, while the ranks before it finish their backwards. The later a stage, the more W passes it holds back
 (the last stage, the bottleneck of a 1F1B pipeline, sends each input gradient a W pass earlier); a held-back
 W keeps only the inputs and output gradients of the linear layers, so no rank holds more than rank 0's p
-micro-batches of 1F1B. With F = B = W the bubble is ``(p - 1) / (3 m)``, a third of 1F1B's.
+micro-batches of 1F1B. With F = B = W the bubble is ``(p - 1) / (3 m)``, a third of 1F1B's. The "cooldown"
+variant holds back only the last r W passes of rank r (``zero_bubble_ops(defer=...)``).
 """
 from __future__ import annotations
 
 import dataclasses
 from typing import Optional
+
+ZERO_BUBBLE_DEFER = ("all", "cooldown")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,17 +60,31 @@ def one_f_one_b_ops(pp_rank: int, pp_size: int, num_microbatches: int, *, forwar
     return ops
 
 
-def zero_bubble_ops(pp_rank: int, pp_size: int, num_microbatches: int, *, forward_only: bool = False) -> list[Op]:
-    """The ZB-H1 order of pipeline rank ``pp_rank``: 1F1B's F and B, each W held back by ``pp_rank`` B passes."""
-    if forward_only:
-        return one_f_one_b_ops(pp_rank, pp_size, num_microbatches, forward_only=True)
-    ops, weights_done = [], 0
-    for op in one_f_one_b_ops(pp_rank, pp_size, num_microbatches):
+def zero_bubble_ops(pp_rank: int, pp_size: int, num_microbatches: int, *, forward_only: bool = False,
+                    defer: str = "all") -> list[Op]:
+    """The zero-bubble order of pipeline rank ``pp_rank``: 1F1B's F and B, plus the W passes of the backwards
+    that are split (a B without a W in the order computes its weight gradients too: rank 0's, whose input
+    gradients nobody waits for).
+
+    ``defer="all"`` (ZB-H1): on rank r > 0 every backward is split, and the W of micro-batch i runs after the B
+    of micro-batch ``i + r``. ``defer="cooldown"``: only the last r backwards of rank r are split, their W
+    passes after the last B, while the earlier stages finish their backwards (the end of ZB-H1's order,
+    without splitting the steady-state backwards, where on CPU a split costs more than it saves).
+    """
+    if defer not in ZERO_BUBBLE_DEFER:
+        raise ValueError(f"zero-bubble defer must be one of {ZERO_BUBBLE_DEFER}, got {defer!r}")
+    one_f_one_b = one_f_one_b_ops(pp_rank, pp_size, num_microbatches, forward_only=forward_only)
+    if forward_only or pp_rank == 0:
+        return one_f_one_b
+    m, r = num_microbatches, pp_rank
+    split = range(m) if defer == "all" else range(max(m - r, 0), m)
+    ops, weights_done = [], split[0] if split else m
+    for op in one_f_one_b:
         ops.append(op)
-        if op.kind == "B" and op.microbatch >= pp_rank:
-            ops.append(Op("W", 0, weights_done))
+        if defer == "all" and op.kind == "B" and op.microbatch >= r:
+            ops.append(Op("W", 0, weights_done))  # B passes come in micro-batch order: W_i follows B_(i+r)
             weights_done += 1
-    return ops + [Op("W", 0, mb) for mb in range(weights_done, num_microbatches)]
+    return ops + [Op("W", 0, mb) for mb in range(weights_done, m)]
 
 
 def _virtual(k: int, pp_size: int, vpp_size: int, forward: bool) -> tuple[int, int]:
@@ -105,7 +122,8 @@ def simulate(rank_ops: list[list[Op]], vpp_size: int = 1, *, forward_time: float
              backward_time: float = 2.0, weight_time: float = 1.0,
              durations: Optional[dict[tuple[int, str, int, int], float]] = None) -> list[float]:
     """Runs every rank's order with unit-cost passes and instant transfers; returns each rank's finish time.
-    (Under zero bubble, give B the input-gradient time: ``backward_time=1``; W costs ``weight_time``.)
+    (Under zero bubble, give B the input-gradient time: ``backward_time=1``; W costs ``weight_time``, and a
+    B without a W of its own costs both.)
 
     ``durations`` maps ``(rank, kind, chunk, microbatch)`` to a pass's time (e.g. measured), overriding
     ``forward_time`` / ``backward_time`` for the passes it names.
@@ -116,6 +134,8 @@ def simulate(rank_ops: list[list[Op]], vpp_size: int = 1, *, forward_time: float
     """
     p = len(rank_ops)
     last_chunk = (p - 1, vpp_size - 1)
+    split = [{(op.chunk, op.microbatch) for op in ops if op.kind == "W"} for ops in rank_ops]
+    has_weight_passes = any(split)
     done: dict[tuple[str, int, int, int], float] = {}
     position, clock = [0] * p, [0.0] * p
 
@@ -143,6 +163,8 @@ def simulate(rank_ops: list[list[Op]], vpp_size: int = 1, *, forward_time: float
                     break
                 start = max([clock[rank]] + [done[d] for d in deps])
                 cost = {"F": forward_time, "B": backward_time, "W": weight_time}[op.kind]
+                if op.kind == "B" and has_weight_passes and (op.chunk, op.microbatch) not in split[rank]:
+                    cost += weight_time  # a whole backward (zero bubble: no W of its own)
                 if durations is not None:
                     cost = durations.get((rank, op.kind, op.chunk, op.microbatch), cost)
                 clock[rank] = start + cost

@@ -35,6 +35,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
 import math
 import time
 from typing import Any, Callable, Optional, Sequence, Union
@@ -47,6 +48,7 @@ from megatron_core.distributed import finalize_model_grads
 from megatron_core.parallel_state import ParallelState
 from megatron_core.pipeline_parallel.p2p import P2PCommunicator, PendingRecv
 from megatron_core.pipeline_parallel.schedule_plan import (
+    ZERO_BUBBLE_DEFER,
     Op,
     interleaved_ops,
     no_pipelining_ops,
@@ -63,10 +65,11 @@ class PipelineError(RuntimeError):
     """Another pipeline rank failed; the message carries its error."""
 
 
-def get_forward_backward_func(pp_size: int, vpp_size: Optional[int] = None, *,
-                              zero_bubble: bool = False) -> Callable[..., list]:
+def get_forward_backward_func(pp_size: int, vpp_size: Optional[int] = None, *, zero_bubble: bool = False,
+                              zero_bubble_defer: Optional[str] = None) -> Callable[..., list]:
     """The schedule for a layout: no pipelining (pp 1), 1F1B, interleaved 1F1B (vpp > 1), or with
-    ``zero_bubble`` the ZB-H1 schedule (pp > 1, no interleaving; ``--enable-zero-bubble``)."""
+    ``zero_bubble`` the zero-bubble schedule (pp > 1, no interleaving; ``--enable-zero-bubble``), which
+    splits the backwards ``zero_bubble_defer`` names ("all": ZB-H1, "cooldown", None: by device)."""
     if pp_size < 1 or (vpp_size is not None and vpp_size < 1):
         raise ValueError(f"pp_size must be >= 1 and vpp_size None or >= 1, got pp_size={pp_size}, vpp_size={vpp_size}")
     if zero_bubble:
@@ -74,7 +77,11 @@ def get_forward_backward_func(pp_size: int, vpp_size: Optional[int] = None, *,
             raise ValueError(f"the zero-bubble schedule needs pipeline_model_parallel_size > 1 and no virtual "
                              f"pipeline stages, got pp_size={pp_size}, vpp_size={vpp_size}: drop --enable-zero-bubble "
                              "or --num-layers-per-virtual-pipeline-stage")
-        return forward_backward_pipelining_zero_bubble
+        if zero_bubble_defer is None:
+            return forward_backward_pipelining_zero_bubble
+        if zero_bubble_defer not in ZERO_BUBBLE_DEFER:
+            raise ValueError(f"zero_bubble_defer must be one of {ZERO_BUBBLE_DEFER} or None, got {zero_bubble_defer!r}")
+        return functools.partial(forward_backward_pipelining_zero_bubble, defer=zero_bubble_defer)
     if pp_size == 1:
         if vpp_size not in (None, 1):
             raise ValueError(f"vpp_size {vpp_size} needs pp_size > 1 (got pp_size 1)")
@@ -117,13 +124,17 @@ def forward_backward_pipelining_zero_bubble(
         *, forward_step_func: ForwardStepFunc, data_iterator, model, num_microbatches: int, seq_length: int,
         micro_batch_size: int, forward_only: bool = False, parallel_state: ParallelState,
         timeline: Optional[Timeline] = None,
-        grad_scale_func: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> list:
-    """ZB-H1 over ``parallel_state.pp_size`` stages (``schedule_plan.zero_bubble_ops``): 1F1B's memory, a third
-    of its bubble. The arguments and the result are those of the 1F1B schedule; the gradients are the same."""
+        grad_scale_func: Optional[Callable[[torch.Tensor], torch.Tensor]] = None, defer: Optional[str] = None) -> list:
+    """Zero bubble over ``parallel_state.pp_size`` stages (``schedule_plan.zero_bubble_ops``): 1F1B's memory,
+    with ``defer="all"`` (ZB-H1) a third of its bubble. ``defer=None`` picks "all" on accelerators and
+    "cooldown" on CPU (where a split backward costs 15-20% more than a whole one, docs/performance.md). The
+    other arguments and the result are those of the 1F1B schedule; the gradients are the same."""
     chunks = _as_chunks(model, 1)
     _check_common(num_microbatches, parallel_state, chunks, seq_length)
     _check_zero_bubble(chunks[0])
-    ops = zero_bubble_ops(parallel_state.pp_rank, parallel_state.pp_size, num_microbatches, forward_only=forward_only)
+    defer = defer or ("cooldown" if parallel_state.device.type == "cpu" else "all")
+    ops = zero_bubble_ops(parallel_state.pp_rank, parallel_state.pp_size, num_microbatches, forward_only=forward_only,
+                          defer=defer)
     shape = _tensor_shape(chunks[0], seq_length, micro_batch_size)
     call = ScheduleCall(forward_step_func=forward_step_func, iterators=[data_iterator], chunks=chunks,
                         num_microbatches=num_microbatches, forward_only=forward_only, state=parallel_state,
@@ -243,8 +254,8 @@ class _Executor:
         # receive with the pass's send in one batch, as Megatron does: separate launches could deadlock.)
         self.receive_early = self.comm is not None and not self.comm.batched
         self.upcoming: dict[str, collections.deque[Op]] = {}
-        self.whole_backwards: set[tuple[int, int]] = set()
-        """Zero bubble: (chunk, micro-batch) whose B computed the weight gradients too."""
+        self.deferred: set[tuple[int, int]] = set()
+        """Zero bubble: (chunk, micro-batch) whose B leaves the weight gradients to its W (the other B run whole)."""
 
     def _record(self, kind: str, start: float, end: float, op: Optional[Op] = None) -> None:
         if self.timeline is not None:
@@ -312,7 +323,8 @@ class _Executor:
         start = time.perf_counter()
         model = self.chunks[op.chunk]
         _unwrap(model).set_input_tensor(input_tensor)
-        output, loss_func = self.forward_step_func(self.iterators[op.chunk], model)
+        with self._forward_pass(op):
+            output, loss_func = self.forward_step_func(self.iterators[op.chunk], model)
         if self.last_chunk(op.chunk):
             output = self._loss(output, loss_func)
         self._record("forward", start, time.perf_counter(), op)
@@ -336,11 +348,7 @@ class _Executor:
         input_tensor, output = self.saved.pop((op.chunk, op.microbatch))
         start = time.perf_counter()
         chunk = self.chunks[op.chunk]
-        # Zero bubble: a B whose own W comes next (rank 0's, all of them) runs whole, and that W has nothing
-        # left to do (deferring would only cost the W pass's overhead).
-        deferred = self.zero_bubble and next_op != Op("W", op.chunk, op.microbatch)
-        if self.zero_bubble and not deferred:
-            self.whole_backwards.add((op.chunk, op.microbatch))
+        deferred = (op.chunk, op.microbatch) in self.deferred  # zero bubble: a split backward (it has a W)
         # A data-parallel wrapper reduces grads only in the backward of the last micro-batch (accumulation);
         # under zero bubble, in its last W.
         backward_pass = self.state.weight_grad_store.backward_pass() if deferred else contextlib.nullcontext()
@@ -352,12 +360,18 @@ class _Executor:
 
     def weight(self, op: Op, next_op: Optional[Op]) -> None:
         """The weight gradients of micro-batch ``op.microbatch`` (the oldest B whose W has not run)."""
-        if (op.chunk, op.microbatch) not in self.whole_backwards:
-            start = time.perf_counter()
-            with self._no_sync(self.chunks[op.chunk], op, last_pass=True):
-                self.state.weight_grad_store.run_weight_pass()
-            self._record("weight", start, time.perf_counter(), op)
+        start = time.perf_counter()
+        with self._no_sync(self.chunks[op.chunk], op, last_pass=True):
+            self.state.weight_grad_store.run_weight_pass()
+        self._record("weight", start, time.perf_counter(), op)
         self.post(next_op=next_op)
+
+    def _forward_pass(self, op: Op):
+        """Zero bubble: the forward of a micro-batch whose B defers its weight gradients builds deferrable
+        linears (the others run torch's own)."""
+        if not self.zero_bubble:
+            return contextlib.nullcontext()
+        return self.state.weight_grad_store.deferrable_forward((op.chunk, op.microbatch) in self.deferred)
 
     def _no_sync(self, chunk: nn.Module, op: Op, *, last_pass: bool = True):
         """``chunk.no_sync()`` unless this pass is the last to produce grads of the last micro-batch."""
@@ -373,6 +387,7 @@ class _Executor:
                 allow_unreachable=True, accumulate_grad=True)
 
     def run(self, ops: list[Op]) -> list:
+        self.deferred = {(op.chunk, op.microbatch) for op in ops if op.kind == "W"}
         if self.receive_early:
             self.upcoming = {kind: collections.deque(op for op in ops if op.kind == kind and self.needs_recv(op))
                              for kind in "FB"}

@@ -6,8 +6,9 @@ zero-bubble schedule runs them as separate passes: B computes every input gradie
 later W pass computes the weight gradients, filling time a 1F1B rank would spend idle.
 
 ``WeightGradStore`` is held by the ``ParallelState`` (``state.weight_grad_store``) and given to every
-column-/row-parallel linear built with it. While a schedule runs ``with store.schedule():``, the linears'
-forward runs ``linear_deferrable`` (our own autograd function) instead of ``F.linear``; inside
+column-/row-parallel linear built with it. Inside a schedule (``with store.schedule():``), in a forward
+whose backward will be split (``with store.deferrable_forward():``), the linears run ``linear_deferrable``
+(our own autograd function) instead of ``F.linear``; inside
 ``with store.backward_pass():`` its backward computes ``dX`` (and the bias grad) only and queues the ``dW``
 GEMM with the tensors it needs (``X`` and ``dY``, which the queue holds until W runs). ``run_weight_pass()``
 runs the oldest backward pass's queue as one autograd run: each queued GEMM is the backward of a small node
@@ -34,8 +35,11 @@ class WeightGradStore:
     """Queues the weight-gradient GEMMs of backward passes and runs them later, one pass at a time (FIFO)."""
 
     def __init__(self) -> None:
+        self.in_schedule = False
+        """A schedule that defers weight gradients is running."""
         self.active = False
-        """A schedule that defers weight gradients is running: linears build deferrable nodes in forward."""
+        """A forward whose backward will defer its weight gradients is running: linears build deferrable nodes
+        (``deferrable_forward``)."""
         self.deferring = False
         """A B pass is running: deferrable nodes queue their weight GEMM instead of running it."""
         self._current: list[tuple[torch.Tensor, WeightGrad]] = []
@@ -50,16 +54,16 @@ class WeightGradStore:
     def schedule(self) -> Iterator[None]:
         """Scope of one zero-bubble schedule run. On exit every queued pass must have run (else an error:
         weight gradients would be lost); on an exception the queue is dropped."""
-        if self.active:
+        if self.in_schedule:
             raise RuntimeError("a zero-bubble schedule is already running with this WeightGradStore")
-        self.active = True
+        self.in_schedule = True
         try:
             yield
         except BaseException:
             self.clear()
             raise
         finally:
-            self.active = False
+            self.in_schedule = self.active = False
         if self._passes or self._current:
             pending = len(self._passes)
             self.clear()
@@ -67,13 +71,24 @@ class WeightGradStore:
                                "computed: every B needs its W (run_weight_pass)")
 
     @contextlib.contextmanager
-    def backward_pass(self) -> Iterator[None]:
-        """Scope of one B pass: the weight GEMMs of its deferrable nodes are queued as one unit."""
-        self.deferring = True
+    def deferrable_forward(self, enabled: bool = True) -> Iterator[None]:
+        """Scope of an F pass whose B will defer its weight gradients (with ``enabled``; a forward whose
+        backward runs whole keeps torch's own linear, which costs less)."""
+        previous, self.active = self.active, enabled
         try:
             yield
         finally:
-            self.deferring = False
+            self.active = previous
+
+    @contextlib.contextmanager
+    def backward_pass(self) -> Iterator[None]:
+        """Scope of one B pass: the weight GEMMs of its deferrable nodes are queued as one unit. (Activation
+        recompute inside it rebuilds the forward as that forward ran: with deferrable linears.)"""
+        previous, self.deferring, self.active = self.active, True, True
+        try:
+            yield
+        finally:
+            self.deferring, self.active = False, previous
             self._passes.append(self._current)
             self._current = []
 
@@ -160,8 +175,7 @@ def deferrable_target(weight: torch.Tensor) -> Optional[torch.Tensor]:
 
 def linear_deferrable(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                       store: Optional[WeightGradStore]) -> torch.Tensor:
-    """``F.linear``, or, while ``store`` runs a zero-bubble schedule, the same GEMM with a deferrable weight
-    gradient."""
+    """``F.linear``, or, in a ``store.deferrable_forward()``, the same GEMM with a deferrable weight gradient."""
     if store is None or not store.active or not torch.is_grad_enabled():
         return F.linear(x, weight, bias)
     return _DeferrableLinear.apply(x, weight, bias, store)

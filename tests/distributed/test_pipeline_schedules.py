@@ -64,7 +64,7 @@ def _global_grads(config, state, chunks):
 
 
 def _pipeline_run(tp, pp, vpp, num_layers, num_microbatches, forward_only=False, tied=True, fail_at=None,
-                  zero_bubble=False, **overrides):
+                  zero_bubble=False, zero_bubble_defer="all", **overrides):
     state = initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                       virtual_pipeline_model_parallel_size=vpp)
     config, chunks = _build_chunks(state, num_layers, vpp, tied, **overrides)
@@ -78,7 +78,8 @@ def _pipeline_run(tp, pp, vpp, num_layers, num_microbatches, forward_only=False,
                 raise ValueError(f"boom on pipeline rank {state.pp_rank}")
             return _forward_step(data_iterator, model)
     timeline = Timeline()
-    schedule = get_forward_backward_func(pp, vpp, zero_bubble=zero_bubble)
+    schedule = get_forward_backward_func(pp, vpp, zero_bubble=zero_bubble,
+                                         zero_bubble_defer=zero_bubble_defer if zero_bubble else None)
     losses = schedule(forward_step_func=step, data_iterator=iterators, model=chunks if vpp else chunks[0],
                       num_microbatches=num_microbatches, seq_length=SEQ, micro_batch_size=MICRO_BATCH,
                       forward_only=forward_only, parallel_state=state, timeline=timeline)

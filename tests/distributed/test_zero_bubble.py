@@ -21,24 +21,26 @@ from tests.distributed.test_pipeline_schedules import (
 from tests.model_helpers import SEQ
 
 
+@pytest.mark.parametrize("defer", ["all", "cooldown"])
 @pytest.mark.parametrize("pp, m", [(2, 4), (2, 3), (4, 8), (4, 5)])
-def test_zero_bubble_matches_no_pipelining(distributed, pp, m):
-    results = distributed(pp, _pipeline_run, 1, pp, None, 4, m, zero_bubble=True)
+def test_zero_bubble_matches_no_pipelining(distributed, pp, m, defer):
+    results = distributed(pp, _pipeline_run, 1, pp, None, 4, m, zero_bubble=True, zero_bubble_defer=defer)
     _check_against_reference(results, _reference(4, m), 1)
-    for r in results:  # rank r > 0 holds back r weight passes: W of micro-batch i runs after B of i + r
+    for r in results:
+        rank = r["pp_rank"]
         weights, backwards = ([mb for kind, mb in r["kinds"] if kind == k] for k in ("weight", "backward"))
         assert backwards == list(range(m))
-        if r["pp_rank"] == 0:  # each W would follow its own B: rank 0 runs whole backwards
-            assert weights == []
-            continue
-        assert weights == list(range(m))
+        split = [] if rank == 0 else list(range(m)) if defer == "all" else list(range(max(m - rank, 0), m))
+        assert weights == split  # rank 0's input gradients go nowhere: its backwards run whole
         order = [(kind, mb) for kind, mb in r["kinds"] if kind != "forward"]
-        assert all(order.index(("weight", i)) > order.index(("backward", min(i + r["pp_rank"], m - 1)))
-                   for i in range(m))
+        for i in split:  # "all": W_i after B_(i+r); "cooldown": after the last B
+            after = min(i + rank, m - 1) if defer == "all" else m - 1
+            assert order.index(("weight", i)) > order.index(("backward", after))
 
 
 def test_zero_bubble_with_tensor_and_sequence_parallel(distributed):
     results = distributed(4, _pipeline_run, 2, 2, None, 4, 3, tied=False, zero_bubble=True, sequence_parallel=True)
+    assert all(r["kinds"].count(("weight", 0)) == (r["pp_rank"] == 1) for r in results)  # a split backward ran
     _check_against_reference(results, _reference(4, 3, tied=False), 2, tied=False)
 
 
@@ -62,13 +64,13 @@ def test_zero_bubble_failing_rank_makes_the_others_fail(distributed):
     assert "were still running" not in notes and "rank 0" in notes  # rank 0 failed by itself: it did not hang
 
 
-def _pipeline_ddp(stage: int, zero_bubble: bool):
+def _pipeline_ddp(stage: int, zero_bubble: bool, defer: str = "all"):
     state = initialize_model_parallel(pipeline_model_parallel_size=2)
     _, (model,) = _build_chunks(state, 4, None)
     ddp = DistributedDataParallel(model, config=DistributedDataParallelConfig(zero_stage=stage, bucket_size=300),
                                   dp_group=state.dp_group)
     optimizer = get_optimizer(OptimizerConfig(lr=1e-2, weight_decay=0.1, clip_grad=0.5), ddp, parallel_state=state)
-    schedule = get_forward_backward_func(2, zero_bubble=zero_bubble)
+    schedule = get_forward_backward_func(2, zero_bubble=zero_bubble, zero_bubble_defer=defer if zero_bubble else None)
     norms = []
     for _ in range(2):
         optimizer.zero_grad()
@@ -84,12 +86,12 @@ def _pipeline_ddp(stage: int, zero_bubble: bool):
     return params, norms, launches
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2])
-def test_zero_bubble_inside_data_parallel_matches_1f1b(distributed, stage):
+@pytest.mark.parametrize("stage, defer", [(0, "all"), (1, "all"), (2, "all"), (1, "cooldown")])
+def test_zero_bubble_inside_data_parallel_matches_1f1b(distributed, stage, defer):
     """pp 2 x dp 2: the buckets are reduced once per step, after the last W (stages 0-1), and the parameters
     after two steps equal those of 1F1B."""
     reference = distributed(4, _pipeline_ddp, stage, False)
-    results = distributed(4, _pipeline_ddp, stage, True)
+    results = distributed(4, _pipeline_ddp, stage, True, defer)
     for rank, ((params, norms, launches), (ref_params, ref_norms, ref_launches)) in enumerate(zip(results, reference)):
         for name, value in params.items():
             torch.testing.assert_close(value, ref_params[name], rtol=0, atol=1e-5, msg=f"rank {rank} {name}")
@@ -118,6 +120,8 @@ def test_zero_bubble_refuses_zero3_before_any_communication(distributed):
 
 
 def test_zero_bubble_selection_rejects_other_layouts():
+    with pytest.raises(ValueError, match="zero_bubble_defer must be one of"):
+        get_forward_backward_func(2, zero_bubble=True, zero_bubble_defer="some")
     with pytest.raises(ValueError, match="pipeline_model_parallel_size > 1"):
         get_forward_backward_func(1, zero_bubble=True)
     with pytest.raises(ValueError, match="virtual pipeline"):

@@ -39,7 +39,7 @@ def test_weight_gradients_wait_for_the_weight_pass(recompute):
         w.register_post_accumulate_grad_hook(lambda p: fired.append((p, p.grad is not None)))
     store = WeightGradStore()
     x = x.clone().requires_grad_()
-    with store.schedule():
+    with store.schedule(), store.deferrable_forward():
         out = (checkpoint(_mlp, x, weights, biases, store, use_reentrant=False) if recompute
                else _mlp(x, weights, biases, store))
         with store.backward_pass():
@@ -56,10 +56,15 @@ def test_weight_gradients_wait_for_the_weight_pass(recompute):
         torch.testing.assert_close(w.grad, ref, rtol=1e-6, atol=1e-6)
 
 
-def test_outside_a_schedule_the_linear_is_f_linear():
+def test_outside_a_deferrable_forward_the_linear_is_f_linear():
     weights, biases = _params()
-    out = linear_deferrable(torch.randn(2, 8, requires_grad=True), weights[0], biases[0], WeightGradStore())
+    store = WeightGradStore()
+    out = linear_deferrable(torch.randn(2, 8, requires_grad=True), weights[0], biases[0], store)
     assert type(out.grad_fn).__name__ == "AddmmBackward0"
+    with store.schedule():  # a forward whose backward runs whole
+        out = linear_deferrable(torch.randn(2, 8, requires_grad=True), weights[0], biases[0], store)
+        assert type(out.grad_fn).__name__ == "AddmmBackward0"
+        out.sum().backward()
 
 
 def test_backward_outside_a_backward_pass_computes_weight_gradients_at_once():
@@ -67,7 +72,7 @@ def test_backward_outside_a_backward_pass_computes_weight_gradients_at_once():
     store = WeightGradStore()
     x, grad = torch.randn(4, 8), torch.randn(4, 8)
     ref_x, ref_w, _ = _reference_grads(x, grad)
-    with store.schedule():
+    with store.schedule(), store.deferrable_forward():
         _mlp(x, weights, biases, store).backward(grad)
     for w, ref in zip(weights, ref_w):
         torch.testing.assert_close(w.grad, ref, rtol=1e-6, atol=1e-6)
@@ -77,7 +82,7 @@ def test_a_schedule_ending_with_queued_weight_gradients_is_an_error():
     weights, biases = _params()
     store = WeightGradStore()
     with pytest.raises(RuntimeError, match="1 backward pass"):
-        with store.schedule():
+        with store.schedule(), store.deferrable_forward():
             with store.backward_pass():
                 _mlp(torch.randn(4, 8), weights, biases, store).sum().backward()
     assert store.pending_passes == 0 and not store.active
