@@ -1,6 +1,6 @@
 """The order of forward and backward passes each pipeline rank runs (pure: no communication).
 
-A schedule is, per rank, a list of ``Op(kind, chunk, microbatch)``; the executor in ``schedules.py`` runs it
+A schedule is, per rank, a list of ``Op(kind, chunk, microbatch)``; the executor (``executor.py``) runs it
 and derives every transfer from it (an F of a chunk that is not the model's first receives an activation,
 an F of a chunk that is not the model's last sends one; likewise for gradients of B). Keeping the order
 separate from the communication makes each schedule a few lines and lets ``simulate`` check, without any

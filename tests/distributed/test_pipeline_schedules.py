@@ -177,14 +177,14 @@ class _CountingStore:
 
 
 def _store_lookups_in_a_step():
-    from megatron_core.pipeline_parallel import schedules
-    original = schedules._default_store
+    from megatron_core.pipeline_parallel import executor
+    original = executor._default_store
     counting = _CountingStore(original())
-    schedules._default_store = lambda: counting
+    executor._default_store = lambda: counting
     try:
         result = _pipeline_run(1, 2, None, 4, 8)
     finally:
-        schedules._default_store = original
+        executor._default_store = original
     return counting.lookups, result["losses"]
 
 
