@@ -72,7 +72,11 @@ def _parallel_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
     g.add_argument("--enable-zero-bubble", action="store_true",
                    help="the zero-bubble ZB-H1 pipeline schedule (input and weight gradients in separate passes): "
-                        "1F1B's memory, a third of its bubble; needs pp > 1, no virtual stages, ZeRO 0-2")
+                        "1F1B's memory, a third of its bubble; needs pp > 1, no virtual stages, ZeRO 0-2 (the flag "
+                        "of the zero-bubble Megatron-LM fork)")
+    g.add_argument("--zero-bubble-defer", choices=["all", "cooldown"], default=None,
+                   help="which backwards zero bubble splits: all (ZB-H1) or each stage's last r (cooldown); default "
+                        "all on GPUs, cooldown on CPU (docs/pipeline_parallel.md)")
     g.add_argument("--sequence-parallel", action="store_true", help="turned off with a warning at tp 1")
     g.add_argument("--tp-comm-overlap", action="store_true",
                    help="overlap the sequence-parallel all-gather / reduce-scatter with the linear layers' GEMMs "
@@ -286,6 +290,8 @@ def _resolve_model_flags(args: argparse.Namespace) -> None:
 
 
 def _check_zero_bubble(args: argparse.Namespace) -> None:
+    if args.zero_bubble_defer is not None and not args.enable_zero_bubble:
+        raise ValueError(f"--zero-bubble-defer {args.zero_bubble_defer} needs --enable-zero-bubble")
     if not args.enable_zero_bubble:
         return
     if args.pipeline_model_parallel_size == 1:

@@ -186,7 +186,8 @@ def _per_token_scale(run: Run, batches: list[dict]) -> Optional[float]:
 def run_schedule(run: Run, batches: list[dict], *, forward_only: bool) -> list:
     state = run.state
     schedule = get_forward_backward_func(state.pp_size, state.vpp_size,
-                                         zero_bubble=run.args.enable_zero_bubble)
+                                         zero_bubble=run.args.enable_zero_bubble,
+                                         zero_bubble_defer=run.args.zero_bubble_defer)
     iterators = [iter(batches) for _ in run.chunks] if state.vpp_size else iter(batches)
     scale = getattr(run.optimizer, "scale_loss", None) if run.config.fp16 else None
     step_func = functools.partial(forward_step, tokens_scale=_per_token_scale(run, batches),

@@ -25,6 +25,8 @@ FLAG_CASES = {
     "vpp without pp": (["--num-layers-per-virtual-pipeline-stage", "1"], "needs --pipeline-model-parallel-size > 1"),
     "zero bubble without pp": (["--enable-zero-bubble"],
                                "--enable-zero-bubble needs --pipeline-model-parallel-size > 1"),
+    "zero bubble split without zero bubble": (["--zero-bubble-defer", "all"],
+                                              "--zero-bubble-defer all needs --enable-zero-bubble"),
     "zero bubble with ZeRO-3": (["--enable-zero-bubble", "--pipeline-model-parallel-size", "2", "--zero-stage", "3"],
                                 "--enable-zero-bubble cannot run with ZeRO-3"),
     "bf16 and fp16": (["--bf16", "--fp16"], "--bf16 and --fp16 are mutually exclusive"),
