@@ -1,8 +1,9 @@
-"""Draws what each pipeline rank did during one training step: 1F1B (or interleaved 1F1B with --vpp) on a small
-GPT over gloo ranks on this machine; writes the PNG (one row per rank, forward blue / backward green, measured
-bubble in the title) and a Chrome trace next to it.
+"""Draws what each pipeline rank did during one training step: 1F1B (interleaved 1F1B with --vpp, zero bubble
+with --zero-bubble all|cooldown) on a small GPT over gloo ranks on this machine; writes the PNG (one row per
+rank, forward blue / backward green / weight purple, measured bubble in the title) and a Chrome trace next to it.
 
     python scripts/pipeline_timeline.py [--pp 4 --microbatches 8 --vpp 2 --png scripts/figures/pipeline_timeline.png]
+    python scripts/pipeline_timeline.py --zero-bubble all --png scripts/figures/pipeline_timeline_zero_bubble.png
 """
 from __future__ import annotations
 
@@ -46,17 +47,21 @@ def _one_step(args) -> str:
         t, lab = next(iterator)
         return model(t, positions, labels=lab), lambda loss: (loss.mean(), {"lm loss": loss.mean().detach()})
 
-    schedule = get_forward_backward_func(args.pp, vpp)
+    schedule = get_forward_backward_func(args.pp, vpp, zero_bubble=args.zero_bubble is not None,
+                                         zero_bubble_defer=args.zero_bubble)
     for step in range(2):  # the first step warms up; the second is drawn
         timeline = Timeline()
         schedule(forward_step_func=forward_step, data_iterator=[iter(micro) for _ in chunks] if vpp else iter(micro),
                  model=chunks if vpp else chunks[0], num_microbatches=args.microbatches, seq_length=SEQ,
                  micro_batch_size=MICRO_BATCH, parallel_state=state, timeline=timeline)
     per_rank = gather_timelines(timeline, state.pp_group)
-    formula = bubble_fraction_formula(args.pp, args.microbatches, vpp or 1)
+    formula = bubble_fraction_formula(args.pp, args.microbatches, vpp or 1, zero_bubble=args.zero_bubble == "all")
     if state.pp_rank == 0:
         name = "interleaved 1F1B" if vpp else "1F1B"
-        write_png(per_rank, args.png, formula=formula,
+        if args.zero_bubble:
+            name = "zero bubble ZB-H1" if args.zero_bubble == "all" else "zero bubble (cooldown split)"
+        write_png(per_rank, args.png, formula=formula, formula_label="(p-1)/(3m)" if args.zero_bubble == "all"
+                  else "(p-1)/(v*m)",
                   title=f"{name}, pp {args.pp}{f' x vpp {vpp}' if vpp else ''}, {args.microbatches} micro-batches")
         write_chrome_trace(per_rank, os.path.splitext(args.png)[0] + ".trace.json")
     destroy_model_parallel(state)
@@ -68,6 +73,8 @@ def main() -> None:
     parser.add_argument("--pp", type=int, default=4)
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--vpp", type=int, default=1, help="virtual stages per rank (interleaved 1F1B when > 1)")
+    parser.add_argument("--zero-bubble", choices=["all", "cooldown"], default=None,
+                        help="the zero-bubble schedule, splitting all backwards (ZB-H1) or the cooldown's")
     parser.add_argument("--png", default="outputs/pipeline_timeline.png")
     args = parser.parse_args()
     os.makedirs(os.path.dirname(os.path.abspath(args.png)), exist_ok=True)

@@ -102,12 +102,12 @@ def write_chrome_trace(per_rank: list[list[dict]], path: str) -> None:
 
 
 def write_png(per_rank: list[list[dict]], path: str, *, formula: Optional[float] = None,
-              title: str = "pipeline schedule") -> None:
+              title: str = "pipeline schedule", formula_label: str = "(p-1)/(v*m)") -> None:
     """A picture of the schedule: one labelled row per pipeline rank, time (ms) left to right; forward passes
     blue, backward green and weight-gradient passes (zero bubble) purple, labelled with their micro-batch
     (``F3``, ``B3``, ``W3``; ``.c1`` for virtual chunk 1), sends yellow, receives red, idle left blank. The
-    title carries the measured bubble of each rank (and the formula's
-    ``(p-1)/(v*m)`` when ``formula`` is given)."""
+    title carries the measured bubble of each rank (and the formula's value when ``formula`` is given,
+    written as ``formula_label``)."""
     figure = new_figure(11.0, 0.7 * len(per_rank) + 1.6)
     ax = figure.add_subplot()
     total_ms = max((e["end"] for events in per_rank for e in events), default=1.0) * 1e3
@@ -128,7 +128,7 @@ def write_png(per_rank: list[list[dict]], path: str, *, formula: Optional[float]
     ax.set_xlabel("time (ms)")
     bubbles = ", ".join(f"{b:.2f}" for b in measured_bubbles(per_rank))
     ax.set_title(f"{title}: measured bubble per rank {bubbles}"
-                 + ("" if formula is None else f" (formula (p-1)/(v*m) = {formula:.3f})"), fontsize=10)
+                 + ("" if formula is None else f" (formula {formula_label} = {formula:.3f})"), fontsize=10)
     kinds = {e["kind"] for events in per_rank for e in events}
     legend = [kind for kind in ("forward", "backward", "weight", "send", "recv") if kind != "weight" or kind in kinds]
     handles = [ax.barh(0, 0, color=COLORS[kind], label=kind) for kind in legend]
