@@ -7,8 +7,8 @@ import torch
 
 from megatron_core import destroy_model_parallel, initialize_model_parallel
 from megatron_core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-from megatron_core.optimizer import OptimizerConfig, get_optimizer
 from megatron_core.pipeline_parallel import PipelineError, get_forward_backward_func
+from tests.distributed.test_ddp_pipeline import _pipeline_ddp
 from tests.distributed.test_pipeline_schedules import (
     MICRO_BATCH,
     _batches,
@@ -89,35 +89,14 @@ def test_zero_bubble_failing_rank_makes_the_others_fail(distributed):
     assert "were still running" not in notes and "rank 0" in notes  # rank 0 failed by itself: it did not hang
 
 
-def _pipeline_ddp(stage: int, zero_bubble: bool, defer: str = "all"):
-    state = initialize_model_parallel(pipeline_model_parallel_size=2)
-    _, (model,) = _build_chunks(state, 4, None)
-    ddp = DistributedDataParallel(model, config=DistributedDataParallelConfig(zero_stage=stage, bucket_size=300),
-                                  dp_group=state.dp_group)
-    optimizer = get_optimizer(OptimizerConfig(lr=1e-2, weight_decay=0.1, clip_grad=0.5), ddp, parallel_state=state)
-    schedule = get_forward_backward_func(2, zero_bubble=zero_bubble, zero_bubble_defer=defer if zero_bubble else None)
-    norms = []
-    for _ in range(2):
-        optimizer.zero_grad()
-        batches = _batches(8)[state.dp_rank * 4:(state.dp_rank + 1) * 4]
-        schedule(forward_step_func=_forward_step, data_iterator=iter(batches), model=ddp, num_microbatches=4,
-                 seq_length=SEQ, micro_batch_size=MICRO_BATCH, parallel_state=state)
-        ok, norm, _ = optimizer.step()
-        assert ok
-        norms.append(norm)
-    params = {name: value.clone() for name, value in ddp.state_dict().items()}
-    launches = list(ddp.launch_log)
-    destroy_model_parallel(state)
-    return params, norms, launches
-
-
 @pytest.mark.parametrize("stage, defer", [(0, "all"), (1, "all"), (2, "all"), (1, "cooldown")])
 def test_zero_bubble_inside_data_parallel_matches_1f1b(distributed, stage, defer):
     """pp 2 x dp 2: the buckets are reduced once per step, after the last W (stages 0-1), and the parameters
     after two steps equal those of 1F1B."""
     reference = distributed(4, _pipeline_ddp, stage, False)
     results = distributed(4, _pipeline_ddp, stage, True, defer)
-    for rank, ((params, norms, launches), (ref_params, ref_norms, ref_launches)) in enumerate(zip(results, reference)):
+    for rank, ((params, _, norms, launches), (ref_params, _, ref_norms, ref_launches)) in enumerate(
+            zip(results, reference)):
         for name, value in params.items():
             torch.testing.assert_close(value, ref_params[name], rtol=0, atol=1e-5, msg=f"rank {rank} {name}")
         torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5, atol=0)
