@@ -6,15 +6,15 @@ zero-bubble schedule runs them as separate passes: B computes every input gradie
 later W pass computes the weight gradients, filling time a 1F1B rank would spend idle.
 
 ``WeightGradStore`` is held by the ``ParallelState`` (``state.weight_grad_store``) and given to every
-column-/row-parallel linear built with it. Inside a schedule (``with store.schedule():``), in a forward
-whose backward will be split (``with store.deferrable_forward():``), the linears run ``linear_deferrable``
-(our own autograd function) instead of ``F.linear``; inside
-``with store.backward_pass():`` its backward computes ``dX`` (and the bias grad) only and queues the ``dW``
-GEMM with the tensors it needs (``X`` and ``dY``, which the queue holds until W runs). ``run_weight_pass()``
-runs the oldest backward pass's queue as one autograd run: each queued GEMM is the backward of a small node
-whose input is the weight, so ``dW`` is computed only when the engine reaches it, lands in ``weight.grad``
-through the usual grad accumulator, and the accumulator's hooks (a data-parallel wrapper's bucket hooks)
-fire as in any backward. Outside ``schedule()`` the linears run ``F.linear``, untouched.
+column-/row-parallel linear built with it. A zero-bubble schedule runs inside ``with store.schedule():``.
+The forward of a micro-batch whose backward will be split runs inside ``with store.deferrable_forward():``,
+where the linears run ``linear_deferrable`` (our own autograd function) instead of ``F.linear``. Inside
+``with store.backward_pass():`` that function's backward computes ``dX`` (and the bias grad) only and queues
+the ``dW`` GEMM with the tensors it needs (``X`` and ``dY``, held until W runs). ``run_weight_pass()`` runs
+the oldest backward pass's queue as one autograd run: each queued GEMM is the backward of a small node whose
+input is the weight, so ``dW`` is computed only when the engine reaches it, lands in ``weight.grad`` through
+the usual grad accumulator, and the accumulator's hooks (a data-parallel wrapper's bucket hooks) fire as in
+any backward. Outside ``deferrable_forward()`` the linears run ``F.linear``, untouched.
 
 Other parameters (norms, biases, embeddings) get their grads in B, as usual: they are a few percent of the
 weight-gradient FLOPs. The chunked ``tp_comm_overlap`` GEMMs are not deferred.
