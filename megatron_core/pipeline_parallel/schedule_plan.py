@@ -60,6 +60,16 @@ def one_f_one_b_ops(pp_rank: int, pp_size: int, num_microbatches: int, *, forwar
     return ops
 
 
+def resolve_zero_bubble_defer(defer: Optional[str], device_type: str) -> str:
+    """The split a zero-bubble run uses: ``defer`` when given, else "cooldown" on CPU (where a split
+    backward costs more than it saves) and "all" (ZB-H1) on accelerators."""
+    if defer is None:
+        return "cooldown" if device_type == "cpu" else "all"
+    if defer not in ZERO_BUBBLE_DEFER:
+        raise ValueError(f"zero-bubble defer must be one of {ZERO_BUBBLE_DEFER}, got {defer!r}")
+    return defer
+
+
 def zero_bubble_ops(pp_rank: int, pp_size: int, num_microbatches: int, *, forward_only: bool = False,
                     defer: str = "all") -> list[Op]:
     """The zero-bubble order of pipeline rank ``pp_rank``: 1F1B's F and B, plus the W passes of the backwards

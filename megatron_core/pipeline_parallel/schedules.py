@@ -27,6 +27,7 @@ from megatron_core.pipeline_parallel.schedule_plan import (
     interleaved_ops,
     no_pipelining_ops,
     one_f_one_b_ops,
+    resolve_zero_bubble_defer,
     zero_bubble_ops,
 )
 from megatron_core.pipeline_parallel.timeline import Timeline
@@ -99,7 +100,7 @@ def forward_backward_pipelining_zero_bubble(
     chunks = _as_chunks(model, 1)
     _check_common(num_microbatches, parallel_state, chunks, seq_length)
     _check_zero_bubble(chunks[0])
-    defer = defer or ("cooldown" if parallel_state.device.type == "cpu" else "all")
+    defer = resolve_zero_bubble_defer(defer, parallel_state.device.type)
     ops = zero_bubble_ops(parallel_state.pp_rank, parallel_state.pp_size, num_microbatches, forward_only=forward_only,
                           defer=defer)
     shape = _tensor_shape(chunks[0], seq_length, micro_batch_size)

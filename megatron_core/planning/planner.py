@@ -29,6 +29,7 @@ from megatron_core.planning.moe import (
     moe_dense_parameters,
     moe_layers_on_stage,
 )
+from megatron_core.planning.zero_bubble import weight_stash_bytes, zero_bubble_extra_bytes
 from megatron_core.planning.zero_memory import zero_transient_bytes
 from megatron_core.tensor_parallel.utils import vocab_size_with_padding
 from megatron_core.training.metrics import hardware_flops_per_iteration
@@ -232,17 +233,27 @@ def _shape(config: TransformerConfig, workload: Workload, ep: int = 1, etp: int 
 
 
 def rank_activation_bytes(config: TransformerConfig, workload: Workload, *, pp_rank: int, num_microbatches: int,
-                          ep: int = 1, etp: int = 1) -> float:
-    """Peak activation bytes on a rank of pipeline stage ``pp_rank`` (1F1B or interleaved), MoE layers at
-    expert-parallel size ``ep``."""
+                          ep: int = 1, etp: int = 1, zero_bubble_defer: Optional[str] = None) -> float:
+    """Peak activation bytes on a rank of pipeline stage ``pp_rank`` (1F1B or interleaved; with
+    ``zero_bubble_defer`` "all" or "cooldown", the zero-bubble schedule, whose split backwards keep their
+    weight GEMMs' operands: ``planning.zero_bubble``), MoE layers at expert-parallel size ``ep``."""
     pp, vpp = config.pipeline_model_parallel_size, config.virtual_pipeline_model_parallel_size
     padded = vocab_size_with_padding(workload.vocab_size,
                                      make_vocab_size_divisible_by=workload.make_vocab_size_divisible_by,
                                      tensor_model_parallel_size=config.tensor_model_parallel_size)
     in_flight = in_flight_microbatches(pp_rank, pp, num_microbatches, vpp)
-    return stage_activation_bytes(config, _shape(config, workload, ep, etp), layers=config.num_layers // pp,
-                                  first=pp_rank == 0, last=pp_rank == pp - 1, in_flight=in_flight,
-                                  padded_vocab_size=padded, moe_layers=moe_layers_on_stage(config, pp_rank=pp_rank))
+    shape = _shape(config, workload, ep, etp)
+    stage = dict(layers=config.num_layers // pp, first=pp_rank == 0, last=pp_rank == pp - 1,
+                 padded_vocab_size=padded, moe_layers=moe_layers_on_stage(config, pp_rank=pp_rank))
+    peak = stage_activation_bytes(config, shape, in_flight=in_flight, **stage)
+    if zero_bubble_defer is None:
+        return peak
+    microbatch = (stage_activation_bytes(config, shape, in_flight=1, **stage)
+                  - stage_activation_bytes(config, shape, in_flight=0, **stage))
+    stash = weight_stash_bytes(config, shape, layers=stage["layers"], last=stage["last"],
+                               padded_vocab_size=padded, moe_layers=stage["moe_layers"])
+    return peak + zero_bubble_extra_bytes(pp_rank=pp_rank, pp_size=pp, num_microbatches=num_microbatches,
+                                          defer=zero_bubble_defer, microbatch_bytes=microbatch, stash_bytes=stash)
 
 
 def rank_transient_bytes(config: TransformerConfig, workload: Workload, *, pp_rank: int, zero_stage: int,

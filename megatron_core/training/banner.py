@@ -19,6 +19,7 @@ from typing import Any, Iterator, Optional
 import torch.distributed as dist
 
 from megatron_core.optimizer.memory import memory_categories
+from megatron_core.pipeline_parallel.schedule_plan import resolve_zero_bubble_defer
 from megatron_core.planning.planner import Workload, model_state_bytes, rank_activation_bytes, rank_transient_bytes
 from megatron_core.training.metrics import memory_bytes
 from megatron_core.utils.live_memory import LiveMemoryTracker, peak_rss_bytes
@@ -39,6 +40,13 @@ def _count(n: float) -> str:
     return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M" if n >= 1e6 else f"{n / 1e3:.1f} k"
 
 
+def _zero_bubble_defer(run) -> Optional[str]:
+    """The split the run's zero-bubble schedule uses (None without ``--enable-zero-bubble``)."""
+    if not run.args.enable_zero_bubble:
+        return None
+    return resolve_zero_bubble_defer(run.args.zero_bubble_defer, run.state.device.type)
+
+
 def predicted_stage_bytes(run) -> dict[str, float]:
     """The planner's bytes for this rank's pipeline stage: model states, activations, ZeRO transients."""
     args, config = run.args, run.config
@@ -51,7 +59,8 @@ def predicted_stage_bytes(run) -> dict[str, float]:
     return {"model states": model_state_bytes(config, workload, pp_rank=pp_rank, dp=run.state.dp_cp_size,
                                               zero_stage=zero),
             "activations": rank_activation_bytes(config, workload, pp_rank=pp_rank,
-                                                 num_microbatches=run.num_microbatches),
+                                                 num_microbatches=run.num_microbatches,
+                                                 zero_bubble_defer=_zero_bubble_defer(run)),
             "ZeRO transients": rank_transient_bytes(config, workload, pp_rank=pp_rank, zero_stage=zero)}
 
 
