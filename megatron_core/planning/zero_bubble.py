@@ -12,7 +12,8 @@ chunk under sequence parallelism, which W all-gathers again):
     fc2   X: s b ffn / t           dY: s b h
 
 plus the last stage's output layer (``X`` and the logits gradient ``s b V / t``). MoE layers keep their expert
-GEMMs whole (only attention is split); the chunked ``tp_comm_overlap`` GEMMs are never split.
+GEMMs whole and count their attention only (a shared expert's MLP is split too, and not counted here); the
+chunked ``tp_comm_overlap`` GEMMs are never split.
 
 The peak of a rank comes from walking its order (``zero_bubble_extra_bytes``): an F holds one micro-batch's
 activations until its B; a split B turns them into a stash held until its W. Rank 0 runs whole backwards

@@ -48,6 +48,8 @@ LAYOUTS = {
     "ep2-allgather": (2, _ep(2)),
     "ep2-tp2-sp": (2, [*_ep(2), *A2A, "--tensor-model-parallel-size", "2", "--sequence-parallel"]),
     "ep2-pp2": (4, [*_ep(2), *A2A, "--pipeline-model-parallel-size", "2"]),
+    "ep2-pp2-zero-bubble": (4, [*_ep(2), *A2A, "--pipeline-model-parallel-size", "2", "--enable-zero-bubble",
+                                "--zero-bubble-defer", "all"]),
     "ep2-edp2-distopt": (4, [*_ep(2), *A2A, "--use-distributed-optimizer"]),
     "ep2-cp2": (2, [*_ep(2), *A2A, "--context-parallel-size", "2"]),
     "ep2-cp2-tp2-sp": (4, [*_ep(2), "--context-parallel-size", "2", "--tensor-model-parallel-size", "2",
