@@ -22,6 +22,7 @@ from megatron_core.tensor_parallel.utils import group_size
 from megatron_core.tensor_parallel.weight_grad_store import (
     WeightGradStore,
     deferrable_target,
+    deferring_forward,
     linear_deferrable,
     weight_gradient,
 )
@@ -76,5 +77,5 @@ def sequence_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: Option
     saving only ``x`` for backward (see the module docstring)."""
     if x.shape[0] == 0 or group_size(group) == 1:
         return linear_deferrable(x, weight, bias, weight_grad_store)
-    store = weight_grad_store if weight_grad_store is not None and weight_grad_store.active else None
+    store = weight_grad_store if deferring_forward(weight_grad_store) else None
     return _SequenceParallelLinear.apply(x, weight, bias, group, store)

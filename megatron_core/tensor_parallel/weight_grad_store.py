@@ -17,7 +17,8 @@ the usual grad accumulator, and the accumulator's hooks (a data-parallel wrapper
 any backward. Outside ``deferrable_forward()`` the linears run ``F.linear``, untouched.
 
 Other parameters (norms, biases, embeddings) get their grads in B, as usual: they are a few percent of the
-weight-gradient FLOPs. The chunked ``tp_comm_overlap`` GEMMs are not deferred.
+weight-gradient FLOPs. The chunked ``tp_comm_overlap`` GEMMs are not deferred, nor are the GEMMs inside
+``--compile``'s compiled layers (as in torch pipelining's zero bubble, which refuses torch.compile).
 """
 from __future__ import annotations
 
@@ -173,9 +174,17 @@ def deferrable_target(weight: torch.Tensor) -> Optional[torch.Tensor]:
     return weight if weight.requires_grad and weight.grad_fn is None else None
 
 
+def deferring_forward(store: Optional[WeightGradStore]) -> bool:
+    """Whether a linear running now should build a deferrable node: in ``store.deferrable_forward()``, with
+    grad enabled, and not while torch.compile traces (a compiled graph cannot queue Python closures)."""
+    return (store is not None and store.active and torch.is_grad_enabled()
+            and not torch.compiler.is_compiling())
+
+
 def linear_deferrable(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                       store: Optional[WeightGradStore]) -> torch.Tensor:
-    """``F.linear``, or, in a ``store.deferrable_forward()``, the same GEMM with a deferrable weight gradient."""
-    if store is None or not store.active or not torch.is_grad_enabled():
+    """``F.linear``, or, in a ``store.deferrable_forward()``, the same GEMM with a deferrable weight gradient
+    (not inside a compiled region: ``--compile``'s layers run whole backwards)."""
+    if not deferring_forward(store):
         return F.linear(x, weight, bias)
     return _DeferrableLinear.apply(x, weight, bias, store)

@@ -18,6 +18,7 @@ LAYOUTS = {
     "pp2-1f1b-full-recompute": ["--pipeline-model-parallel-size", "2", "--recompute-granularity", "full",
                                 "--recompute-method", "uniform", "--recompute-num-layers", "1"],
     "pp2-interleaved": ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"],
+    "pp2-zero-bubble": ["--pipeline-model-parallel-size", "2", "--enable-zero-bubble", "--zero-bubble-defer", "all"],
     "dp2-zero2-overlap": ["--zero-stage", "2", "--overlap-grad-reduce"],
     "dp2-zero3": ["--zero-stage", "3"],
 }
