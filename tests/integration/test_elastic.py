@@ -131,7 +131,7 @@ def test_a_returning_node_scales_the_job_back_to_dp2(tmp_path, distributed):
         agents.kill_node(1)
         def at_dp1():
             segments = _segments(_records(metrics), _resumes(agents.log(0)))
-            return "continuing at dp 1" in agents.log(0) and len(segments) >= 2 and len(segments[-1][1]) >= 2
+            return "continuing at dp 1" in agents.log(0) and len(segments) >= 2 and len(segments[-1][1]) >= 3
         assert agents.wait(90, until=at_dp1), agents.log(0)[-3000:]
         agents.start()  # node 2: a machine coming back
         assert agents.wait(150, until=lambda: agents.procs[0].poll() is not None and agents.procs[2].poll()
@@ -142,7 +142,9 @@ def test_a_returning_node_scales_the_job_back_to_dp2(tmp_path, distributed):
     segments = _segments(_records(metrics), _resumes(logs))
     assert len(segments) >= 3, segments
     (dp1_start, dp1_losses), (dp2_start, dp2_losses) = segments[-2], segments[-1]
-    assert dp1_start + 1 < dp2_start and dp2_start + len(dp2_losses) == SCALE_ITERS, segments
+    # dp 2 resumes from a checkpoint the dp 1 phase wrote (its newest complete one: an async save still in
+    # flight when torchrun restarts the worker is not, and may be the last iteration dp 1 ran)
+    assert dp1_start < dp2_start and dp2_start + len(dp2_losses) == SCALE_ITERS, segments
     for start, got, world_size in ((dp1_start, dp1_losses, 1), (dp2_start, dp2_losses, 2)):
         want = _reference(distributed, ckpt, tmp_path, start, world_size)[:len(got)]
         assert len(want) == len(got)
