@@ -10,57 +10,25 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 import torch
-import torch.distributed as dist
 
 from megatron_core.context_parallel.split import to_natural_order, to_rank_chunk_order
-
-
-def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
-    """``x`` ``[cp, ...]``: slice j goes to rank j; returns ``[cp, ...]`` whose slice j came from rank j."""
-    x = x.contiguous()
-    out = torch.empty_like(x)
-    dist.all_to_all_single(out, x, group=group)
-    return out
+from megatron_core.tensor_parallel.mappings import all_to_all
 
 
 def _seq_to_heads(x: torch.Tensor, cp_size: int, group) -> torch.Tensor:
-    """``[s/cp, b, h, d]`` -> ``[s, b, h/cp, d]`` (sequence in rank-chunk order). One all-to-all."""
+    """``[s/cp, b, h, d]`` -> ``[s, b, h/cp, d]`` (sequence in rank-chunk order). One all-to-all (backward:
+    the all-to-all of ``_heads_to_seq``)."""
     s_local, b, h, d = x.shape
     parts = x.view(s_local, b, cp_size, h // cp_size, d).permute(2, 0, 1, 3, 4)  # [cp (to), s/cp, b, h/cp, d]
-    return _all_to_all(parts, group).reshape(cp_size * s_local, b, h // cp_size, d)
+    return all_to_all(parts, group).reshape(cp_size * s_local, b, h // cp_size, d)
 
 
 def _heads_to_seq(x: torch.Tensor, cp_size: int, group) -> torch.Tensor:
-    """``[s, b, h/cp, d]`` (rank-chunk order) -> ``[s/cp, b, h, d]``. One all-to-all (inverse of _seq_to_heads)."""
+    """``[s, b, h/cp, d]`` (rank-chunk order) -> ``[s/cp, b, h, d]``. One all-to-all (inverse of _seq_to_heads;
+    backward: the all-to-all of ``_seq_to_heads``)."""
     s, b, h_part, d = x.shape
-    parts = _all_to_all(x.view(cp_size, s // cp_size, b, h_part, d), group)  # [cp (from), s/cp, b, h/cp, d]
+    parts = all_to_all(x.view(cp_size, s // cp_size, b, h_part, d), group)  # [cp (from), s/cp, b, h/cp, d]
     return parts.permute(1, 2, 0, 3, 4).reshape(s // cp_size, b, cp_size * h_part, d)
-
-
-class _SeqToHeads(torch.autograd.Function):
-    """Forward ``_seq_to_heads``; backward ``_heads_to_seq`` of the gradient."""
-
-    @staticmethod
-    def forward(ctx, x, cp_size, group):
-        ctx.cp_size, ctx.group = cp_size, group
-        return _seq_to_heads(x, cp_size, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _heads_to_seq(grad, ctx.cp_size, ctx.group), None, None
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    """Forward ``_heads_to_seq``; backward ``_seq_to_heads`` of the gradient."""
-
-    @staticmethod
-    def forward(ctx, x, cp_size, group):
-        ctx.cp_size, ctx.group = cp_size, group
-        return _heads_to_seq(x, cp_size, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _seq_to_heads(grad, ctx.cp_size, ctx.group), None, None
 
 
 def check_heads_divisible(*, heads_per_rank: int, groups_per_rank: int, cp_size: int) -> None:
@@ -92,11 +60,11 @@ def ulysses_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     """
     s_local, b, hq, d = query.shape
     check_heads_divisible(heads_per_rank=hq, groups_per_rank=key.shape[2], cp_size=cp_size)
-    q, k, v = (to_natural_order(_SeqToHeads.apply(x, cp_size, cp_group), dim=0, cp_size=cp_size)
+    q, k, v = (to_natural_order(_seq_to_heads(x, cp_size, cp_group), dim=0, cp_size=cp_size)
                for x in (query, key, value))  # [s, b, heads/cp, d]
     context = local_attention(q, k, v, attention_mask)  # [s, b, hq/cp * d]
     context = to_rank_chunk_order(context.view(s_local * cp_size, b, hq // cp_size, d), dim=0, cp_size=cp_size)
-    return _HeadsToSeq.apply(context, cp_size, cp_group).reshape(s_local, b, hq * d)
+    return _heads_to_seq(context, cp_size, cp_group).reshape(s_local, b, hq * d)
 
 
 __all__ = ["check_heads_divisible", "ulysses_attention"]

@@ -9,6 +9,7 @@ from megatron_core.tensor_parallel.layers import (
     set_tensor_model_parallel_attributes,
 )
 from megatron_core.tensor_parallel.mappings import (
+    all_to_all,
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
@@ -30,7 +31,7 @@ __all__ = [
     "copy_to_tensor_model_parallel_region", "reduce_from_tensor_model_parallel_region",
     "scatter_to_tensor_model_parallel_region", "gather_from_tensor_model_parallel_region",
     "scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region",
-    "reduce_scatter_to_sequence_parallel_region", "RNGStatesTracker", "model_parallel_seed",
+    "reduce_scatter_to_sequence_parallel_region", "all_to_all", "RNGStatesTracker", "model_parallel_seed",
     "checkpoint", "MODEL_PARALLEL_RNG", "init_method_normal", "scaled_init_method_normal",
     "set_tensor_model_parallel_attributes", "divide", "vocab_range", "vocab_size_with_padding", "check_ids_in_range",
 ]

@@ -14,10 +14,12 @@ a gradient tensor between branches): each reduces into a fresh tensor.
     scatter_to_sequence_parallel_region           split first dim      all-gather first dim
     gather_from_sequence_parallel_region          all-gather first dim reduce-scatter first dim (or split)
     reduce_scatter_to_sequence_parallel_region    reduce-scatter dim 0 all-gather first dim
+    all_to_all                                    all-to-all dim 0     all-to-all dim 0, splits swapped
 """
 from __future__ import annotations
 
-from typing import Optional
+import math
+from typing import Optional, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -25,6 +27,12 @@ import torch.distributed as dist
 from megatron_core.tensor_parallel.utils import group_rank, group_size
 
 Group = Optional[dist.ProcessGroup]
+
+
+class ByteCounter(Protocol):
+    """Anything with a ``bytes_sent`` count (such as the MoE dispatcher's ``CommStats``)."""
+
+    bytes_sent: int
 
 
 def _all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
@@ -73,6 +81,50 @@ def _reduce_scatter_first_dim(x: torch.Tensor, group: Group) -> torch.Tensor:
     out = torch.empty((x.shape[0] // world, *x.shape[1:]), dtype=x.dtype, device=x.device)
     dist.reduce_scatter_single(out, x, group=group)
     return out
+
+
+def _all_to_all(x: torch.Tensor, group: Group, output_split_sizes: Optional[list[int]],
+                input_split_sizes: Optional[list[int]], stats: Optional[ByteCounter]) -> torch.Tensor:
+    """One ``all_to_all_single`` along dim 0 (even splits when the sizes are None) into a fresh tensor."""
+    x = x.contiguous()
+    rows = x.shape[0] if output_split_sizes is None else sum(output_split_sizes)
+    out = x.new_empty(rows, *x.shape[1:])
+    dist.all_to_all_single(out, x, output_split_sizes, input_split_sizes, group=group)
+    if stats is not None:
+        me, world = group_rank(group), group_size(group)
+        sizes = input_split_sizes if input_split_sizes is not None else [x.shape[0] // world] * world
+        sent = sum(n for r, n in enumerate(sizes) if r != me)
+        stats.bytes_sent += sent * math.prod(x.shape[1:]) * x.element_size()
+    return out
+
+
+def _check_all_to_all_splits(x: torch.Tensor, world: int, output_split_sizes: Optional[Sequence[int]],
+                             input_split_sizes: Optional[Sequence[int]]) -> None:
+    if (output_split_sizes is None) != (input_split_sizes is None):
+        raise ValueError(f"all_to_all takes both split lists or neither, got output_split_sizes="
+                         f"{output_split_sizes} and input_split_sizes={input_split_sizes}")
+    if x.dim() == 0:
+        raise ValueError("all_to_all exchanges rows of dim 0: give a tensor of at least one dim")
+    if input_split_sizes is None:
+        if x.shape[0] % world:
+            raise ValueError(f"all_to_all with even splits needs dim 0 of the input {tuple(x.shape)} divisible "
+                             f"by the group size {world}; pad it or pass output/input_split_sizes")
+    elif len(output_split_sizes) != world or len(input_split_sizes) != world or sum(input_split_sizes) != x.shape[0]:
+        raise ValueError(f"all_to_all over a group of size {world} needs {world} output and {world} input split "
+                         f"sizes, the input ones summing to dim 0 of the input {tuple(x.shape)}; got "
+                         f"output_split_sizes={list(output_split_sizes)}, input_split_sizes={list(input_split_sizes)}")
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, output_split_sizes, input_split_sizes, stats):
+        ctx.group, ctx.splits, ctx.stats = group, (output_split_sizes, input_split_sizes), stats
+        return _all_to_all(x, group, output_split_sizes, input_split_sizes, stats)
+
+    @staticmethod
+    def backward(ctx, grad):
+        output_split_sizes, input_split_sizes = ctx.splits
+        return _all_to_all(grad, ctx.group, input_split_sizes, output_split_sizes, ctx.stats), None, None, None, None
 
 
 class _CopyToRegion(torch.autograd.Function):
@@ -203,3 +255,39 @@ def reduce_scatter_to_sequence_parallel_region(input_: torch.Tensor, group: Grou
     if group_size(group) == 1:
         return input_
     return _ReduceScatterToSequenceRegion.apply(input_, group)
+
+
+def all_to_all(input_: torch.Tensor, group: Group = None, *, output_split_sizes: Optional[Sequence[int]] = None,
+               input_split_sizes: Optional[Sequence[int]] = None,
+               stats: Optional[ByteCounter] = None) -> torch.Tensor:
+    """All-to-all along dim 0 over ``group``: this rank's j-th block of rows goes to rank j.
+
+    Forward: one all-to-all, ``[sum(input_split_sizes), ...] -> [sum(output_split_sizes), ...]`` (the rows
+    received from rank 0, then those from rank 1, ...). Backward: one all-to-all of the gradient with the two
+    split lists swapped, ``[sum(output_split_sizes), ...] -> [sum(input_split_sizes), ...]``, which returns
+    every row's gradient to the rank and position the row came from.
+
+    Args:
+        input_: ``[sum(input_split_sizes), ...]``: the rows for rank 0, then those for rank 1, and so on.
+        group: the process group; None or a group of size 1 makes this the identity.
+        output_split_sizes: rows this rank receives from each rank of ``group``, in rank order.
+        input_split_sizes: rows this rank sends to each rank of ``group``, in rank order. Give both split
+            lists or neither: without them (even splits) every rank holds the same ``[n, ...]`` and sends
+            ``n / size`` rows to each rank, so the output is ``[n, ...]`` too.
+        stats: if given, ``stats.bytes_sent`` grows by the bytes this rank sends to the other ranks, in
+            forward and in backward.
+
+    Returns:
+        ``[sum(output_split_sizes), ...]``, or ``[n, ...]`` for even splits.
+
+    Raises:
+        ValueError: only one split list is given, their lengths are not the group size, the input splits do
+            not sum to dim 0 of ``input_``, or (even splits) dim 0 does not divide by the group size.
+    """
+    world = group_size(group)
+    _check_all_to_all_splits(input_, world, output_split_sizes, input_split_sizes)
+    if world == 1:
+        return input_
+    if input_split_sizes is not None:
+        output_split_sizes, input_split_sizes = list(output_split_sizes), list(input_split_sizes)
+    return _AllToAll.apply(input_, group, output_split_sizes, input_split_sizes, stats)

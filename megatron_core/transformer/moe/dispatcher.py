@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megatron_core.tensor_parallel.mappings import all_to_all
 from megatron_core.tensor_parallel.utils import group_rank, group_size
 
 
@@ -45,30 +46,6 @@ def unpermute(expert_output: torch.Tensor, token_index: torch.Tensor, probs: tor
     weighted = expert_output * probs.to(expert_output.dtype)[:, None]
     out = expert_output.new_zeros(num_tokens, expert_output.shape[1])
     return out.index_add(0, token_index, weighted)
-
-
-class _AllToAll(torch.autograd.Function):
-    """``all_to_all_single`` with uneven splits; backward runs the all-to-all with the splits swapped."""
-
-    @staticmethod
-    def forward(ctx, x, output_splits, input_splits, group, stats):
-        ctx.splits, ctx.group, ctx.stats = (output_splits, input_splits), group, stats
-        return _all_to_all(x, output_splits, input_splits, group, stats)
-
-    @staticmethod
-    def backward(ctx, grad):
-        output_splits, input_splits = ctx.splits
-        return _all_to_all(grad, input_splits, output_splits, ctx.group, ctx.stats), None, None, None, None
-
-
-def _all_to_all(x, output_splits, input_splits, group, stats: Optional[CommStats]):
-    out = x.new_empty(sum(output_splits), *x.shape[1:])
-    dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)
-    if stats is not None:
-        me = group_rank(group)
-        sent = sum(n for r, n in enumerate(input_splits) if r != me)
-        stats.bytes_sent += sent * x[0:1].numel() * x.element_size()
-    return out
 
 
 def _reorder(x: torch.Tensor, sizes: list[int], rows: int, cols: int) -> torch.Tensor:
@@ -113,7 +90,8 @@ class AllToAllDispatcher:
         dist.all_to_all_single(recv, send.contiguous(), group=self.ep_group)          # [ep (source), E_local]
         handle.input_splits, handle.output_splits = send.sum(1).tolist(), recv.sum(1).tolist()
         handle.recv_sizes = recv.flatten().tolist()
-        received = _AllToAll.apply(permuted, handle.output_splits, handle.input_splits, self.ep_group, self.stats)
+        received = all_to_all(permuted, self.ep_group, output_split_sizes=handle.output_splits,
+                              input_split_sizes=handle.input_splits, stats=self.stats)              # [N, h]
         expert_input = _reorder(received, handle.recv_sizes, self.ep, self.num_local)  # by (expert, source)
         return expert_input, recv.sum(0).tolist(), handle
 
@@ -122,8 +100,8 @@ class AllToAllDispatcher:
             by_expert = [handle.recv_sizes[r * self.num_local + e] for e in range(self.num_local)
                          for r in range(self.ep)]
             by_source = _reorder(expert_output, by_expert, self.num_local, self.ep)
-            expert_output = _AllToAll.apply(by_source, handle.input_splits, handle.output_splits, self.ep_group,
-                                            self.stats)
+            expert_output = all_to_all(by_source, self.ep_group, output_split_sizes=handle.input_splits,
+                                       input_split_sizes=handle.output_splits, stats=self.stats)   # [M, h]
         return unpermute(expert_output, handle.token_index, handle.probs, handle.num_tokens)
 
 
