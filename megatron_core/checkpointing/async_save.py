@@ -53,7 +53,7 @@ class AsyncCheckpointWriter:
     def _write(self, pending: PendingSave) -> None:
         try:
             pending.write()
-        except BaseException as error:  # re-raised in the main thread by finish()
+        except BaseException as error:  # every rank learns of it in finish() (PendingSave.finalize)
             self._error = error
 
     def poll(self) -> Optional[str]:
@@ -67,15 +67,17 @@ class AsyncCheckpointWriter:
         return self.finish() if done.item() == 1.0 else None
 
     def finish(self) -> Optional[str]:
-        """Waits for the writer of the save in flight and publishes it (collective); returns its folder."""
+        """Waits for the writer of the save in flight and publishes it (collective); returns its folder. A
+        failed writer on any rank raises ``CheckpointSaveError`` on every rank (nothing is published)."""
         if self._pending is None:
             return None
         begin = time.perf_counter()
         self._thread.join()
         pending, self._pending, self._thread = self._pending, None, None
-        if self._error is not None:
-            raise RuntimeError(f"the background writer of checkpoint {pending.final} failed on rank "
-                               f"{pending.rank}: {self._error}") from self._error
-        pending.finalize()
+        error, self._error = self._error, None
+        if error is not None:
+            logger.error("the background writer of checkpoint %s failed on rank %d: %s", pending.final, pending.rank,
+                         error)
+        pending.finalize(error)
         logger.debug("published %s (waited %.3f s)", pending.final, time.perf_counter() - begin)
         return pending.final

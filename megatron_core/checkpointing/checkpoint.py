@@ -21,15 +21,13 @@ import dataclasses
 import json
 import logging
 import os
-import shutil
 from typing import Any, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
 from torch import nn
 
-from megatron_core.checkpointing.durable import fsync_write, publish_folder, save_file_durably
+from megatron_core.checkpointing.durable import fsync_write, remove_path, save_file_durably
 from megatron_core.checkpointing.host_copy import buffer_copies, host_copies
 from megatron_core.checkpointing.layout import (
     global_named_buffers,
@@ -37,23 +35,20 @@ from megatron_core.checkpointing.layout import (
     partition_record,
 )
 from megatron_core.checkpointing.megatron_lm_io import describe_foreign
-from megatron_core.checkpointing.optimizer_state import collect_optimizer_state, restore_optimizer_state
+from megatron_core.checkpointing.metadata_schema import validate_metadata
+from megatron_core.checkpointing.optimizer_state import collect_optimizer_state
+from megatron_core.checkpointing.publication import CheckpointSaveError, agree_on_failure, publish_checkpoint
 from megatron_core.checkpointing.shard_reader import (
-    ShardReader,
-    sha256_file,
+    file_digests,
+    safe_path,
+    tensor_files,
     verify_files,
-    verify_once,
 )
 from megatron_core.config import TransformerConfig
 from megatron_core.parallel_state import ParallelState
 
 LATEST = "latest_checkpointed_iteration.txt"
 logger = logging.getLogger(__name__)
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
 
 
 def _layout(state: ParallelState, extra: dict) -> dict:
@@ -81,36 +76,60 @@ class PendingSave:
         for path, tensors in self.writes:
             save_file_durably(tensors, path)
 
-    def finalize(self) -> None:
-        _barrier()  # every rank's files are durable
-        if self.rank == 0:
-            _write_metadata(self.partial, self.gathered, **self.info)
-            if os.path.exists(self.final):  # the same iteration again (a resumed run): the complete one stays
-                shutil.rmtree(self.partial)
-            else:
-                publish_folder(self.partial, self.final)
-            fsync_write(os.path.join(self.directory, LATEST), str(self.info["iteration"]).encode())
-        _barrier()
+    def finalize(self, error: Optional[BaseException] = None) -> None:
+        """Collective: every rank passes the failure of its ``write()`` (or None). If any rank failed, or
+        publishing fails, every rank raises ``CheckpointSaveError`` and ``iter_N.partial`` is removed; the
+        previous checkpoint and the pointer file are untouched."""
+        iteration = self.info["iteration"]
+        try:
+            agree_on_failure(error, folder=self.partial, what=f"write checkpoint {iteration} to")
+            failure = None
+            if self.rank == 0:
+                try:
+                    _write_metadata(self.partial, self.gathered, **self.info)
+                    publish_checkpoint(directory=self.directory, partial=self.partial, final=self.final,
+                                       iteration=iteration, expected_files=self.expected_files(), pointer=LATEST)
+                except (OSError, CheckpointSaveError) as publish_error:
+                    failure = publish_error
+            agree_on_failure(failure, folder=self.final, what=f"publish checkpoint {iteration} as")
+        except CheckpointSaveError:
+            if self.rank == 0:
+                with contextlib.suppress(OSError):
+                    remove_path(self.partial)
+            raise
+
+    def expected_files(self) -> set[str]:
+        """Every file the ranks write: the tensor files of the records and one RNG file per rank."""
+        files = {record["file"] for records in self.gathered for record in records.values()}
+        return files | {f"rng_rank{rank:05d}.safetensors" for rank in range(len(self.gathered))}
 
 
 def save_checkpoint(directory: str, *, iteration: int, model_chunks: Sequence[nn.Module], config: TransformerConfig,
                     state: ParallelState, true_vocab_size: int, consumed_samples: int,
                     optimizer: Optional[Any] = None, scheduler: Optional[Any] = None,
-                    run_config: Optional[dict] = None, layout_extra: Optional[dict] = None) -> str:
-    """Writes checkpoint ``iteration`` (collective: every rank calls it). Returns the checkpoint folder."""
+                    run_config: Optional[dict] = None, layout_extra: Optional[dict] = None,
+                    tokenizer: Optional[dict] = None) -> str:
+    """Writes checkpoint ``iteration`` (collective: every rank calls it). Returns the checkpoint folder.
+    ``tokenizer``: the run's tokenizer identity (``training.resume.tokenizer_identity``), checked on resume.
+    A failure on any rank raises ``CheckpointSaveError`` on every rank; nothing is published then."""
     pending = prepare_checkpoint(directory, iteration=iteration, model_chunks=model_chunks, config=config,
                                  state=state, true_vocab_size=true_vocab_size, consumed_samples=consumed_samples,
                                  optimizer=optimizer, scheduler=scheduler, run_config=run_config,
-                                 layout_extra=layout_extra)
-    pending.write()
-    pending.finalize()
+                                 layout_extra=layout_extra, tokenizer=tokenizer)
+    error = None
+    try:
+        pending.write()
+    except Exception as failure:  # noqa: BLE001 - every rank must learn of it (finalize raises it everywhere)
+        error = failure
+    pending.finalize(error)
     return pending.final
 
 
 def prepare_checkpoint(directory: str, *, iteration: int, model_chunks: Sequence[nn.Module],
                        config: TransformerConfig, state: ParallelState, true_vocab_size: int, consumed_samples: int,
                        optimizer: Optional[Any] = None, scheduler: Optional[Any] = None,
-                       run_config: Optional[dict] = None, layout_extra: Optional[dict] = None) -> PendingSave:
+                       run_config: Optional[dict] = None, layout_extra: Optional[dict] = None,
+                       tokenizer: Optional[dict] = None) -> PendingSave:
     """Copies what this rank writes to the host (its own copies: training may go on; ranks that write no
     shard copy nothing but their RNG states) and gathers every rank's tensor records; collective (ZeRO-3
     gathers one bucket at a time, ZeRO optimizer shards, the records). Nothing is written but the empty
@@ -118,10 +137,15 @@ def prepare_checkpoint(directory: str, *, iteration: int, model_chunks: Sequence
     rank = dist.get_rank() if dist.is_initialized() else 0
     final = os.path.join(directory, f"iter_{iteration:07d}")
     partial = f"{final}.partial"
+    error = None
     if rank == 0:
-        shutil.rmtree(partial, ignore_errors=True)
-        os.makedirs(partial)
-    _barrier()
+        try:
+            os.makedirs(directory, exist_ok=True)
+            remove_path(partial)  # a leftover of a crashed save (a planted link is removed, not followed)
+            os.mkdir(partial)
+        except OSError as failure:
+            error = failure
+    agree_on_failure(error, folder=partial, what=f"create checkpoint {iteration} as")
     named = global_named_parameters(model_chunks, config, state)
     tensors = host_copies(model_chunks, named, state)  # what this rank writes; ZeRO-3: bucket by bucket
     # model-state buffers (the router's expert bias): replicated, saved with the dense weights
@@ -140,7 +164,7 @@ def prepare_checkpoint(directory: str, *, iteration: int, model_chunks: Sequence
         dist.all_gather_object(gathered, records)
     info = dict(iteration=iteration, state=state, true_vocab_size=true_vocab_size, consumed_samples=consumed_samples,
                 scheduler=scheduler.state_dict() if scheduler else None, run_config=run_config,
-                layout_extra=layout_extra or {}, optimizer=optimizer_scalars)
+                layout_extra=layout_extra or {}, optimizer=optimizer_scalars, tokenizer=tokenizer)
     return PendingSave(directory=directory, final=final, partial=partial, rank=rank, writes=writes,
                        gathered=gathered, info=info)
 
@@ -205,7 +229,8 @@ def _write_metadata(folder: str, gathered: list[dict], **info) -> None:
         "true_vocab_size": info["true_vocab_size"], "layout": _layout(state, info["layout_extra"]),
         "config": info["run_config"] or {}, "scheduler": scheduler,
         "optimizer": info["optimizer"], "tensors": tensors,
-        "checksums": {f: sha256_file(os.path.join(folder, f)) for f in sorted(os.listdir(folder))},
+        **({"tokenizer": info["tokenizer"]} if info.get("tokenizer") else {}),
+        **file_digests(folder),
     }
     fsync_write(os.path.join(folder, "metadata.json"), json.dumps(metadata, indent=1).encode())  # fsyncs folder
 
@@ -219,16 +244,24 @@ def _rng_tensors(state: ParallelState) -> dict[str, torch.Tensor]:
 
 
 def latest_iteration(directory: str) -> Optional[int]:
+    """The iteration ``latest_checkpointed_iteration.txt`` names (None without one); ValueError naming the
+    file if it is not a small regular file holding ASCII digits."""
     path = os.path.join(directory, LATEST)
-    if not os.path.exists(path):
+    if not os.path.lexists(path):
         return None
-    text = open(path, encoding="utf-8").read().strip()
-    if not text.isdigit():
-        raise ValueError(f"{path} does not hold an iteration number (got {text[:40]!r})")
+    safe_path(directory, LATEST)  # a regular file inside the folder (a FIFO or a device would hang the read)
+    with open(path, "rb") as handle:
+        raw = handle.read(64)
+    text = raw.decode("utf-8", errors="replace").strip()
+    if not (text.isascii() and text.isdigit()):
+        present = sorted(e for e in os.listdir(directory) if e.startswith("iter_") and e[5:].isdigit())
+        raise ValueError(f"{path} does not hold an iteration number (got {text[:40]!r}); write the number of a "
+                         f"complete checkpoint into it (folders here: {present[-3:] or 'none'})")
     return int(text)
 
 
-def read_metadata(directory: str, iteration: Optional[int] = None, *, fallback: bool = False) -> tuple[str, dict]:
+def read_metadata(directory: str, iteration: Optional[int] = None, *, fallback: bool = False,
+                  require_checksums: bool = True) -> tuple[str, dict]:
     """``(checkpoint folder, metadata)`` of ``iteration`` (default: the newest complete one).
 
     With ``fallback``, every file of the checkpoint is verified first and, if one is missing or corrupt, the
@@ -247,7 +280,8 @@ def read_metadata(directory: str, iteration: Optional[int] = None, *, fallback: 
         try:
             folder, metadata = _read_one(directory, candidate)
             if fallback:
-                _verify(folder, metadata, set(metadata["checksums"]))
+                _verify(folder, metadata, set(metadata["checksums"]) | tensor_files(metadata),
+                        require_checksums=require_checksums)
             return folder, metadata
         except ValueError as error:
             errors.append(str(error))
@@ -268,81 +302,18 @@ def _read_one(directory: str, iteration: int) -> tuple[str, dict]:
     path = os.path.join(folder, "metadata.json")
     if not os.path.exists(path):
         raise ValueError(f"checkpoint {folder} is incomplete: metadata.json is missing")
+    safe_path(folder, "metadata.json")
     try:
         with open(path, encoding="utf-8") as f:
             metadata = json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise ValueError(f"checkpoint metadata {path} is corrupt: {error}") from error
-    if metadata.get("format") != "megatron_core/1":
-        raise ValueError(f"{path} is not a megatron_core checkpoint (format {metadata.get('format')!r})")
+    if not isinstance(metadata, dict) or metadata.get("format") != "megatron_core/1":
+        found = metadata.get("format") if isinstance(metadata, dict) else type(metadata).__name__
+        raise ValueError(f"{path} is not a megatron_core checkpoint (format {found!r})")
+    validate_metadata(path, metadata)
     return folder, metadata
 
 
-def _verify(folder: str, metadata: dict, files: set[str]) -> None:
-    verify_files(folder, metadata, files)
-
-
-def load_model_weights(folder: str, metadata: dict, *, model_chunks: Sequence[nn.Module], config: TransformerConfig,
-                       state: ParallelState, optimizer: Optional[Any] = None, verify_group: Any = None,
-                       shared_verify: bool = False) -> ShardReader:
-    """Copies every local parameter from the checkpoint, reading only the slices of this rank's tp shards
-    (``ShardReader``); with ``optimizer``, also its master weights and states (without it, call
-    ``optimizer.reload_model_params()``). With ``shared_verify`` every rank of ``verify_group`` (default:
-    all) calls this and the files' sha256 checks are split over them (collective); otherwise this rank
-    verifies each file it opens. Collective with ZeRO-3 wrappers (they gather and re-shard). Returns the
-    reader (its ``bytes_read`` and ``files_hashed``)."""
-    hashed = verify_once(folder, metadata, verify_group) if shared_verify else None
-    with full_parameters(model_chunks):
-        named = global_named_parameters(model_chunks, config, state)
-        with ShardReader(folder, metadata, state, verified=shared_verify) as reader:
-            for name, param in named.items():
-                shard = reader.read(name, param)
-                if shard is None:
-                    raise ValueError(f"checkpoint {folder} has no tensor {name!r} (was it written for another "
-                                     "model shape?)")
-                with torch.no_grad():
-                    param.copy_(shard.to(param.dtype))
-            for name, buffer in global_named_buffers(model_chunks, config, state).items():
-                shard = reader.read(name, buffer)
-                if shard is None:  # a checkpoint from before buffers were saved: the buffer keeps its value
-                    logger.warning("checkpoint %s has no buffer %r: it keeps its initial value", folder, name)
-                    continue
-                with torch.no_grad():
-                    buffer.copy_(shard.to(buffer.dtype))
-            _store_gathered(model_chunks)
-            if optimizer is not None:
-                if metadata.get("optimizer") is None:
-                    raise ValueError(f"checkpoint {folder} holds no optimizer state; pass --no-load-optim")
-                restore_optimizer_state(optimizer, {id(p): n for n, p in named.items()}, metadata["optimizer"],
-                                        reader.read)
-    if hashed is not None:
-        reader.files_hashed = hashed
-    return reader
-
-
-def _store_gathered(chunks: Sequence[nn.Module]) -> None:
-    """ZeRO-3: writes the loaded full parameters into each rank's persistent shard."""
-    for chunk in chunks:
-        if getattr(getattr(chunk, "config", None), "zero_stage", 0) == 3:
-            for bucket in chunk.buckets:
-                for param in bucket.params:
-                    bucket.load_full(param, param.data)
-
-
-def load_rng(folder: str, metadata: dict, *, state: ParallelState, layout_extra: Optional[dict] = None) -> bool:
-    """Restores this rank's RNG states when the checkpoint has the same layout; returns whether it did."""
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    if metadata["layout"] != _layout(state, layout_extra or {}):
-        return False
-    file = f"rng_rank{rank:05d}.safetensors"
-    if file not in metadata["checksums"]:  # e.g. a converted checkpoint: no RNG states to restore
-        return False
-    _verify(folder, metadata, {file})
-    with safe_open(os.path.join(folder, file), framework="pt") as handle:
-        torch.set_rng_state(handle.get_tensor("cpu"))
-        if state.device.type == "cuda" and "cuda" in handle.keys():  # CUDA-only path
-            torch.cuda.set_rng_state(handle.get_tensor("cuda"), state.device)
-        tracker = {k.split("/", 1)[1]: handle.get_tensor(k) for k in handle.keys() if k.startswith("tracker/")}
-        if tracker:
-            state.rng_tracker.set_states(tracker)
-    return True
+def _verify(folder: str, metadata: dict, files: set[str], *, require_checksums: bool = True) -> None:
+    verify_files(folder, metadata, files, require_checksums=require_checksums)

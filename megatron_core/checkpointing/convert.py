@@ -17,21 +17,21 @@ import contextlib
 import dataclasses
 import json
 import os
-import shutil
 from typing import Any, Callable, Optional
 
 import torch
-from safetensors import safe_open
 
-from megatron_core.checkpointing.checkpoint import (
-    LATEST,
-    fsync_write,
-    read_metadata,
-    sha256_file,
-)
-from megatron_core.checkpointing.durable import publish_folder
+from megatron_core.checkpointing.checkpoint import LATEST, fsync_write, read_metadata
+from megatron_core.checkpointing.durable import remove_path
 from megatron_core.checkpointing.layout import merge_shards, repad_vocab, take_shard
-from megatron_core.checkpointing.shard_reader import VOCAB_PARAMS, safe_path
+from megatron_core.checkpointing.publication import publish_checkpoint
+from megatron_core.checkpointing.shard_reader import (
+    VOCAB_PARAMS,
+    file_digests,
+    open_safetensors,
+    safe_path,
+    verify_files,
+)
 from megatron_core.checkpointing.streaming import StreamingSafetensorsWriter, parse_dtype
 from megatron_core.config import TransformerConfig
 from megatron_core.tensor_parallel import vocab_size_with_padding
@@ -77,13 +77,15 @@ class SourceCheckpoint:
     layout: dict = dataclasses.field(default_factory=dict)
 
 
-def read_mcore_checkpoint(load_dir: str, iteration: Optional[int] = None) -> SourceCheckpoint:
+def read_mcore_checkpoint(load_dir: str, iteration: Optional[int] = None, *,
+                          require_checksums: bool = True) -> SourceCheckpoint:
     """The newest (or given) checkpoint of ``load_dir`` as a ``SourceCheckpoint``; nothing is read yet
-    but metadata.json. Raises ValueError naming the file and tensor for a missing or mismatched shard."""
+    but metadata.json. Raises ValueError naming the file and tensor for a missing or mismatched shard (and,
+    with ``require_checksums``, for a file metadata.json records no sha256 for)."""
     folder, metadata = read_metadata(load_dir, iteration)
     if metadata.get("format") != FORMAT:
         raise ValueError(f"{folder}/metadata.json has format {metadata.get('format')!r}, expected {FORMAT!r}")
-    reader = _ShardReader(folder, metadata)
+    reader = _ShardReader(folder, metadata, require_checksums=require_checksums)
     tensors = [reader.source_tensor(name, entry) for name, entry in metadata["tensors"].items()]
     return SourceCheckpoint(description=folder, tensors=tensors, true_vocab_size=metadata["true_vocab_size"],
                             flags=dict(metadata.get("config") or {}), iteration=metadata.get("iteration", 0),
@@ -95,8 +97,9 @@ def read_mcore_checkpoint(load_dir: str, iteration: Optional[int] = None) -> Sou
 class _ShardReader:
     """Reads and merges the tp shards of one tensor at a time, verifying each file's sha256 once."""
 
-    def __init__(self, folder: str, metadata: dict) -> None:
+    def __init__(self, folder: str, metadata: dict, *, require_checksums: bool = True) -> None:
         self.folder, self.metadata, self.verified = folder, metadata, set()
+        self.require_checksums = require_checksums
         self.tp = int(metadata.get("layout", {}).get("tp", 1))
 
     def source_tensor(self, name: str, entry: dict) -> SourceTensor:
@@ -118,12 +121,9 @@ class _ShardReader:
         if not os.path.exists(path):
             raise ValueError(f"checkpoint file {path} (shard of tensor {name!r}) is missing")
         if file not in self.verified:
-            expected = self.metadata.get("checksums", {}).get(file)
-            if expected is not None and sha256_file(path) != expected:
-                raise ValueError(f"checkpoint file {path} is corrupt: its sha256 does not match metadata.json "
-                                 f"(needed for tensor {name!r})")
+            verify_files(self.folder, self.metadata, {file}, require_checksums=self.require_checksums)
             self.verified.add(file)
-        with safe_open(path, framework="pt") as handle:
+        with open_safetensors(path) as handle:
             if name not in handle.keys():
                 raise ValueError(f"checkpoint file {path} has no tensor {name!r} although metadata.json says so")
             tensor = handle.get_tensor(name)
@@ -233,8 +233,9 @@ def write_mcore_checkpoint(source: SourceCheckpoint, save_dir: str, *, config: T
             for name, tensor in plan_target_tensors(source, tied=tied, pp=pp, no_optim=no_optim)]
     final = os.path.join(save_dir, f"iter_{source.iteration:07d}")
     partial = f"{final}.partial"
-    shutil.rmtree(partial, ignore_errors=True)
-    os.makedirs(partial)
+    os.makedirs(save_dir, exist_ok=True)
+    remove_path(partial)
+    os.mkdir(partial)
     records = _stream_tensors(partial, plan, tp=tp, padded_vocab=padded_vocab,
                               true_vocab=source.true_vocab_size, progress=progress,
                               experts_per_rank=(num_experts // ep) if num_experts else None)
@@ -244,13 +245,10 @@ def write_mcore_checkpoint(source: SourceCheckpoint, save_dir: str, *, config: T
     metadata = {"format": FORMAT, "iteration": source.iteration, "consumed_samples": source.consumed_samples,
                 "true_vocab_size": source.true_vocab_size, "layout": layout, "config": flags,
                 "scheduler": source.scheduler, "optimizer": None if no_optim else source.optimizer,
-                "tensors": records,
-                "checksums": {f: sha256_file(os.path.join(partial, f)) for f in sorted(os.listdir(partial))}}
+                "tensors": records, **file_digests(partial)}
     fsync_write(os.path.join(partial, "metadata.json"), json.dumps(metadata, indent=1).encode())
-    if os.path.exists(final):
-        shutil.rmtree(final)
-    publish_folder(partial, final)
-    fsync_write(os.path.join(save_dir, LATEST), str(source.iteration).encode())
+    publish_checkpoint(directory=save_dir, partial=partial, final=final, iteration=source.iteration,
+                       expected_files=metadata["checksums"], pointer=LATEST)
     return final
 
 
@@ -278,7 +276,7 @@ def _stream_tensors(folder: str, plan: list, *, tp: int, padded_vocab: int, true
         records[name] = {"partition_dim": tensor.partition_dim, "stride": tensor.stride, "dtype": str(tensor.dtype),
                          "shards": shards, "global_shape": global_shape}
     with contextlib.ExitStack() as stack:
-        writers = {file: StreamingSafetensorsWriter(os.path.join(folder, file), tensors)
+        writers = {file: StreamingSafetensorsWriter(os.path.join(folder, file), tensors, atomic=False)
                    for file, tensors in declared.items()}
         for writer in writers.values():
             stack.callback(writer._file.close)

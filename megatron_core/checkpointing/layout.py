@@ -92,6 +92,6 @@ def repad_vocab(full: torch.Tensor, true_vocab: int, padded_vocab: int) -> torch
     """Rows ``[:true_vocab]`` of a vocab-padded weight, padded with zero rows to ``padded_vocab``."""
     if full.shape[0] == padded_vocab:
         return full
-    rows = full[:true_vocab]
-    padding = torch.zeros((padded_vocab - true_vocab, *full.shape[1:]), dtype=full.dtype)
+    rows = full[:min(true_vocab, padded_vocab)]  # (a smaller target vocab drops the rows it has no ids for)
+    padding = torch.zeros((padded_vocab - rows.shape[0], *full.shape[1:]), dtype=full.dtype)
     return torch.cat([rows, padding], 0)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import stat
 from typing import Any, Optional
 
 import torch
@@ -26,31 +27,87 @@ from megatron_core.parallel_state import ParallelState
 VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 
-def sha256_file(path: str) -> str:
+def sha256_file(path: str, *, size: Optional[int] = None) -> str:
+    """sha256 of ``path``; with ``size``, of exactly that many bytes (a file of another length is refused)."""
     digest = hashlib.sha256()
+    remaining = size
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
+        while remaining is None or remaining > 0:
+            block = f.read(1 << 20 if remaining is None else min(1 << 20, remaining))
+            if not block:
+                break
             digest.update(block)
+            if remaining is not None:
+                remaining -= len(block)
+        if remaining not in (None, 0) or (size is not None and f.read(1)):
+            raise ValueError(f"checkpoint file {path} is not {size} bytes long as metadata.json records: it was "
+                             "truncated or extended")
     return digest.hexdigest()
 
 
 def safe_path(folder: str, file: str) -> str:
-    """``folder/file`` for a plain file name from metadata; anything that could leave the folder is refused."""
+    """``folder/file`` for a plain file name from metadata that is a regular file inside the folder: a name
+    that could leave it, a symlink whose target leaves it, a device, a FIFO or a folder is refused."""
     if not isinstance(file, str) or not file or file in (".", "..") or os.path.basename(file) != file \
-            or "\\" in file:
+            or "\\" in file or "\0" in file:
         raise ValueError(f"checkpoint {folder} names the file {file!r}, which is not a plain file name inside the "
                          "checkpoint folder: refusing to read it")
-    return os.path.join(folder, file)
+    path = os.path.join(folder, file)
+    if os.path.islink(path):
+        target = os.path.realpath(path)
+        if os.path.commonpath([target, os.path.realpath(folder)]) != os.path.realpath(folder):
+            raise ValueError(f"checkpoint file {path} is a symlink to {target}, outside the checkpoint folder: "
+                             "refusing to read it")
+    if os.path.lexists(path):
+        mode = os.stat(path).st_mode if os.path.exists(path) else 0
+        if not stat.S_ISREG(mode):
+            raise ValueError(f"checkpoint file {path} is not a regular file ({_kind(mode)}): refusing to read it")
+    return path
 
 
-def verify_files(folder: str, metadata: dict, files: set[str]) -> None:
-    """Raises ValueError naming the first missing file or one whose sha256 differs from metadata.json."""
+def file_digests(folder: str) -> dict:
+    """``{"checksums": {file: sha256}, "sizes": {file: bytes}}`` of every file in ``folder`` (metadata.json
+    records both; loading verifies a file's length before its hash)."""
+    files = sorted(os.listdir(folder))
+    return {"checksums": {f: sha256_file(os.path.join(folder, f)) for f in files},
+            "sizes": {f: os.path.getsize(os.path.join(folder, f)) for f in files}}
+
+
+def open_safetensors(path: str):
+    """``safe_open(path)`` whose failure on a damaged file is a ValueError naming it."""
+    from safetensors import SafetensorError
+
+    try:
+        return safe_open(path, framework="pt")
+    except SafetensorError as error:
+        raise ValueError(f"checkpoint file {path} is not a readable safetensors file ({error})") from error
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a folder"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "a dangling link" if mode == 0 else "not a plain file"
+
+
+def verify_files(folder: str, metadata: dict, files: set[str], *, require_checksums: bool = True) -> None:
+    """Raises ValueError naming the first missing file, one that is not a regular file inside the folder, one
+    of another size than recorded, one whose sha256 differs from metadata.json, or (``require_checksums``)
+    one metadata.json records no sha256 for."""
     for file in sorted(files):
         path = safe_path(folder, file)
         expected = metadata["checksums"].get(file)
         if not os.path.exists(path):
             raise ValueError(f"checkpoint file {path} is missing")
-        if expected is not None and sha256_file(path) != expected:
+        if expected is None:
+            if require_checksums:
+                raise ValueError(f"checkpoint file {path} has no sha256 in metadata.json, so it cannot be verified; "
+                                 "pass --allow-missing-checksums to load it unverified (older or hand-made "
+                                 "checkpoints)")
+            continue
+        size = metadata.get("sizes", {}).get(file)
+        if sha256_file(path, size=size) != expected:
             raise ValueError(f"checkpoint file {path} is corrupt: its sha256 does not match metadata.json")
 
 
@@ -59,7 +116,7 @@ def tensor_files(metadata: dict) -> set[str]:
     return {shard["file"] for entry in metadata["tensors"].values() for shard in entry["shards"].values()}
 
 
-def verify_once(folder: str, metadata: dict, group: Any = None) -> list[str]:
+def verify_once(folder: str, metadata: dict, group: Any = None, *, require_checksums: bool = True) -> list[str]:
     """Verifies every tensor file of the checkpoint, each on one rank of ``group`` (collective over it: one
     all_gather_object); raises the same ValueError on every rank if any fails. Returns the files this rank
     hashed. Without a process group, this rank verifies them all."""
@@ -69,7 +126,7 @@ def verify_once(folder: str, metadata: dict, group: Any = None) -> list[str]:
     mine = files[rank::size]
     error = None
     try:
-        verify_files(folder, metadata, set(mine))
+        verify_files(folder, metadata, set(mine), require_checksums=require_checksums)
     except ValueError as failure:
         error = str(failure)
     errors = [error]
@@ -93,8 +150,10 @@ class ShardReader:
         bytes_read: tensor bytes read from the files so far; ``files_hashed``: the files this reader hashed.
     """
 
-    def __init__(self, folder: str, metadata: dict, state: ParallelState, *, verified: bool = False) -> None:
+    def __init__(self, folder: str, metadata: dict, state: ParallelState, *, verified: bool = False,
+                 require_checksums: bool = True) -> None:
         self.folder, self.metadata, self.state = folder, metadata, state
+        self.require_checksums = require_checksums
         self.tensors = metadata["tensors"]
         self.verified = verified
         self._stack = contextlib.ExitStack()
@@ -111,9 +170,9 @@ class ShardReader:
     def _handle(self, file: str):
         if file not in self._handles:
             if not self.verified:
-                verify_files(self.folder, self.metadata, {file})
+                verify_files(self.folder, self.metadata, {file}, require_checksums=self.require_checksums)
                 self.files_hashed.append(file)
-            self._handles[file] = self._stack.enter_context(safe_open(safe_path(self.folder, file), framework="pt"))
+            self._handles[file] = self._stack.enter_context(open_safetensors(safe_path(self.folder, file)))
         return self._handles[file]
 
     def _get(self, file: str, name: str, index: Optional[tuple] = None) -> torch.Tensor:

@@ -6,10 +6,13 @@ from __future__ import annotations
 import json
 import math
 import os
+import tempfile
 from types import MappingProxyType
 from typing import Sequence
 
 import torch
+
+from megatron_core.utils.durable import fsync_path, open_new
 
 _DTYPES = MappingProxyType({torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
            torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
@@ -28,11 +31,15 @@ class StreamingSafetensorsWriter:
     """A safetensors file whose tensors are declared up front and then written one at a time, in order.
 
     Args:
-        path: the file to write (written to ``path + ".tmp"``, fsynced and renamed by ``close``).
+        path: the file to write.
         tensors: ``[(name, dtype, shape)]`` in the order ``write`` will receive them.
+        atomic: write a fresh temporary file beside ``path`` (random name, ``O_EXCL | O_NOFOLLOW``) that
+            ``close`` fsyncs and renames into place; without it, ``path`` itself is created new
+            (``O_EXCL | O_NOFOLLOW``: for files inside a fresh folder that is published as a whole).
     """
 
-    def __init__(self, path: str, tensors: Sequence[tuple[str, torch.dtype, Sequence[int]]]) -> None:
+    def __init__(self, path: str, tensors: Sequence[tuple[str, torch.dtype, Sequence[int]]], *,
+                 atomic: bool = True) -> None:
         self.path, self._order, self._next = path, [name for name, _, _ in tensors], 0
         header, offset = {}, 0
         self._expected: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
@@ -44,7 +51,12 @@ class StreamingSafetensorsWriter:
         header["__metadata__"] = {"format": "pt"}
         encoded = json.dumps(header, separators=(",", ":")).encode()
         encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
-        self._file = open(f"{path}.tmp", "wb")
+        if atomic:
+            fd, self._tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp",
+                                             dir=os.path.dirname(os.path.abspath(path)))
+            self._file = os.fdopen(fd, "wb")
+        else:
+            self._tmp, self._file = None, open_new(path)
         self._file.write(len(encoded).to_bytes(8, "little") + encoded)
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
@@ -55,7 +67,7 @@ class StreamingSafetensorsWriter:
             raise ValueError(f"{self.path}: expected tensor {expected_name!r} next as {dtype} {shape}, got {name!r} "
                              f"{tensor.dtype} {tuple(tensor.shape)}")
         data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-        self._file.write(data.numpy().tobytes())
+        self._file.write(memoryview(data.numpy()))
         self._next += 1
 
     def close(self) -> None:
@@ -66,7 +78,20 @@ class StreamingSafetensorsWriter:
         self._file.flush()
         os.fsync(self._file.fileno())
         self._file.close()
-        os.replace(f"{self.path}.tmp", self.path)
+        if self._tmp is not None:
+            os.replace(self._tmp, self.path)
+            fsync_path(os.path.dirname(os.path.abspath(self.path)))
+
+    def abort(self) -> None:
+        """Closes and removes the unfinished file (after a failed write)."""
+        try:
+            self._file.close()
+        except OSError:
+            pass
+        try:
+            os.remove(self._tmp if self._tmp is not None else self.path)
+        except OSError:
+            pass
 
 
 __all__ = ["StreamingSafetensorsWriter", "parse_dtype"]

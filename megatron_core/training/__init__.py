@@ -8,21 +8,19 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 @record  # under torchrun, a rank's exception is written to the error file and reported with its rank
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Parses the flags and trains. Configuration and data errors exit with status 2 and a message naming
-    them; errors during training (TrainingError) with status 1."""
+    """Parses the flags and trains. Bad input (flags, files) exits with status 2 and one paragraph naming it;
+    the environment (disk full, read-only mount, a failed writer) and training failures (TrainingError)
+    with status 1 (``megatron_core.utils.errors``); ``--debug`` adds the traceback."""
     import torch.distributed as dist
 
-    from megatron_core.training.arguments import exit_with_config_error, parse_args
-    from megatron_core.training.loop import TrainingError, pretrain
+    from megatron_core.training.arguments import parse_args
+    from megatron_core.training.loop import pretrain
+    from megatron_core.utils.errors import debug_requested, run_entry_point
 
     args = parse_args(argv)
     created_process_group = not dist.is_initialized()
     try:
-        pretrain(args)
-    except (ValueError, FileNotFoundError, NotADirectoryError, PermissionError) as error:
-        exit_with_config_error(error)
-    except TrainingError as error:
-        exit_with_config_error(error, status=1)
+        run_entry_point("pretrain_gpt.py", lambda: pretrain(args) and None, debug=debug_requested(argv))
     finally:
         if created_process_group and dist.is_initialized():
             dist.destroy_process_group()

@@ -193,6 +193,14 @@ def _io_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--load-fallback", action="store_true",
                    help="if the newest checkpoint is missing a file or corrupt, load the newest older one that is not")
     g.add_argument("--finetune", action="store_true", help="load weights only; start at iteration 0")
+    g.add_argument("--ignore-mismatched-sizes", action="store_true",
+                   help="with --finetune: load what fits from a checkpoint of another shape or vocab (tensors of "
+                        "another shape or absent keep their initialization, extra ones are ignored; each listed)")
+    g.add_argument("--allow-missing-checksums", action="store_true",
+                   help="load a checkpoint whose metadata.json lacks the sha256 of some file (older or hand-made "
+                        "ones); by default every file must have one")
+    g.add_argument("--debug", action="store_true",
+                   help="show the traceback of a handled error (bad input, a failed save) before its message")
     g.add_argument("--tensorboard-dir", default=None)
     g.add_argument("--metrics-file", default=None, help="JSON lines: one object per iteration and evaluation")
     g.add_argument("--loss-curve-png", default=None, help="write the training loss curve as a PNG at the end")
@@ -321,6 +329,9 @@ def validate_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--num-query-groups {args.num_query_groups} needs --group-query-attention")
     if args.save_interval is not None and args.save is None:
         raise ValueError("--save-interval needs --save DIR")
+    if args.ignore_mismatched_sizes and not args.finetune:
+        raise ValueError("--ignore-mismatched-sizes changes shapes on purpose and needs --finetune (a resumed run "
+                         "must match its checkpoint)")
     if args.num_layers_per_virtual_pipeline_stage is not None and args.pipeline_model_parallel_size == 1:
         raise ValueError("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
     args.zero_stage = zero_stage(args)

@@ -21,6 +21,7 @@ from megatron_core import destroy_model_parallel, initialize_model_parallel
 from megatron_core.checkpointing import load_model_weights, load_rng, read_metadata, save_checkpoint
 from megatron_core.checkpointing.async_save import AsyncCheckpointWriter
 from megatron_core.checkpointing.checkpoint import prepare_checkpoint
+from megatron_core.checkpointing.publication import check_save_folder
 from megatron_core.models import GPTModel
 from megatron_core.pipeline_parallel import PipelineError, get_forward_backward_func
 from megatron_core.tensor_parallel import model_parallel_seed
@@ -36,6 +37,7 @@ from megatron_core.training.elastic import (
 )
 from megatron_core.training.metrics import MetricsWriter, format_log_line
 from megatron_core.training.optimizer_setup import build_optimizer, wrap_data_parallel
+from megatron_core.training.resume import check_resume, tokenizer_identity
 from megatron_core.training.runtime import RuntimeHooks, WandbSink
 from megatron_core.training.schedule import build_lr_scheduler, check_batch_schedule, resolve_train_iters
 from megatron_core.training.state import Run, reduce_losses, step_record
@@ -278,7 +280,8 @@ def save(run: Run, iteration: int) -> None:
     kwargs = dict(iteration=iteration, model_chunks=run.chunks, config=run.config, state=run.state,
                   true_vocab_size=run.tokenizer.vocab_size, consumed_samples=run.consumed_samples,
                   optimizer=run.optimizer, scheduler=run.scheduler, run_config=_recorded_flags(run),
-                  layout_extra={"zero_stage": run.args.zero_stage})
+                  layout_extra={"zero_stage": run.args.zero_stage},
+                  tokenizer=tokenizer_identity(run.args, run.tokenizer.vocab_size))
     with _phase(run, f"the save of checkpoint {iteration} (gathers and barriers over every rank)"):
         if run.async_writer is not None:
             run.async_writer.submit(lambda: prepare_checkpoint(run.args.save, **kwargs))
@@ -305,17 +308,22 @@ def load(run: Run) -> int:
         if run.is_logging_rank:
             print(f" no checkpoint to load in {args.load} (empty or missing): starting from scratch", flush=True)
         return 0
-    folder, metadata = read_metadata(args.load, fallback=args.load_fallback)
+    checksums = not args.allow_missing_checksums
+    folder, metadata = read_metadata(args.load, fallback=args.load_fallback, require_checksums=checksums)
+    check_resume(folder, metadata, args, tokenizer_identity(args, run.tokenizer.vocab_size))
     load_optim = not (args.finetune or args.no_load_optim)
     # every rank loads: each file is hashed by one of them (--load-fallback has verified them all already)
     load_model_weights(folder, metadata, model_chunks=run.chunks, config=run.config, state=run.state,
-                       optimizer=run.optimizer if load_optim else None, shared_verify=not args.load_fallback)
+                       optimizer=run.optimizer if load_optim else None, shared_verify=not args.load_fallback,
+                       require_checksums=checksums, strict=not args.ignore_mismatched_sizes,
+                       true_vocab_size=run.tokenizer.vocab_size)
     if not load_optim:
         run.optimizer.reload_model_params()
     if args.finetune:
         return 0
     if not args.no_load_rng:
-        load_rng(folder, metadata, state=run.state, layout_extra={"zero_stage": args.zero_stage})
+        load_rng(folder, metadata, state=run.state, layout_extra={"zero_stage": args.zero_stage},
+                 require_checksums=checksums)
     if metadata.get("scheduler"):
         run.scheduler.load_state_dict(metadata["scheduler"])
     run.consumed_samples = metadata["consumed_samples"]
@@ -339,6 +347,8 @@ def pretrain(args: argparse.Namespace) -> list[float]:
 
 def _train(run: Run) -> list[float]:
     args = run.args
+    if args.save:
+        check_save_folder(args.save)  # a read-only or unwritable --save ends the run now, not at the first save
     start = load(run) if args.load else 0
     stop_requested = {"signal": False}
     if args.exit_signal_handler:
@@ -410,6 +420,8 @@ def _train(run: Run) -> list[float]:
 
 class TrainingError(RuntimeError):
     """The run cannot continue (non-finite loss or grads, too many skipped steps, a failed peer rank)."""
+
+    exit_status = 1
 
 
 def _check_numerics(run: Run, iteration: int, result: dict) -> None:

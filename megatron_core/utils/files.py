@@ -1,15 +1,12 @@
 """Atomic file writes (pictures, traces): readers never see a half-written file."""
 from __future__ import annotations
 
-import os
+from megatron_core.utils.durable import write_atomically
 
 
 def atomic_write(path: str, data: bytes) -> None:
-    """Writes ``data`` to a temporary file beside ``path`` and renames it into place."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
+    """Writes ``data`` to ``path`` atomically (``utils/durable.py``; no fsync: pictures and traces)."""
+    write_atomically(path, data, durable=False)
 
 
 def save_figure(figure, path: str, *, dpi: int = 110) -> None:
