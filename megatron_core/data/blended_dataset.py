@@ -9,6 +9,13 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from megatron_core.data.gpt_dataset import (
+    check_chunk_in_range,
+    check_ids_in_range,
+    check_index_shape,
+    chunks,
+    load_cached_index,
+)
 from megatron_core.data.io_utils import atomic_save_npy
 
 logger = logging.getLogger(__name__)
@@ -201,7 +208,9 @@ class BlendedDataset(torch.utils.data.Dataset):
         paths = [os.path.join(cache_dir, f"{digest}-BlendedDataset-{self.name}-{n}.npy")
                  for n in ("dataset_index", "dataset_sample_index")] if cache_dir else []
         if paths and all(os.path.isfile(p) for p in paths):
-            return tuple(np.load(p, allow_pickle=False) for p in paths)
+            arrays = tuple(load_cached_index(p, cache_dir) for p in paths)
+            self._check_cached(paths, arrays, cache_dir)
+            return arrays
         if exhaustive:
             arrays = build_exhaustive_blending_indices(self.weights)
         else:
@@ -209,6 +218,18 @@ class BlendedDataset(torch.utils.data.Dataset):
         for path, array in zip(paths, arrays):
             atomic_save_npy(path, array)
         return arrays
+
+    def _check_cached(self, paths: Sequence[str], arrays: Sequence[np.ndarray], cache_dir: str) -> None:
+        """Raises ValueError naming a cached file that is not this blend's: integer arrays of ``size`` entries,
+        dataset ids below the number of datasets, sample ids below the size of their dataset."""
+        dataset_index, dataset_sample_index = arrays
+        for path, array in zip(paths, arrays):
+            check_index_shape(array, (self.size,), path, cache_dir, why=f"blend '{self.name}' of {self.size} samples")
+        check_ids_in_range(dataset_index, 0, len(self.datasets), paths[0], cache_dir, what="dataset id")
+        sizes = np.array([len(d) for d in self.datasets], dtype=np.int64)
+        for part in chunks(self.size):
+            check_chunk_in_range(np.asarray(dataset_sample_index[part]), 0, sizes[dataset_index[part]], paths[1],
+                                 cache_dir, what="sample id", start=part.start)
 
     def __len__(self) -> int:
         return self.size

@@ -71,9 +71,17 @@ def _datasets_for_prefix(prefix: str, config: GPTDataConfig, counts: Sequence[Op
     if config.tokenizer is not None and indexed.dtype == np.uint16 and config.tokenizer.vocab_size > 65536:
         raise ValueError(f"{prefix} holds uint16 tokens but the tokenizer has {config.tokenizer.vocab_size} ids; "
                          "was it preprocessed with another tokenizer?")
+    if len(indexed) == 0 and any(count != 0 for count in counts):
+        raise ValueError(f"--data-path {prefix} holds 0 documents (0 tokens), so no sample of --seq-length "
+                         f"{config.seq_length}; preprocess text into it (tools/preprocess_data.py) or drop it")
     ranges = split_document_ranges(len(indexed), parse_split(config.split))
     datasets: List[Optional[GPTDataset]] = []
     for name, (begin, end), count in zip(SPLIT_NAMES, ranges, counts):
+        if name == "train" and count != 0 and end <= begin:
+            tokens = int(indexed.sequence_lengths.astype(np.int64).sum())
+            raise ValueError(f"--split {config.split} leaves the train split of --data-path {prefix} "
+                             f"({len(indexed)} documents, {tokens} tokens) no documents, so no sample of "
+                             f"--seq-length {config.seq_length}; give train a larger share or add documents")
         if count == 0 or end <= begin:
             datasets.append(None)
             continue

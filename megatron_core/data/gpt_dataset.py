@@ -10,14 +10,16 @@ one token: the last label of one is the first input of the next). Three index ar
 * shuffle index: a permutation of the samples (again the final partial epoch separately).
 
 They are built with numpy (no C++ helpers), identical to Megatron's for the same inputs, and cached
-beside the data as ``.npy`` files named by an MD5 of the configuration.
+beside the data as ``.npy`` files named by an MD5 of the configuration. A cached file is checked against
+what the configuration implies (dtype, shape, ids in range, sample offsets inside their documents and in
+order) before use; a file that fails names itself in a ``ValueError`` with the fix (delete the cache folder).
 """
 import dataclasses
 import hashlib
 import json
 import logging
 import os
-from typing import Dict, Optional, Tuple
+from typing import Dict, Iterator, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -50,6 +52,60 @@ class GPTDatasetConfig:
             raise ValueError(f"seq_length must be positive, got {self.seq_length}")
         if (self.eod_mask_loss or self.reset_position_ids) and self.eod is None:
             raise ValueError("eod_mask_loss/reset_position_ids need the tokenizer's eod id; set eod=tokenizer.eod")
+
+
+_CHUNK = 1 << 22  # rows per chunk when checking cached indices (bounded memory on memory-mapped files)
+
+
+def _cache_error(path: str, problem: str, cache_dir: str) -> ValueError:
+    return ValueError(f"cached index {path} is corrupt: {problem}; delete the cache folder {cache_dir} to "
+                      "rebuild it")
+
+
+def load_cached_index(path: str, cache_dir: str) -> np.ndarray:
+    """``np.load(path)`` memory-mapped, without pickles; a file numpy refuses (truncated, an object array)
+    raises a ValueError naming it."""
+    try:
+        array = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (ValueError, EOFError) as err:
+        raise _cache_error(path, f"numpy cannot load it ({err})", cache_dir) from err
+    if not isinstance(array, np.ndarray):  # an .npz archive under the .npy name
+        array.close()
+        raise _cache_error(path, f"it holds a {type(array).__name__}, not one .npy array", cache_dir)
+    return array
+
+
+def check_index_shape(array: np.ndarray, shape: Tuple[int, ...], path: str, cache_dir: str, *,
+                      why: str) -> None:
+    """An integer array of exactly ``shape`` (``why`` says where the shape comes from)."""
+    if array.dtype.kind not in "iu":
+        raise _cache_error(path, f"dtype {array.dtype} is not an integer type", cache_dir)
+    if array.shape != shape:
+        raise _cache_error(path, f"shape {array.shape}, expected {shape} ({why})", cache_dir)
+
+
+def chunks(length: int) -> Iterator[slice]:
+    """Consecutive slices of at most ``_CHUNK`` rows covering ``range(length)``."""
+    for start in range(0, length, _CHUNK):
+        yield slice(start, min(start + _CHUNK, length))
+
+
+def check_ids_in_range(values: np.ndarray, low: int, high: int, path: str, cache_dir: str, *, what: str) -> None:
+    """Every entry of ``values`` (a memory-mapped array is read chunk by chunk) lies in ``[low, high)``."""
+    for part in chunks(len(values)):
+        check_chunk_in_range(np.asarray(values[part]), low, high, path, cache_dir, what=what, start=part.start)
+
+
+def check_chunk_in_range(chunk: np.ndarray, low: int, high, path: str, cache_dir: str, *, what: str,
+                         start: int) -> None:
+    """Every ``chunk[i]`` in ``[low, high)`` (``high`` an int or one bound per entry); ``start`` is the chunk's
+    position in the file, for the message."""
+    bad = np.flatnonzero((chunk < low) | (chunk >= high))
+    if len(bad):
+        i = int(bad[0])
+        bound = high if np.isscalar(high) else high[i]
+        raise _cache_error(path, f"{what} {int(chunk[i])} at position {start + i} out of range [{low}, {int(bound)})",
+                           cache_dir)
 
 
 def build_document_index(documents: np.ndarray, num_epochs: int, rng: np.random.RandomState,
@@ -167,10 +223,13 @@ class GPTDataset(torch.utils.data.Dataset):
         digest, description = self.cache_key()
         paths = [os.path.join(self.cache_dir, f"{digest}-GPTDataset-{self.split_name}-{n}.npy")
                  for n in names] if self.cache_dir else []
+        tokens_per_epoch, num_epochs, separate = self._epochs()
         if paths and all(os.path.isfile(p) for p in paths):
             logger.info("loading %s %s indices from %s", self._path(), self.split_name, self.cache_dir)
-            return tuple(np.load(p, mmap_mode="r", allow_pickle=False) for p in paths)
-        indices = self._build_indices()
+            indices = tuple(load_cached_index(p, self.cache_dir) for p in paths)
+            self._check_cached_indices(paths, indices, num_epochs=num_epochs, tokens_per_epoch=tokens_per_epoch)
+            return indices
+        indices = self._build_indices(tokens_per_epoch, num_epochs, separate)
         self.built_indices = True
         if paths:
             for path, array in zip(paths, indices):
@@ -179,14 +238,21 @@ class GPTDataset(torch.utils.data.Dataset):
                               description)
         return indices
 
-    def _build_indices(self):
-        seq_length, lengths = self.config.seq_length, self.dataset.sequence_lengths
-        tokens_per_epoch = int(lengths[self.documents].astype(np.int64).sum())
+    def _epochs(self) -> Tuple[int, int, bool]:
+        """(tokens per epoch, epochs, whether the final epoch is shuffled apart) for ``num_samples``."""
+        seq_length = self.config.seq_length
+        tokens_per_epoch = int(self.dataset.sequence_lengths[self.documents].astype(np.int64).sum())
         if tokens_per_epoch <= seq_length:
-            raise ValueError(f"{self.split_name} split of {self._path()} has {tokens_per_epoch} tokens, fewer "
-                             f"than seq_length + 1 = {seq_length + 1}; lower --seq-length or add data")
+            raise ValueError(f"{self.split_name} split of {self._path()} ({len(self.documents)} documents, "
+                             f"{tokens_per_epoch} tokens) holds no sample of --seq-length {seq_length}: it has "
+                             f"fewer than seq_length + 1 = {seq_length + 1} tokens; lower --seq-length, change "
+                             "--split or add data")
         num_epochs = _num_epochs(tokens_per_epoch, seq_length, self.num_samples)
-        separate = _separate_final_epoch(num_epochs, tokens_per_epoch, seq_length, self.num_samples)
+        return tokens_per_epoch, num_epochs, _separate_final_epoch(num_epochs, tokens_per_epoch, seq_length,
+                                                                   self.num_samples)
+
+    def _build_indices(self, tokens_per_epoch: int, num_epochs: int, separate: bool):
+        seq_length, lengths = self.config.seq_length, self.dataset.sequence_lengths
         rng = np.random.RandomState(self.config.seed)
         document_index = build_document_index(self.documents, num_epochs, rng, separate)
         sample_index = build_sample_index(lengths, document_index, seq_length)
@@ -195,6 +261,43 @@ class GPTDataset(torch.utils.data.Dataset):
         shuffle_index = build_shuffle_index(shuffled, total, rng)
         logger.info("built %s %s indices: %d epochs, %d samples", self._path(), self.split_name, num_epochs, total)
         return document_index, sample_index, shuffle_index
+
+    def _check_cached_indices(self, paths: Sequence[str], indices: Sequence[np.ndarray], *, num_epochs: int,
+                              tokens_per_epoch: int) -> None:
+        """Raises ValueError naming the first cached file that is not what this configuration builds: integer
+        arrays of the implied shapes, document ids of the split, sample rows inside their documents and in
+        stream order, shuffle ids below the number of samples."""
+        document_index, sample_index, shuffle_index = indices
+        folder, seq_length = self.cache_dir, self.config.seq_length
+        num_documents, total = len(self.documents), (num_epochs * tokens_per_epoch - 1) // seq_length
+        check_index_shape(document_index, (num_epochs * num_documents,), paths[0], folder,
+                          why=f"{num_epochs} epochs x {num_documents} documents")
+        low, high = int(self.documents.min()), int(self.documents.max()) + 1
+        check_ids_in_range(document_index, low, high, paths[0], folder, what="document id")
+        check_index_shape(sample_index, (total + 1, 2), paths[1], folder,
+                          why=f"{total} samples of --seq-length {seq_length} + 1 rows")
+        self._check_sample_rows(sample_index, document_index, paths[1])
+        check_index_shape(shuffle_index, (total,), paths[2], folder, why=f"{total} samples")
+        check_ids_in_range(shuffle_index, 0, total, paths[2], folder, what="sample id")
+
+    def _check_sample_rows(self, sample_index: np.ndarray, document_index: np.ndarray, path: str) -> None:
+        """Rows (document index position, offset): positions in range, offsets inside that document, and
+        every row after the previous one in the token stream (chunks overlap by one row)."""
+        lengths, folder = self.dataset.sequence_lengths, self.cache_dir
+        for part in chunks(len(sample_index)):
+            begin = max(part.start - 1, 0)
+            rows = np.asarray(sample_index[begin:part.stop])
+            positions, offsets = rows[:, 0], rows[:, 1]
+            check_chunk_in_range(positions, 0, len(document_index), path, folder,
+                                 what="document index position", start=begin)
+            doc_lengths = lengths[document_index[positions]]
+            check_chunk_in_range(offsets, 0, doc_lengths, path, folder, what="token offset", start=begin)
+            step, advance = np.diff(positions), np.diff(offsets)
+            back = np.flatnonzero((step < 0) | ((step == 0) & (advance <= 0)))
+            if len(back):
+                i = begin + int(back[0]) + 1
+                raise _cache_error(path, f"sample row {i} ({int(rows[i - begin, 0])}, {int(rows[i - begin, 1])}) "
+                                         f"does not come after row {i - 1} in the token stream", folder)
 
     def __len__(self) -> int:
         return len(self.shuffle_index) if self.num_samples is None else self.num_samples

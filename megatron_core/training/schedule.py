@@ -78,9 +78,12 @@ class BatchSchedule:
 
 
 def validate_schedule_flags(args: argparse.Namespace) -> None:
-    """Checks the length and lr-schedule flags as Megatron does: iteration-based and sample-based flags are
-    not mixed, one warmup flag at most. Fills ``--train-iters`` (100 without either length flag),
-    ``--lr-decay-iters`` / ``--lr-decay-samples`` (the training length) and ``args.batch_schedule``."""
+    """Checks the length, batch and lr-schedule flags as Megatron does: a global batch of at least one sample,
+    iteration-based and sample-based flags not mixed, one warmup flag at most. Fills ``--train-iters`` (100
+    without either length flag), ``--lr-decay-iters`` / ``--lr-decay-samples`` (the training length) and
+    ``args.batch_schedule``."""
+    if args.global_batch_size is not None and args.global_batch_size < 1:
+        raise ValueError(f"--global-batch-size must be >= 1, got {args.global_batch_size}")
     if args.train_iters is not None and args.train_samples is not None:
         raise ValueError(f"--train-iters {args.train_iters} and --train-samples {args.train_samples} disagree: "
                          "train by iterations or by samples, give one of them")
