@@ -267,6 +267,8 @@ def read_metadata(directory: str, iteration: Optional[int] = None, *, fallback: 
     With ``fallback``, every file of the checkpoint is verified first and, if one is missing or corrupt, the
     next older complete checkpoint is tried (each failure is logged).
     """
+    if os.path.lexists(os.path.join(directory, LATEST)):
+        safe_path(directory, LATEST)  # before anything opens it: a FIFO or a device would hang the read
     foreign = describe_foreign(directory)
     if foreign:
         raise ValueError(foreign)
