@@ -43,9 +43,9 @@ def save_file_durably(tensors: dict[str, torch.Tensor], path: str) -> None:
 
 def publish_folder(partial: str, final: str) -> None:
     """Renames the complete folder ``partial`` to ``final`` durably (fsync of it, rename, fsync of the parent).
-    ``final`` must not exist (``os.rename`` of a folder onto a non-empty one fails)."""
+    ``final`` must not exist (a rename onto a non-empty folder fails)."""
     fsync_path(partial)
-    os.rename(partial, final)
+    os.replace(partial, final)
     fsync_path(os.path.dirname(os.path.abspath(final)))
 
 

@@ -107,6 +107,9 @@ def verify_files(folder: str, metadata: dict, files: set[str], *, require_checks
                                  "checkpoints)")
             continue
         size = metadata.get("sizes", {}).get(file)
+        if size is not None and os.path.getsize(path) != size:
+            raise ValueError(f"checkpoint file {path} is corrupt: it is {os.path.getsize(path)} bytes long, not the "
+                             f"{size} that metadata.json records (truncated or extended)")
         if sha256_file(path, size=size) != expected:
             raise ValueError(f"checkpoint file {path} is corrupt: its sha256 does not match metadata.json")
 

@@ -151,7 +151,7 @@ def test_a_shard_linked_outside_the_folder_is_refused_even_with_the_right_checks
 def test_a_shard_of_another_length_than_recorded_is_named(ckpt):
     with open(os.path.join(_iter2(ckpt), SHARD), "ab") as handle:
         handle.write(b"\0" * 16)
-    _refused(ckpt, SHARD, "is not", "bytes long as metadata.json records")
+    _refused(ckpt, SHARD, "is corrupt: it is", "bytes long, not the", "that metadata.json records")
 
 
 def test_a_damaged_safetensors_header_with_a_matching_checksum_is_named(ckpt):
