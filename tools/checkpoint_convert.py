@@ -42,12 +42,14 @@ from megatron_core.checkpointing.convert import (  # noqa: E402
     write_mcore_checkpoint,
 )
 from megatron_core.inference.checkpoint_model import config_from_flags, run_flags  # noqa: E402
+from megatron_core.utils.errors import debug_requested, run_entry_point  # noqa: E402
 
+PROG = "checkpoint_convert.py"
 MEGATRON_LM = ("core", "megatron")  # Megatron-LM checkpoints of megatron-core's GPTModel (torch or torch_dist)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="checkpoint_convert.py", description=__doc__.split("\n")[0], allow_abbrev=False)
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0], allow_abbrev=False)
     p.add_argument("--model-type", required=True, choices=["GPT"])
     p.add_argument("--loader", choices=["mcore", "hf", *MEGATRON_LM], default="mcore",
                    help="mcore: a megatron_core checkpoint; hf: Hugging Face GPT-2; core / megatron: a Megatron-LM "
@@ -70,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-optim", action="store_true", help="drop optimizer states")
     p.add_argument("--check", action="store_true", help="compare logits of source and result (tp 1, pp 1)")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--debug", action="store_true", help="show the traceback of a handled error")
     return p
 
 
@@ -164,22 +167,27 @@ def check(args: argparse.Namespace, source: SourceCheckpoint, seed: int = 0) -> 
     return float((before[..., :vocab] - after[..., :vocab]).abs().max())
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def _run(argv: Optional[Sequence[str]]) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.check and (args.saver == "core" or args.loader in MEGATRON_LM):
         parser.error("--check runs megatron_core and Hugging Face models only; compare a Megatron-LM checkpoint "
                      "in megatron-core itself (see tests/integration/test_megatron_lm_checkpoints.py)")
-    try:
-        folder = convert(args)
-        print(f"wrote {folder}")
-        if args.check:
-            difference = check(args, read_source(args))
-            print(f"check: max |logit difference| between {args.load_dir} and {args.save_dir} = {difference:.3e}")
-    except ValueError as error:
-        print(f"checkpoint_convert.py: error: {error}", file=sys.stderr)
-        return 2
+    folder = convert(args)
+    print(f"wrote {folder}")
+    if args.check:
+        difference = check(args, read_source(args))
+        print(f"check: max |logit difference| between {args.load_dir} and {args.save_dir} = {difference:.3e}")
     return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Runs the tool; returns 0, or 2 for bad input / 1 for the environment after one ``checkpoint_convert.py:
+    error:`` paragraph on stderr (with the traceback under ``--debug``)."""
+    try:
+        return run_entry_point(PROG, lambda: _run(argv), debug=debug_requested(argv))
+    except SystemExit as stop:  # report_and_exit's (or argparse's) status, returned to in-process callers
+        return int(stop.code or 0)
 
 
 if __name__ == "__main__":

@@ -27,10 +27,14 @@ from megatron_core import initialize_model_parallel  # noqa: E402
 from megatron_core.checkpointing import read_metadata  # noqa: E402
 from megatron_core.data import build_tokenizer  # noqa: E402
 from megatron_core.inference import generate, load_gpt_from_checkpoint  # noqa: E402
+from megatron_core.utils.errors import debug_requested, run_entry_point  # noqa: E402
+from megatron_core.utils.files import atomic_write  # noqa: E402
+
+PROG = "generate.py"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="generate.py", description="text generation from a checkpoint",
+    p = argparse.ArgumentParser(prog=PROG, description="text generation from a checkpoint",
                                 allow_abbrev=False)
     p.add_argument("--load", required=True)
     prompt = p.add_mutually_exclusive_group(required=True)
@@ -48,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     for flag in ("--tokenizer-type", "--tokenizer-model", "--vocab-file", "--merge-file"):
         p.add_argument(flag, default=None, help="default: the checkpoint's")
     p.add_argument("--vocab-size", type=int, default=None, help="default: the checkpoint's")
+    p.add_argument("--debug", action="store_true", help="show the traceback of a handled error")
     return p
 
 
@@ -92,30 +97,32 @@ def run(args: argparse.Namespace) -> dict:
     return result
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def _run(argv: Optional[Sequence[str]]) -> int:
     args = build_parser().parse_args(argv)
     if "WORLD_SIZE" in os.environ and not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":  # CUDA-only path
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10))
-    try:
-        result = run(args)
-    except ValueError as error:
-        print(f"generate.py: error: {error}", file=sys.stderr)
-        return 2
+    result = run(args)
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(result["text"] if result["text"] is not None
               else " ".join(map(str, result["prompt_ids"] + result["tokens"])))
         if args.output_json:
             payload = {k: result[k] for k in ("prompt_ids", "tokens", "prompt_logprobs", "generated_logprobs")}
-            tmp = f"{args.output_json}.tmp"
-            with open(tmp, "w", encoding="utf-8") as f:
-                json.dump(payload, f, indent=1)
-            os.replace(tmp, args.output_json)
+            atomic_write(args.output_json, json.dumps(payload, indent=1).encode())
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Runs the tool; returns 0, or 2 for bad input / 1 for the environment after one ``generate.py: error:``
+    paragraph on stderr (with the traceback under ``--debug``)."""
+    try:
+        return run_entry_point(PROG, lambda: _run(argv), debug=debug_requested(argv))
+    except SystemExit as stop:  # report_and_exit's (or argparse's) status, returned to in-process callers
+        return int(stop.code or 0)
 
 
 if __name__ == "__main__":

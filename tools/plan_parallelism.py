@@ -24,10 +24,13 @@ from typing import Optional, Sequence
 
 from megatron_core.planning.planner import Hardware, Plan, Workload, rank_plans
 from megatron_core.training.arguments import build_parser, transformer_config, validate_args
+from megatron_core.utils.errors import debug_requested, run_entry_point
+
+PROG = "plan_parallelism.py"
 
 PLANNER_FLAGS = {"--num-devices": int, "--memory-per-device-gb": float, "--intra-node-bandwidth-gbps": float,
                  "--inter-node-bandwidth-gbps": float, "--devices-per-node": int, "--peak-tflops": float,
-                 "--compute-efficiency": float, "--top": int, "--mask-bytes": int}
+                 "--compute-efficiency": float, "--top": int, "--mask-bytes": int, "--debug": bool}
 LAYOUT_FLAGS = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size",
                 "--expert-model-parallel-size", "--expert-tensor-parallel-size",
                 "--sequence-parallel",
@@ -37,7 +40,7 @@ LAYOUT_FLAGS = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size"
 
 
 def _planner_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0], allow_abbrev=False)
     g = parser.add_argument_group("planner")
     g.add_argument("--num-devices", type=int, required=True)
     g.add_argument("--memory-per-device-gb", type=float, default=80.0)
@@ -48,6 +51,7 @@ def _planner_parser() -> argparse.ArgumentParser:
     g.add_argument("--compute-efficiency", type=float, default=0.5, help="fraction of the peak matmuls reach")
     g.add_argument("--mask-bytes", type=int, default=1, help="dropout-mask bytes/element (1 CUDA, 2 or 4 CPU)")
     g.add_argument("--top", type=int, default=15, help="rows of the table")
+    g.add_argument("--debug", action="store_true", help="show the traceback of a handled error")
     return parser
 
 
@@ -58,7 +62,8 @@ def _split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
         flag = argv[i].split("=")[0]
         target = planner if flag in PLANNER_FLAGS else model
         target.append(argv[i])
-        if "=" not in argv[i] and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+        takes_value = PLANNER_FLAGS.get(flag) is not bool
+        if takes_value and "=" not in argv[i] and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
             target.append(argv[i + 1])
             i += 1
         i += 1
@@ -130,28 +135,28 @@ def format_table(plans: list[Plan], top: int) -> str:
     return "\n".join(rows)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def _rank(options: argparse.Namespace, args: argparse.Namespace) -> tuple[Workload, list[Plan]]:
+    """The workload the flags describe and every layout's plan, best first."""
+    validate_args(args)
+    base = transformer_config(args)
+    workload = Workload(vocab_size=args.vocab_size or 50257, seq_length=args.seq_length,
+                        micro_batch_size=args.micro_batch_size,
+                        global_batch_size=args.global_batch_size or args.micro_batch_size * options.num_devices,
+                        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+                        optimizer_state_bytes=8 if args.optimizer == "adam" else 4, mask_bytes=options.mask_bytes)
+    hardware = Hardware(num_devices=options.num_devices, memory_per_device_gb=options.memory_per_device_gb,
+                        peak_tflops=options.peak_tflops, intra_node_bandwidth_gbps=options.intra_node_bandwidth_gbps,
+                        inter_node_bandwidth_gbps=options.inter_node_bandwidth_gbps,
+                        devices_per_node=options.devices_per_node, compute_efficiency=options.compute_efficiency)
+    return workload, rank_plans(base, workload, hardware)
+
+
+def _run(argv: Optional[Sequence[str]]) -> int:
     planner_argv, model_argv = _split_argv(list(sys.argv[1:] if argv is None else argv))
     options = _planner_parser().parse_args(planner_argv)
     model_argv = _model_argv(model_argv)
     args = build_parser().parse_args(model_argv)
-    try:
-        validate_args(args)
-        base = transformer_config(args)
-        workload = Workload(vocab_size=args.vocab_size or 50257, seq_length=args.seq_length,
-                            micro_batch_size=args.micro_batch_size,
-                            global_batch_size=args.global_batch_size or args.micro_batch_size * options.num_devices,
-                            make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-                            optimizer_state_bytes=8 if args.optimizer == "adam" else 4, mask_bytes=options.mask_bytes)
-        hardware = Hardware(num_devices=options.num_devices, memory_per_device_gb=options.memory_per_device_gb,
-                            peak_tflops=options.peak_tflops,
-                            intra_node_bandwidth_gbps=options.intra_node_bandwidth_gbps,
-                            inter_node_bandwidth_gbps=options.inter_node_bandwidth_gbps,
-                            devices_per_node=options.devices_per_node, compute_efficiency=options.compute_efficiency)
-        plans = rank_plans(base, workload, hardware)
-    except ValueError as error:
-        print(f"plan_parallelism.py: error: {error}", file=sys.stderr)
-        return 2
+    workload, plans = _rank(options, args)
     print(f"{len(plans)} layouts of {options.num_devices} devices, {sum(p.fits for p in plans)} fit in "
           f"{options.memory_per_device_gb:g} GiB; vocab {workload.vocab_size}, "
           f"global batch {workload.global_batch_size}\n")
@@ -174,6 +179,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print("\nbest layout:\n" + torchrun_command(plans[0], model_argv, num_devices=options.num_devices,
                                                devices_per_node=options.devices_per_node, num_layers=args.num_layers))
     return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Runs the planner; returns 0 (1 when no layout fits), or 2 for bad flags after one ``plan_parallelism.py:
+    error:`` paragraph on stderr (with the traceback under ``--debug``)."""
+    try:
+        return run_entry_point(PROG, lambda: _run(argv), debug=debug_requested(argv))
+    except SystemExit as stop:  # report_and_exit's (or argparse's) status, returned to in-process callers
+        return int(stop.code or 0)
 
 
 if __name__ == "__main__":

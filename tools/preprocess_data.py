@@ -20,11 +20,15 @@ from typing import List, Optional
 
 from megatron_core.data.preprocess import PreprocessStats, preprocess
 from megatron_core.data.tokenizers import TOKENIZER_TYPES
+from megatron_core.utils.errors import debug_requested, run_entry_point
 from megatron_core.utils.progress import progress_bar
+
+PROG = "preprocess_data.py"
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     group = parser.add_argument_group("input data")
     group.add_argument("--input", nargs="+", required=True, help="jsonl (one document per line) or text files")
     group.add_argument("--json-keys", nargs="+", default=["text"], help="keys to extract from jsonl")
@@ -55,14 +59,12 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     group.add_argument("--keep-sequential-samples", action="store_true",
                        help="documents keep their input order (always the case here)")
     group.add_argument("--no-progress", action="store_true", help="no progress bar")
+    group.add_argument("--debug", action="store_true", help="show the traceback of a handled error")
     return parser.parse_args(argv)
 
 
-def _progress_printer(enabled: bool = True):
-    """A callback that advances a tqdm bar on stderr (documents, tokens, MB/s); drawn only on a terminal and
-    without --no-progress."""
-    bar = progress_bar(desc="preprocessing", unit=" docs", enabled=enabled)
-
+def _progress_printer(bar):
+    """A callback that advances ``bar`` (documents, tokens, MB/s)."""
     def advance(stats: PreprocessStats) -> None:
         bar.update(stats.documents - bar.n)
         bar.set_postfix(tokens=stats.tokens, MBps=f"{stats.bytes_read / max(stats.seconds, 1e-9) / 1e6:.1f}",
@@ -70,40 +72,46 @@ def _progress_printer(enabled: bool = True):
     return advance
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def _run(argv: Optional[List[str]]) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    if args.partitions < 1:
+        raise ValueError(f"--partitions must be >= 1, got {args.partitions}")
+    if args.keep_newlines and not args.split_sentences:
+        raise ValueError("--keep-newlines only applies with --split-sentences")
     tokenizer_args = dict(tokenizer_type=args.tokenizer_type, tokenizer_model=args.tokenizer_model,
                           vocab_file=args.vocab_file, merge_file=args.merge_file, vocab_size=args.vocab_size,
                           tiktoken_pattern=args.tiktoken_pattern,
                           tiktoken_num_special_tokens=args.tiktoken_num_special_tokens)
     stats = PreprocessStats()
+    # a tqdm bar on stderr, drawn only on a terminal and without --no-progress; closed before an error is printed
+    bar = progress_bar(desc="preprocessing", unit=" docs", enabled=not args.no_progress)
+    show = _progress_printer(bar)
 
     def progress(s: PreprocessStats) -> None:
         stats.__dict__.update(s.__dict__)
         show(s)
 
-    if args.partitions < 1:
-        print(f"error: --partitions must be >= 1, got {args.partitions}", file=sys.stderr)
-        return 2
-    if args.keep_newlines and not args.split_sentences:
-        print("error: --keep-newlines only applies with --split-sentences", file=sys.stderr)
-        return 2
-    show = _progress_printer(enabled=not args.no_progress)
-    try:
+    with bar:
         prefixes = preprocess(args.input, args.output_prefix, tokenizer_args=tokenizer_args,
                               json_keys=args.json_keys, append_eod=args.append_eod, workers=args.workers,
                               skip_bad_lines=args.skip_bad_lines, document_per_file=args.document_per_file,
                               log_interval=args.log_interval, progress=progress,
                               split_sentences=args.split_sentences, keep_newlines=args.keep_newlines)
-    except (ValueError, FileNotFoundError) as err:
-        print(f"\nerror: {err}", file=sys.stderr)
-        return 2
     for key, prefix in prefixes.items():
         print(f"{key}: {prefix}.bin / .idx")
     print(f"documents {stats.documents}, tokens {stats.tokens}, skipped bad lines {stats.skipped_bad_lines}, "
           f"empty documents {stats.empty_documents}, {stats.seconds:.1f} s")
     return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Runs the tool; returns 0, or 2 for bad input / 1 for the environment after one ``preprocess_data.py:
+    error:`` paragraph on stderr (with the traceback under ``--debug``)."""
+    try:
+        return run_entry_point(PROG, lambda: _run(argv), debug=debug_requested(argv))
+    except SystemExit as stop:  # report_and_exit's (or argparse's) status, returned to in-process callers
+        return int(stop.code or 0)
 
 
 if __name__ == "__main__":

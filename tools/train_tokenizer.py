@@ -18,9 +18,11 @@ import sys
 import tempfile
 from typing import Iterator, List, Optional, Sequence
 
+from megatron_core.utils.errors import debug_requested, run_entry_point
 from megatron_core.utils.progress import progress_bar
 
 logger = logging.getLogger("train_tokenizer")
+PROG = "train_tokenizer.py"
 
 
 def iter_sentences(paths: Sequence[str], json_keys: Sequence[str]) -> Iterator[str]:
@@ -99,7 +101,8 @@ def train(inputs: Sequence[str], model_prefix: str, *, vocab_size: int, model_ty
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--input", nargs="+", required=True, help="text or .jsonl files")
     parser.add_argument("--json-keys", nargs="+", default=["text"], help="keys to read from jsonl")
     parser.add_argument("--model-prefix", required=True, help="writes PREFIX.model and PREFIX.vocab")
@@ -112,22 +115,28 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                         help="lines sampled for training, 0 for all")
     parser.add_argument("--num-threads", type=int, default=None)
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of a handled error")
     return parser.parse_args(argv)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def _run(argv: Optional[List[str]]) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    try:
-        path = train(args.input, args.model_prefix, vocab_size=args.vocab_size, model_type=args.model_type,
-                     json_keys=args.json_keys, lossless=args.lossless, character_coverage=args.character_coverage,
-                     input_sentence_size=args.input_sentence_size, num_threads=args.num_threads,
-                     progress=not args.no_progress)
-    except (ValueError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    path = train(args.input, args.model_prefix, vocab_size=args.vocab_size, model_type=args.model_type,
+                 json_keys=args.json_keys, lossless=args.lossless, character_coverage=args.character_coverage,
+                 input_sentence_size=args.input_sentence_size, num_threads=args.num_threads,
+                 progress=not args.no_progress)
     print(f"wrote {path}")
     return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Runs the tool; returns 0, or 2 for bad input / 1 for the environment after one ``train_tokenizer.py:
+    error:`` paragraph on stderr (with the traceback under ``--debug``)."""
+    try:
+        return run_entry_point(PROG, lambda: _run(argv), debug=debug_requested(argv))
+    except SystemExit as stop:  # report_and_exit's (or argparse's) status, returned to in-process callers
+        return int(stop.code or 0)
 
 
 if __name__ == "__main__":

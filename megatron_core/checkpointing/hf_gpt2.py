@@ -15,10 +15,12 @@ from types import MappingProxyType
 from typing import Callable
 
 import torch
-from safetensors import safe_open
 
 from megatron_core.checkpointing.convert import SourceCheckpoint, SourceTensor, fsync_write, parameter_name
+from megatron_core.checkpointing.megatron_lm_io import load_pt, regular_file_size
+from megatron_core.checkpointing.shard_reader import open_safetensors
 from megatron_core.checkpointing.streaming import StreamingSafetensorsWriter
+from megatron_core.utils.errors import InputFileError
 from megatron_core.utils.progress import progress_bar
 
 # global name suffix -> (HF name suffix, tp partition dim, stride, transform kind)
@@ -83,14 +85,34 @@ def to_hf(kind: str, tensor: torch.Tensor, heads: int) -> torch.Tensor:
     raise ValueError(f"unknown transform {kind!r}")
 
 
+_REQUIRED = ("n_layer", "n_embd", "n_head", "vocab_size", "n_positions")  # config.json keys read without default
+
+
 def _read_hf_config(hf_dir: str) -> dict:
+    """config.json of a GPT-2 folder: a JSON object with every size in ``_REQUIRED`` a positive integer."""
     path = os.path.join(hf_dir, "config.json")
-    if not os.path.exists(path):
+    if not os.path.lexists(path):
         raise ValueError(f"{hf_dir} is not a Hugging Face model folder: config.json is missing")
-    config = json.load(open(path, encoding="utf-8"))
+    regular_file_size(path)
+    try:
+        with open(path, encoding="utf-8") as handle:
+            config = json.load(handle)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise InputFileError(f"{path} is not valid JSON: {error}") from error
+    if not isinstance(config, dict):
+        raise InputFileError(f"{path} is not a JSON object (it holds a {type(config).__name__}): not a model config")
     if config.get("model_type") != "gpt2":
         raise ValueError(f"{path}: model_type is {config.get('model_type')!r}; --model-type GPT imports only "
                          "Hugging Face 'gpt2' models")
+    missing = [key for key in _REQUIRED if key not in config]
+    if missing:
+        raise InputFileError(f"{path}: {missing[0]} is missing (a GPT-2 config.json gives {', '.join(_REQUIRED)})")
+    sizes = {key: config[key] for key in _REQUIRED}
+    if config.get("n_inner") is not None:
+        sizes["n_inner"] = config["n_inner"]
+    for key, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InputFileError(f"{path}: {key} must be a positive integer, got {value!r}")
     if config.get("scale_attn_by_inverse_layer_idx") or config.get("reorder_and_upcast_attn"):
         raise ValueError(f"{path}: scale_attn_by_inverse_layer_idx / reorder_and_upcast_attn are not supported")
     if config.get("scale_attn_weights", True) is False:
@@ -102,21 +124,27 @@ def _read_hf_config(hf_dir: str) -> dict:
 
 
 def _open_hf_weights(hf_dir: str) -> tuple[dict[str, tuple], Callable[[str], torch.Tensor], str]:
-    """``({name: shape}, read(name), file)`` of model.safetensors, or pytorch_model.bin (weights_only)."""
+    """``({name: shape}, read(name), file)`` of model.safetensors, or pytorch_model.bin (weights only). Either
+    must be a regular file (a symlink into the Hugging Face cache is followed); a damaged one is an
+    ``InputFileError`` naming it."""
     path = os.path.join(hf_dir, "model.safetensors")
-    if os.path.exists(path):
-        with safe_open(path, framework="pt") as handle:
+    if os.path.lexists(path):
+        regular_file_size(path)
+        with open_safetensors(path) as handle:
             shapes = {k: tuple(handle.get_slice(k).get_shape()) for k in handle.keys()}
 
         def read(name: str) -> torch.Tensor:
-            with safe_open(path, framework="pt") as h:
+            with open_safetensors(path) as h:
                 return h.get_tensor(name)
         return shapes, read, path
     path = os.path.join(hf_dir, "pytorch_model.bin")
-    if not os.path.exists(path):
+    if not os.path.lexists(path):
         raise ValueError(f"{hf_dir} has neither model.safetensors nor pytorch_model.bin")
-    state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    return {k: tuple(v.shape) for k, v in state.items()}, state.__getitem__, path
+    state = load_pt(path)
+    if not isinstance(state, dict):
+        raise InputFileError(f"{path} holds a {type(state).__name__}, not a state dict of tensors")
+    tensors = {k: v for k, v in state.items() if isinstance(k, str) and isinstance(v, torch.Tensor)}
+    return {k: tuple(v.shape) for k, v in tensors.items()}, tensors.__getitem__, path
 
 
 def read_hf_gpt2(hf_dir: str, base_flags: dict) -> SourceCheckpoint:

@@ -28,6 +28,7 @@ from megatron_core.checkpointing import megatron_lm_io as mio
 from megatron_core.checkpointing.convert import SourceCheckpoint, SourceTensor, is_vocab_tensor
 from megatron_core.checkpointing.layout import merge_shards, repad_vocab, take_shard
 from megatron_core.tensor_parallel import vocab_size_with_padding
+from megatron_core.utils.errors import InputFileError
 
 _TE_NAMES = MappingProxyType({"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
              "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
@@ -151,27 +152,53 @@ def _chunk_dicts(checkpoint: dict, path: str) -> list[dict]:
     if not chunks:
         raise ValueError(f"{path} has no 'model' (or 'model0', ...) state dict")
     states = [checkpoint[k] for k in chunks]
+    for key, state in zip(chunks, states):
+        if not isinstance(state, dict):
+            raise InputFileError(f"{path}: {key!r} holds a {type(state).__name__}, not a state dict")
     if any("language_model" in state for state in states):
         raise ValueError(f"{path} was written by Megatron-LM's legacy GPT model (--use-legacy-models, names "
                          "language_model.*); only megatron-core GPTModel checkpoints are converted")
     return states
 
 
+class _RankFiles:
+    """The ``model_optim_rng.pt`` of every (tp, pp) rank of a torch-format folder, each loaded once (weights
+    only) and checked to hold what the converter reads."""
+
+    def __init__(self, folder: str) -> None:
+        self.files = mio.legacy_rank_files(folder)
+        self.tp, self.pp = 1 + max(t for t, _ in self.files), 1 + max(p for _, p in self.files)
+        self._loaded: dict[str, dict] = {}
+
+    def checkpoint(self, tp_rank: int, pp_rank: int) -> dict:
+        path = self.files[(tp_rank, pp_rank)]
+        if path not in self._loaded:
+            loaded = mio.load_pt(path)
+            if not isinstance(loaded, dict):
+                raise InputFileError(f"{path} holds a {type(loaded).__name__}, not a Megatron-LM checkpoint dict")
+            self._loaded[path] = loaded
+        return self._loaded[path]
+
+    def chunks(self, tp_rank: int, pp_rank: int) -> list[dict]:
+        """The model state dicts (one per virtual-pipeline chunk) of rank (tp, pp)."""
+        return _chunk_dicts(self.checkpoint(tp_rank, pp_rank), self.files[(tp_rank, pp_rank)])
+
+    def tensor(self, tp_rank: int, pp_rank: int, chunk: int, key: str) -> torch.Tensor:
+        chunks = self.chunks(tp_rank, pp_rank)
+        value = chunks[chunk].get(key) if chunk < len(chunks) else None
+        if not isinstance(value, torch.Tensor):
+            raise InputFileError(f"{self.files[(tp_rank, pp_rank)]} has no tensor {key!r}"
+                                 + (" (the tp rank 0 file has it)" if tp_rank else ""))
+        return value
+
+
 def _read_torch_format(folder: str, iteration: int, base_flags: dict, vocab_override: Optional[int]):
-    files = mio.legacy_rank_files(folder)
-    tp, pp = 1 + max(t for t, _ in files), 1 + max(p for _, p in files)
-    cache: dict[str, dict] = {}
-
-    def load(path: str) -> dict:
-        if path not in cache:
-            cache[path] = mio.load_pt(path)
-        return cache[path]
-
-    first = load(files[(0, 0)])
-    args = _namespace_dict(first.get("args"), files[(0, 0)])
+    ranks = _RankFiles(folder)
+    tp, pp = ranks.tp, ranks.pp
+    args = _namespace_dict(ranks.checkpoint(0, 0).get("args"), ranks.files[(0, 0)])
     swiglu = bool(args.get("swiglu"))
     # [(global name, local key, pp rank, chunk)], layers numbered in Megatron's global order (chunk-major)
-    chunks = [_chunk_dicts(load(files[(0, p)]), files[(0, p)]) for p in range(pp)]
+    chunks = [ranks.chunks(0, p) for p in range(pp)]
     entries, offset = [], 0
     for v in range(len(chunks[0])):
         for p in range(pp):
@@ -188,13 +215,12 @@ def _read_torch_format(folder: str, iteration: int, base_flags: dict, vocab_over
                     continue  # the last stage's copy of the tied embedding
                 entries.append((name, key, p, v))
             offset += len(local_layers)
-    padded = int(chunks[0][0]["embedding.word_embeddings.weight"].shape[0]) * tp
+    padded = int(ranks.tensor(0, 0, 0, "embedding.word_embeddings.weight").shape[0]) * tp
     true_vocab = _true_vocab(args, padded, vocab_override)
 
     def loader(key: str, p: int, v: int, dim: Optional[int], stride: int, vocab: bool) -> Callable[[], torch.Tensor]:
         def read() -> torch.Tensor:
-            shards = [_chunk_dicts(load(files[(t, p)]), files[(t, p)])[v][key] for t in range(tp if dim is not None
-                                                                                           else 1)]
+            shards = [ranks.tensor(t, p, v, key) for t in range(tp if dim is not None else 1)]
             full = merge_shards([s.detach().clone() for s in shards], dim, stride)
             return full[:true_vocab] if vocab else full
         return read
@@ -214,9 +240,9 @@ def _read_torch_format(folder: str, iteration: int, base_flags: dict, vocab_over
 
 
 def _read_torch_dist(folder: str, iteration: int, base_flags: dict, vocab_override: Optional[int]):
-    common_path = os.path.join(folder, "common.pt")
-    if not os.path.exists(common_path):
+    if not os.path.lexists(os.path.join(folder, "common.pt")):
         raise ValueError(f"torch_dist checkpoint {folder} has no common.pt (where Megatron-LM keeps its args)")
+    common_path, _ = mio.file_inside(folder, "common.pt")
     common = mio.load_pt(common_path)
     args = _namespace_dict(common.get("args") if isinstance(common, dict) else None, common_path)
     reader = mio.DcpTensorReader(folder)

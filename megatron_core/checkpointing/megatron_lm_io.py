@@ -14,18 +14,25 @@ Megatron-LM writes two formats under ``<load>/iter_NNNNNNN`` (or ``<load>/releas
 ``.pt`` files are read with ``torch.load(weights_only=True)``: a class the checkpoint names that torch does not
 allow by default (``argparse.Namespace`` aside) becomes an inert ``Opaque`` placeholder, so no code from the
 file runs. The DCP ``.metadata`` pickle, which torch itself unpickles with plain ``pickle``, is read here by
-an unpickler that only resolves the checkpoint-metadata classes of ``torch.distributed.checkpoint``.
+an unpickler that only resolves the checkpoint-metadata classes of ``torch.distributed.checkpoint``; before any
+tensor is read, every storage entry must name a byte range of a regular file inside the folder (no ``../``,
+absolute path or symlink out, no device or FIFO, nothing past a file's end) and every tensor must fit the bytes
+its entries hold. A file that fails any of this is an ``InputFileError`` naming the folder, entry and path.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import pickle
 import re
+import stat
 from typing import Any, Optional
 
 import torch
+
+from megatron_core.utils.errors import InputFileError
 
 LATEST = "latest_checkpointed_iteration.txt"
 _RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(_\d{3})?$")
@@ -53,14 +60,65 @@ def _placeholder(qualified_name: str) -> type:
     return type(qualified_name.rsplit(".", 1)[-1], (Opaque,), {"qualified_name": qualified_name})
 
 
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+          (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"))
+
+
+def regular_file_size(path: str) -> int:
+    """The size of ``path`` (symlinks followed); anything but a regular file is refused before it is opened
+    (reading a device or FIFO would hang or never end)."""
+    if not os.path.exists(path):
+        raise InputFileError(f"{path} does not exist" + (" (a dangling symlink)" if os.path.islink(path) else ""))
+    status = os.stat(path)
+    if not stat.S_ISREG(status.st_mode):
+        kind = next((name for test, name in _KINDS if test(status.st_mode)), "not a plain file")
+        target = f" (a symlink to {os.path.realpath(path)})" if os.path.islink(path) else ""
+        raise InputFileError(f"{path}{target} is {kind}, not a regular file: refusing to read it")
+    return status.st_size
+
+
+def file_inside(folder: str, relative: str) -> tuple[str, int]:
+    """``(path, size)`` of ``folder/relative``: a regular file whose real path (symlinks followed) lies inside
+    ``folder``'s real path; ``../``, an absolute path or a symlink out is refused."""
+    path = os.path.join(folder, relative)
+    size = regular_file_size(path)
+    root, real = os.path.realpath(folder), os.path.realpath(path)
+    if os.path.commonpath([root, real]) != root:
+        raise InputFileError(f"{path} resolves to {real}, outside the checkpoint folder {root}: refusing to read it")
+    return path, size
+
+
+_TORCH_ADVICE = ("Weights only load failed", "Check the documentation", "Please file an issue", "(1)", "(2)")
+
+
+def _torch_reason(error: BaseException) -> str:
+    """The informative sentence of torch's multi-paragraph load error (its advice to load unsafely left out)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    kept = [line.split("WeightsUnpickler error:")[-1].strip() for line in lines if not line.startswith(_TORCH_ADVICE)]
+    reason = ([line for line in kept if line] or lines or [type(error).__name__])[0]
+    return reason.split(". Please use")[0].split(". This is an internal")[0].rstrip(".")
+
+
 def load_pt(path: str) -> Any:
     """``torch.load(path, weights_only=True, mmap=True)`` with ``argparse.Namespace`` allowed and every other
-    unknown class replaced by an ``Opaque`` placeholder (tensors stay memory-mapped until used)."""
-    unknown = torch.serialization.get_unsafe_globals_in_checkpoint(path)
-    allowed: list = [(argparse.Namespace, "argparse.Namespace")]
-    allowed += [(_placeholder(name), name) for name in unknown if name != "argparse.Namespace"]
-    with torch.serialization.safe_globals(allowed):
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    unknown class replaced by an ``Opaque`` placeholder (tensors stay memory-mapped until used).
+
+    Raises:
+        InputFileError: ``path`` is not a regular file, or not a ``torch.save`` zip file torch's weights-only
+            unpickler accepts (e.g. one naming a function of a blocked module such as ``os.system``).
+    """
+    regular_file_size(path)
+    try:
+        unknown = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+        allowed: list = [(argparse.Namespace, "argparse.Namespace")]
+        allowed += [(_placeholder(name), name) for name in unknown if name != "argparse.Namespace"]
+        with torch.serialization.safe_globals(allowed):
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as error:
+        raise InputFileError(f"{path} is not a loadable PyTorch checkpoint: {_torch_reason(error)}; it was refused "
+                             "(weights_only=True loads no code)") from error
+    except (RuntimeError, EOFError, ValueError, KeyError, TypeError, AttributeError) as error:
+        raise InputFileError(f"{path} is not a loadable PyTorch checkpoint: {_torch_reason(error)}") from error
 
 
 _DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem",
@@ -94,13 +152,68 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def read_dcp_metadata(folder: str):
-    """The ``torch.distributed.checkpoint`` ``Metadata`` of ``folder/.metadata``, read safely."""
-    path = os.path.join(folder, ".metadata")
+    """The ``torch.distributed.checkpoint`` ``Metadata`` of ``folder/.metadata``, read safely and checked: every
+    storage entry names a byte range of a regular file inside ``folder``, every tensor fits its entries' bytes.
+    Nothing but ``.metadata`` is opened (the files it names are only stat-ed)."""
+    path, _ = file_inside(folder, ".metadata")
     with open(path, "rb") as handle:
         try:
-            return _MetadataUnpickler(handle).load()
-        except (pickle.UnpicklingError, EOFError, AttributeError, ValueError) as error:
+            metadata = _MetadataUnpickler(handle).load()
+        except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError, KeyError,
+                IndexError) as error:
             raise ValueError(f"{path} is not a readable distributed-checkpoint metadata file: {error}") from error
+    held = _check_storage(folder, metadata)
+    _check_tensor_sizes(folder, metadata, held)
+    return metadata
+
+
+def _check_storage(folder: str, metadata: Any) -> dict[str, Optional[int]]:
+    """Refuses storage entries that are not byte ranges of regular files inside ``folder``; returns the bytes
+    the entries of each key hold (None for a key with transformed, e.g. compressed, entries)."""
+    where = f"torch_dist checkpoint {folder}: .metadata"
+    storage = getattr(metadata, "storage_data", None)
+    if not isinstance(storage, dict) or not isinstance(getattr(metadata, "state_dict_metadata", None), dict):
+        raise InputFileError(f"{where} holds a {type(metadata).__name__}, not a distributed-checkpoint Metadata")
+    sizes: dict[str, int] = {}
+    held: dict[str, Optional[int]] = {}
+    for index, info in storage.items():
+        fqn = getattr(index, "fqn", None)
+        relative, offset, length = (getattr(info, field, None) for field in ("relative_path", "offset", "length"))
+        if not isinstance(fqn, str) or not isinstance(relative, str) or not all(
+                isinstance(value, int) and value >= 0 for value in (offset, length)):
+            raise InputFileError(f"{where} has a storage entry that is not (key, relative_path, offset, length): "
+                                 f"{index!r}: {info!r}")
+        entry = f"{where} entry {fqn!r} names {relative!r}"
+        if relative not in sizes:
+            try:
+                sizes[relative] = file_inside(folder, relative)[1]
+            except InputFileError as error:
+                raise InputFileError(f"{entry}: {error}") from error
+        if offset + length > sizes[relative]:
+            raise InputFileError(f"{entry} at bytes [{offset}, {offset + length}), past the end of that file "
+                                 f"({sizes[relative]} bytes): refusing to read it")
+        transformed = bool(getattr(info, "transform_descriptors", None)) or held.get(fqn, 0) is None
+        held[fqn] = None if transformed else held.get(fqn, 0) + length
+    return held
+
+
+def _check_tensor_sizes(folder: str, metadata: Any, held: dict[str, Optional[int]]) -> None:
+    """Refuses a tensor whose shape and dtype need more bytes than its storage entries hold (a small file must
+    not make the reader allocate a huge tensor)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    for key, meta in metadata.state_dict_metadata.items():
+        if not isinstance(meta, TensorStorageMetadata):
+            continue
+        shape, dtype = getattr(meta, "size", None), getattr(meta.properties, "dtype", None)
+        where = f"torch_dist checkpoint {folder}: .metadata tensor {key!r}"
+        if not isinstance(shape, tuple) or not all(isinstance(d, int) and d >= 0 for d in shape) \
+                or not isinstance(dtype, torch.dtype):
+            raise InputFileError(f"{where} has shape {shape!r} and dtype {dtype!r}: not a tensor's")
+        needed = math.prod(shape) * dtype.itemsize
+        if held.get(key, 0) is not None and needed > held.get(key, 0):
+            raise InputFileError(f"{where} is {list(shape)} {dtype} ({needed} bytes) but its storage entries hold "
+                                 f"{held.get(key, 0)} bytes: refusing to read it")
 
 
 class DcpTensorReader:
@@ -129,9 +242,19 @@ class DcpTensorReader:
 
         if key not in self.tensors:
             raise ValueError(f"torch_dist checkpoint {self.folder} has no tensor {key!r}")
+        from torch.distributed.checkpoint.api import CheckpointException
+
         shape, dtype = self.tensors[key]
         target = {key: torch.empty(shape, dtype=dtype)}
-        dcp.load(target, storage_reader=self._reader, no_dist=True)
+        try:
+            dcp.load(target, storage_reader=self._reader, no_dist=True)
+        except CheckpointException as error:  # (a BaseException) wrapping what failed on this process
+            failure = next(iter(error.failures.values()), None)
+            cause = failure[0] if isinstance(failure, tuple) and isinstance(failure[0], BaseException) else error
+            if isinstance(cause, OSError):
+                raise cause from error  # the environment's failure (EIO, ...), classified as such
+            raise InputFileError(f"torch_dist checkpoint {self.folder}: tensor {key!r} cannot be read from its "
+                                 f"files: {type(cause).__name__}: {_torch_reason(cause)}") from cause
         return target[key]
 
 
@@ -152,9 +275,11 @@ def iteration_folder(load_dir: str) -> tuple[str, int]:
     if re.fullmatch(r"iter_\d+", base) or base == "release":
         return load_dir, 0 if base == "release" else int(base[5:])
     pointer = os.path.join(load_dir, LATEST)
-    if not os.path.exists(pointer):
+    if not os.path.lexists(pointer):
         raise ValueError(f"{load_dir} is not a Megatron-LM checkpoint folder: {LATEST} is missing")
-    text = open(pointer, encoding="utf-8").read().strip()
+    file_inside(load_dir, LATEST)
+    with open(pointer, "rb") as handle:
+        text = handle.read(64).decode("utf-8", errors="replace").strip()
     if text == "release":
         return os.path.join(load_dir, "release"), 0
     if not text.isdigit():
@@ -170,10 +295,11 @@ def detect_format(folder: str) -> Optional[str]:
     entries = os.listdir(folder) if os.path.isdir(folder) else []
     if any(_RANK_DIR.match(e) for e in entries):
         return "torch"
-    path = os.path.join(folder, "metadata.json")
-    if os.path.exists(path):
+    if os.path.lexists(os.path.join(folder, "metadata.json")):
+        path, _ = file_inside(folder, "metadata.json")
         try:
-            backend = json.load(open(path, encoding="utf-8")).get("sharded_backend")
+            with open(path, encoding="utf-8") as handle:
+                backend = json.load(handle).get("sharded_backend")
         except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
             return None
         return backend if isinstance(backend, str) else None
@@ -184,9 +310,9 @@ def describe_foreign(load_dir: str) -> Optional[str]:
     """A sentence naming ``load_dir`` as a Megatron-LM checkpoint and how to convert it, else None."""
     try:
         folder, _ = iteration_folder(load_dir)
+        fmt = detect_format(folder)
     except ValueError:
         return None
-    fmt = detect_format(folder)
     if fmt is None:
         return None
     return (f"{load_dir} is a Megatron-LM checkpoint ({fmt} format), not a megatron_core one; convert it with "
@@ -205,8 +331,9 @@ def legacy_rank_files(folder: str) -> dict[tuple[int, int], str]:
             raise ValueError(f"{folder}/{entry}: expert-parallel checkpoints (mp_rank_TT_PPP_EEE) are not supported; "
                              "mixture of experts is not built yet")
         path = os.path.join(folder, entry, "model_optim_rng.pt")
-        if not os.path.exists(path):
+        if not os.path.lexists(path):
             raise ValueError(f"Megatron-LM checkpoint {folder}: {entry}/model_optim_rng.pt is missing")
+        file_inside(folder, os.path.join(entry, "model_optim_rng.pt"))
         files[(int(match.group(1)), int(match.group(2) or 0))] = path
     tp = 1 + max(t for t, _ in files)
     pp = 1 + max(p for _, p in files)
@@ -222,5 +349,6 @@ def legacy_rank_dir(tp_rank: int, pp_rank: int, pp_size: int) -> str:
     return f"mp_rank_{tp_rank:02d}" if pp_size == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
 
 
-__all__ = ["Opaque", "load_pt", "read_dcp_metadata", "DcpTensorReader", "write_dcp", "iteration_folder",
-           "detect_format", "describe_foreign", "legacy_rank_files", "legacy_rank_dir", "LATEST"]
+__all__ = ["Opaque", "regular_file_size", "file_inside", "load_pt", "read_dcp_metadata", "DcpTensorReader",
+           "write_dcp", "iteration_folder", "detect_format", "describe_foreign", "legacy_rank_files",
+           "legacy_rank_dir", "LATEST"]
