@@ -15,6 +15,7 @@ Layout of ``{prefix}.idx`` (all little-endian), byte-compatible with Megatron-LM
 
 ``{prefix}.bin`` is the sequences' tokens back to back, in that dtype.
 """
+import contextlib
 import logging
 import os
 import struct
@@ -23,7 +24,7 @@ from typing import Dict, Iterable, Optional, Sequence
 
 import numpy as np
 
-from megatron_core.data.io_utils import make_temp_file
+from megatron_core.utils.durable import atomic_file, write_atomically
 
 logger = logging.getLogger(__name__)
 
@@ -99,8 +100,9 @@ class IndexedDatasetBuilder:
         dtype_code(self.dtype)  # validates
         folder = os.path.dirname(os.path.abspath(prefix))
         os.makedirs(folder, exist_ok=True)
-        self._tmp_bin = make_temp_file(folder, os.path.basename(prefix) + ".bin")
-        self._bin = open(self._tmp_bin, "wb")
+        # the .bin streams into a fresh temporary file (utils/durable.py) renamed into place by finalize()
+        self._files = contextlib.ExitStack()
+        self._bin = self._files.enter_context(atomic_file(data_file_path(prefix)))
         self._lengths: list = []
         self._document_indices: list = [0]
         self._max_token = np.iinfo(self.dtype).max if self.dtype.kind in "iu" else None
@@ -127,20 +129,14 @@ class IndexedDatasetBuilder:
         return len(self._document_indices) - 1
 
     def finalize(self) -> None:
-        """Writes the index and renames both files into place."""
-        self._bin.close()
+        """Writes the index and renames both files into place (the .bin first, each fsynced)."""
         data = index_bytes(self.dtype.type, self._lengths, self._document_indices)
-        tmp_idx = make_temp_file(os.path.dirname(self._tmp_bin), os.path.basename(self.prefix) + ".idx")
-        with open(tmp_idx, "wb") as f:
-            f.write(data)
-        os.replace(self._tmp_bin, data_file_path(self.prefix))
-        os.replace(tmp_idx, index_file_path(self.prefix))
+        self._files.close()  # fsync and rename of the .bin
+        write_atomically(index_file_path(self.prefix), data)
 
     def abort(self) -> None:
         """Closes and removes the temporary data file; nothing is written at ``prefix``."""
-        self._bin.close()
-        if os.path.exists(self._tmp_bin):
-            os.remove(self._tmp_bin)
+        self._files.__exit__(RuntimeError, RuntimeError("aborted"), None)  # atomic_file removes its temp file
 
     def __enter__(self) -> "IndexedDatasetBuilder":
         return self
