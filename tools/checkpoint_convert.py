@@ -72,13 +72,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-optim", action="store_true", help="drop optimizer states")
     p.add_argument("--check", action="store_true", help="compare logits of source and result (tp 1, pp 1)")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--allow-missing-checksums", action="store_true",
+                   help="--loader mcore: read a checkpoint whose metadata.json lacks the sha256 of some file")
     p.add_argument("--debug", action="store_true", help="show the traceback of a handled error")
     return p
 
 
 def read_source(args: argparse.Namespace) -> SourceCheckpoint:
     if args.loader == "mcore":
-        return read_mcore_checkpoint(args.load_dir)
+        return read_mcore_checkpoint(args.load_dir, require_checksums=not args.allow_missing_checksums)
     if args.loader in MEGATRON_LM:
         from megatron_core.checkpointing.megatron_lm import read_megatron_lm_checkpoint
         return read_megatron_lm_checkpoint(args.load_dir, vars(run_flags({})), true_vocab_size=args.true_vocab_size)

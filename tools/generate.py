@@ -52,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     for flag in ("--tokenizer-type", "--tokenizer-model", "--vocab-file", "--merge-file"):
         p.add_argument(flag, default=None, help="default: the checkpoint's")
     p.add_argument("--vocab-size", type=int, default=None, help="default: the checkpoint's")
+    p.add_argument("--allow-missing-checksums", action="store_true",
+                     help="load a checkpoint whose metadata.json lacks the sha256 of some file")
     p.add_argument("--debug", action="store_true", help="show the traceback of a handled error")
     return p
 
@@ -82,10 +84,11 @@ def run(args: argparse.Namespace) -> dict:
     """Loads the model at the launch layout and generates (collective); returns the result dict."""
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    _, metadata = read_metadata(args.load)
+    _, metadata = read_metadata(args.load, require_checksums=not args.allow_missing_checksums)
     flags = metadata.get("config") or {}
     state = initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
-    model, _ = load_gpt_from_checkpoint(args.load, state, parallel_output=False)
+    model, _ = load_gpt_from_checkpoint(args.load, state, parallel_output=False,
+                                        require_checksums=not args.allow_missing_checksums)
     ids, tokenizer = _prompt_ids(args, flags)
     if any(not 0 <= i < metadata["true_vocab_size"] for i in ids):
         raise ValueError(f"prompt ids {ids} fall outside the vocab [0, {metadata['true_vocab_size']})")

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 from types import MappingProxyType
 from typing import Any, Callable, Optional
 
@@ -26,6 +25,7 @@ import torch
 
 from megatron_core.checkpointing import megatron_lm_io as mio
 from megatron_core.checkpointing.convert import SourceCheckpoint, SourceTensor, is_vocab_tensor
+from megatron_core.checkpointing.durable import fsync_write, publish_folder, remove_path
 from megatron_core.checkpointing.layout import merge_shards, repad_vocab, take_shard
 from megatron_core.tensor_parallel import vocab_size_with_padding
 from megatron_core.utils.errors import InputFileError
@@ -339,8 +339,9 @@ def write_megatron_lm_checkpoint(source: SourceCheckpoint, save_dir: str, *, tp:
                          iteration=source.iteration, consumed_samples=source.consumed_samples, ckpt_format=ckpt_format)
     folder = os.path.join(save_dir, f"iter_{source.iteration:07d}")
     partial = folder + ".partial"
-    shutil.rmtree(partial, ignore_errors=True)
-    os.makedirs(partial)
+    os.makedirs(save_dir, exist_ok=True)
+    remove_path(partial)  # a leftover or a planted link: removed, never followed
+    os.mkdir(partial)
     common = {"args": args, "checkpoint_version": 3.0, "iteration": source.iteration}
     if ckpt_format == "torch":
         _write_torch_format(partial, full, common, tp=tp, pp=pp, layers=layers, tied=tied,
@@ -349,10 +350,9 @@ def write_megatron_lm_checkpoint(source: SourceCheckpoint, save_dir: str, *, tp:
         _write_torch_dist(partial, full, common, layers=layers)
     else:
         raise ValueError(f"--ckpt-format {ckpt_format!r} is not written here; choose torch or torch_dist")
-    shutil.rmtree(folder, ignore_errors=True)
-    os.replace(partial, folder)
-    with open(os.path.join(save_dir, mio.LATEST), "w", encoding="utf-8") as handle:
-        handle.write(str(source.iteration))
+    remove_path(folder)
+    publish_folder(partial, folder)
+    fsync_write(os.path.join(save_dir, mio.LATEST), str(source.iteration).encode())
     return folder
 
 
@@ -402,9 +402,9 @@ def _write_torch_dist(folder: str, full: dict, common: dict, *, layers: int) -> 
                for module in _EXTRA_STATE_MODULES for i in range(layers)}
     mio.write_dcp(folder, tensors, objects)
     torch.save(common, os.path.join(folder, "common.pt"))
-    with open(os.path.join(folder, "metadata.json"), "w", encoding="utf-8") as handle:
-        handle.write('{"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch", '
-                     '"common_backend_version": 1}')
+    fsync_write(os.path.join(folder, "metadata.json"),
+                b'{"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch", '
+                b'"common_backend_version": 1}')
 
 
 __all__ = ["read_megatron_lm_checkpoint", "write_megatron_lm_checkpoint", "flags_from_megatron_args",

@@ -49,10 +49,11 @@ def config_from_flags(flags: dict, *, tensor_model_parallel_size: int, pipeline_
 
 
 def load_gpt_from_checkpoint(load_dir: str, state: ParallelState, *, parallel_output: bool = False,
-                             iteration: Optional[int] = None) -> tuple[GPTModel, dict]:
+                             iteration: Optional[int] = None,
+                             require_checksums: bool = True) -> tuple[GPTModel, dict]:
     """This rank's stage of the checkpoint's model at ``state``'s tp/pp/ep (no sequence parallelism), weights
     loaded, in eval mode. Returns ``(model, metadata)``."""
-    folder, metadata = read_metadata(load_dir, iteration)
+    folder, metadata = read_metadata(load_dir, iteration, require_checksums=require_checksums)
     flags = metadata.get("config") or {}
     config = config_from_flags(flags, tensor_model_parallel_size=state.tp_size,
                                pipeline_model_parallel_size=state.pp_size, sequence_parallel=False)
@@ -63,7 +64,8 @@ def load_gpt_from_checkpoint(load_dir: str, state: ParallelState, *, parallel_ou
                      post_process=state.is_pipeline_last_stage, parallel_output=parallel_output,
                      make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
                      **({"layer_spec": moe_layer_spec()} if config.moe is not None else {}))
-    load_model_weights(folder, metadata, model_chunks=[model], config=config, state=state)
+    load_model_weights(folder, metadata, model_chunks=[model], config=config, state=state,
+                       require_checksums=require_checksums)
     return model.eval(), metadata
 
 
