@@ -301,6 +301,11 @@ def _complete_iterations(directory: str, *, below: int) -> list[int]:
 
 def _read_one(directory: str, iteration: int) -> tuple[str, dict]:
     folder = os.path.join(directory, f"iter_{iteration:07d}")
+    if os.path.islink(folder):
+        root, target = os.path.realpath(directory), os.path.realpath(folder)
+        if os.path.commonpath([root, target]) != root:
+            raise ValueError(f"checkpoint {folder} is a symlink to {target}, outside {directory}: refusing to read "
+                             "it (link the whole --load folder instead)")
     path = os.path.join(folder, "metadata.json")
     if not os.path.exists(path):
         raise ValueError(f"checkpoint {folder} is incomplete: metadata.json is missing")

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_core import destroy_model_parallel, initialize_model_parallel
-from megatron_core.checkpointing import load_model_weights, load_rng, read_metadata, save_checkpoint
+from megatron_core.checkpointing import save_checkpoint
 from megatron_core.checkpointing.async_save import AsyncCheckpointWriter
 from megatron_core.checkpointing.checkpoint import prepare_checkpoint
 from megatron_core.checkpointing.publication import check_save_folder
@@ -31,13 +31,12 @@ from megatron_core.training.data import build_datasets_once_per_node, build_run_
 from megatron_core.training.elastic import (
     check_elastic_world,
     exit_with_parent,
-    layout_change_notice,
     straggler_report,
     warn_shared_agent_store,
 )
 from megatron_core.training.metrics import MetricsWriter, format_log_line
 from megatron_core.training.optimizer_setup import build_optimizer, wrap_data_parallel
-from megatron_core.training.resume import check_resume, tokenizer_identity
+from megatron_core.training.resume import load, tokenizer_identity
 from megatron_core.training.runtime import RuntimeHooks, WandbSink
 from megatron_core.training.schedule import build_lr_scheduler, check_batch_schedule, resolve_train_iters
 from megatron_core.training.state import Run, reduce_losses, step_record
@@ -298,41 +297,6 @@ def _recorded_flags(run: Run) -> dict:
     """The run flags metadata.json records; how the files were written (--async-save) is not among them, so
     a sync and an async save of the same state give identical checkpoints."""
     return {k: v for k, v in run.args_dict().items() if k != "async_save"}
-
-
-def load(run: Run) -> int:
-    """Loads ``--load``; returns the iteration to continue from (0 with --finetune). An empty or missing
-    folder starts from scratch with a notice, as in Megatron-LM (its scripts pass --save and --load alike)."""
-    args = run.args
-    if not os.path.isdir(args.load) or not os.listdir(args.load):
-        if run.is_logging_rank:
-            print(f" no checkpoint to load in {args.load} (empty or missing): starting from scratch", flush=True)
-        return 0
-    checksums = not args.allow_missing_checksums
-    folder, metadata = read_metadata(args.load, fallback=args.load_fallback, require_checksums=checksums)
-    check_resume(folder, metadata, args, tokenizer_identity(args, run.tokenizer.vocab_size))
-    load_optim = not (args.finetune or args.no_load_optim)
-    # every rank loads: each file is hashed by one of them (--load-fallback has verified them all already)
-    load_model_weights(folder, metadata, model_chunks=run.chunks, config=run.config, state=run.state,
-                       optimizer=run.optimizer if load_optim else None, shared_verify=not args.load_fallback,
-                       require_checksums=checksums, strict=not args.ignore_mismatched_sizes,
-                       true_vocab_size=run.tokenizer.vocab_size)
-    if not load_optim:
-        run.optimizer.reload_model_params()
-    if args.finetune:
-        return 0
-    if not args.no_load_rng:
-        load_rng(folder, metadata, state=run.state, layout_extra={"zero_stage": args.zero_stage},
-                 require_checksums=checksums)
-    if metadata.get("scheduler"):
-        run.scheduler.load_state_dict(metadata["scheduler"])
-    run.consumed_samples = metadata["consumed_samples"]
-    if run.is_logging_rank:
-        print(f" loaded checkpoint {folder} (iteration {metadata['iteration']})", flush=True)
-        notice = layout_change_notice(metadata, run.state, run.num_microbatches)
-        if notice:
-            print(notice, flush=True)
-    return metadata["iteration"]
 
 
 def pretrain(args: argparse.Namespace) -> list[float]:

@@ -5,6 +5,7 @@ architecture flags (layers, heads, hidden, kv groups, ffn, experts, norms, posit
 true vocab size and the tokenizer's identity (its type and the sha256 of its files). Every mismatch is named
 with both values; ``--finetune --ignore-mismatched-sizes`` is the way to change a shape on purpose. The
 tensors themselves are compared too (``checkpointing/compatibility.py``): missing or extra ones are listed.
+``load(run)`` is the training loop's ``--load``: these checks, then weights, optimizer, RNG and scheduler.
 """
 from __future__ import annotations
 
@@ -12,6 +13,9 @@ import argparse
 import hashlib
 import os
 from typing import Optional
+
+from megatron_core.checkpointing import load_model_weights, load_rng, read_metadata
+from megatron_core.training.elastic import layout_change_notice
 
 ARCHITECTURE_FLAGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "group_query_attention",
                       "num_query_groups", "kv_channels", "num_experts", "moe_ffn_hidden_size",
@@ -70,4 +74,39 @@ def check_resume(folder: str, metadata: dict, args: argparse.Namespace, tokenize
                          "--ignore-mismatched-sizes to load what fits on purpose")
 
 
-__all__ = ["tokenizer_identity", "resume_mismatches", "check_resume", "ARCHITECTURE_FLAGS"]
+def load(run) -> int:
+    """Loads ``--load``; returns the iteration to continue from (0 with --finetune). An empty or missing
+    folder starts from scratch with a notice, as in Megatron-LM (its scripts pass --save and --load alike)."""
+    args = run.args
+    if not os.path.isdir(args.load) or not os.listdir(args.load):
+        if run.is_logging_rank:
+            print(f" no checkpoint to load in {args.load} (empty or missing): starting from scratch", flush=True)
+        return 0
+    checksums = not args.allow_missing_checksums
+    folder, metadata = read_metadata(args.load, fallback=args.load_fallback, require_checksums=checksums)
+    check_resume(folder, metadata, args, tokenizer_identity(args, run.tokenizer.vocab_size))
+    load_optim = not (args.finetune or args.no_load_optim)
+    # every rank loads: each file is hashed by one of them (--load-fallback has verified them all already)
+    load_model_weights(folder, metadata, model_chunks=run.chunks, config=run.config, state=run.state,
+                       optimizer=run.optimizer if load_optim else None, shared_verify=not args.load_fallback,
+                       require_checksums=checksums, strict=not args.ignore_mismatched_sizes,
+                       true_vocab_size=run.tokenizer.vocab_size)
+    if not load_optim:
+        run.optimizer.reload_model_params()
+    if args.finetune:
+        return 0
+    if not args.no_load_rng:
+        load_rng(folder, metadata, state=run.state, layout_extra={"zero_stage": args.zero_stage},
+                 require_checksums=checksums)
+    if metadata.get("scheduler"):
+        run.scheduler.load_state_dict(metadata["scheduler"])
+    run.consumed_samples = metadata["consumed_samples"]
+    if run.is_logging_rank:
+        print(f" loaded checkpoint {folder} (iteration {metadata['iteration']})", flush=True)
+        notice = layout_change_notice(metadata, run.state, run.num_microbatches)
+        if notice:
+            print(notice, flush=True)
+    return metadata["iteration"]
+
+
+__all__ = ["tokenizer_identity", "resume_mismatches", "check_resume", "load", "ARCHITECTURE_FLAGS"]

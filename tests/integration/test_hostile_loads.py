@@ -148,6 +148,13 @@ def test_a_shard_linked_outside_the_folder_is_refused_even_with_the_right_checks
     _refused(ckpt, SHARD, "is a symlink to", "outside the checkpoint folder")
 
 
+def test_an_iteration_folder_linked_outside_the_load_folder_is_refused(ckpt, tmp_path):
+    outside = tmp_path / "elsewhere"
+    shutil.move(_iter2(ckpt), outside)
+    os.symlink(outside, _iter2(ckpt))
+    _refused(ckpt, "iter_0000002 is a symlink to", "outside")
+
+
 def test_a_shard_of_another_length_than_recorded_is_named(ckpt):
     with open(os.path.join(_iter2(ckpt), SHARD), "ab") as handle:
         handle.write(b"\0" * 16)
