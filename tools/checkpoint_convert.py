@@ -42,7 +42,7 @@ from megatron_core.checkpointing.convert import (  # noqa: E402
     write_mcore_checkpoint,
 )
 from megatron_core.inference.checkpoint_model import config_from_flags, run_flags  # noqa: E402
-from megatron_core.utils.errors import debug_requested, run_entry_point  # noqa: E402
+from megatron_core.utils.errors import run_tool  # noqa: E402
 
 PROG = "checkpoint_convert.py"
 MEGATRON_LM = ("core", "megatron")  # Megatron-LM checkpoints of megatron-core's GPTModel (torch or torch_dist)
@@ -186,10 +186,7 @@ def _run(argv: Optional[Sequence[str]]) -> int:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Runs the tool; returns 0, or 2 for bad input / 1 for the environment after one ``checkpoint_convert.py:
     error:`` paragraph on stderr (with the traceback under ``--debug``)."""
-    try:
-        return run_entry_point(PROG, lambda: _run(argv), debug=debug_requested(argv))
-    except SystemExit as stop:  # report_and_exit's (or argparse's) status, returned to in-process callers
-        return int(stop.code or 0)
+    return run_tool(PROG, _run, argv)
 
 
 if __name__ == "__main__":

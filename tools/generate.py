@@ -27,7 +27,7 @@ from megatron_core import initialize_model_parallel  # noqa: E402
 from megatron_core.checkpointing import read_metadata  # noqa: E402
 from megatron_core.data import build_tokenizer  # noqa: E402
 from megatron_core.inference import generate, load_gpt_from_checkpoint  # noqa: E402
-from megatron_core.utils.errors import debug_requested, run_entry_point  # noqa: E402
+from megatron_core.utils.errors import run_tool  # noqa: E402
 from megatron_core.utils.files import atomic_write  # noqa: E402
 
 PROG = "generate.py"
@@ -122,10 +122,7 @@ def _run(argv: Optional[Sequence[str]]) -> int:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Runs the tool; returns 0, or 2 for bad input / 1 for the environment after one ``generate.py: error:``
     paragraph on stderr (with the traceback under ``--debug``)."""
-    try:
-        return run_entry_point(PROG, lambda: _run(argv), debug=debug_requested(argv))
-    except SystemExit as stop:  # report_and_exit's (or argparse's) status, returned to in-process callers
-        return int(stop.code or 0)
+    return run_tool(PROG, _run, argv)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from typing import Optional, Sequence
 
 from megatron_core.planning.planner import Hardware, Plan, Workload, rank_plans
 from megatron_core.training.arguments import build_parser, transformer_config, validate_args
-from megatron_core.utils.errors import debug_requested, run_entry_point
+from megatron_core.utils.errors import run_tool
 
 PROG = "plan_parallelism.py"
 
@@ -184,10 +184,7 @@ def _run(argv: Optional[Sequence[str]]) -> int:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Runs the planner; returns 0 (1 when no layout fits), or 2 for bad flags after one ``plan_parallelism.py:
     error:`` paragraph on stderr (with the traceback under ``--debug``)."""
-    try:
-        return run_entry_point(PROG, lambda: _run(argv), debug=debug_requested(argv))
-    except SystemExit as stop:  # report_and_exit's (or argparse's) status, returned to in-process callers
-        return int(stop.code or 0)
+    return run_tool(PROG, _run, argv)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from typing import List, Optional
 
 from megatron_core.data.preprocess import PreprocessStats, preprocess
 from megatron_core.data.tokenizers import TOKENIZER_TYPES
-from megatron_core.utils.errors import debug_requested, run_entry_point
+from megatron_core.utils.errors import run_tool
 from megatron_core.utils.progress import progress_bar
 
 PROG = "preprocess_data.py"
@@ -108,10 +108,7 @@ def _run(argv: Optional[List[str]]) -> int:
 def main(argv: Optional[List[str]] = None) -> int:
     """Runs the tool; returns 0, or 2 for bad input / 1 for the environment after one ``preprocess_data.py:
     error:`` paragraph on stderr (with the traceback under ``--debug``)."""
-    try:
-        return run_entry_point(PROG, lambda: _run(argv), debug=debug_requested(argv))
-    except SystemExit as stop:  # report_and_exit's (or argparse's) status, returned to in-process callers
-        return int(stop.code or 0)
+    return run_tool(PROG, _run, argv)
 
 
 if __name__ == "__main__":

@@ -64,6 +64,11 @@ _KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"), (
           (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"))
 
 
+def file_kind(mode: int) -> str:
+    """What a non-regular ``st_mode`` is, in words ("a FIFO", "a character device", ...)."""
+    return next((name for test, name in _KINDS if test(mode)), "not a plain file")
+
+
 def regular_file_size(path: str) -> int:
     """The size of ``path`` (symlinks followed); anything but a regular file is refused before it is opened
     (reading a device or FIFO would hang or never end)."""
@@ -71,7 +76,7 @@ def regular_file_size(path: str) -> int:
         raise InputFileError(f"{path} does not exist" + (" (a dangling symlink)" if os.path.islink(path) else ""))
     status = os.stat(path)
     if not stat.S_ISREG(status.st_mode):
-        kind = next((name for test, name in _KINDS if test(status.st_mode)), "not a plain file")
+        kind = file_kind(status.st_mode)
         target = f" (a symlink to {os.path.realpath(path)})" if os.path.islink(path) else ""
         raise InputFileError(f"{path}{target} is {kind}, not a regular file: refusing to read it")
     return status.st_size
@@ -349,6 +354,6 @@ def legacy_rank_dir(tp_rank: int, pp_rank: int, pp_size: int) -> str:
     return f"mp_rank_{tp_rank:02d}" if pp_size == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
 
 
-__all__ = ["Opaque", "regular_file_size", "file_inside", "load_pt", "read_dcp_metadata", "DcpTensorReader",
+__all__ = ["Opaque", "file_kind", "regular_file_size", "file_inside", "load_pt", "read_dcp_metadata", "DcpTensorReader",
            "write_dcp", "iteration_folder", "detect_format", "describe_foreign", "legacy_rank_files",
            "legacy_rank_dir", "LATEST"]

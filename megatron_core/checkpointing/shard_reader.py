@@ -22,6 +22,7 @@ from safetensors import safe_open
 from torch import nn
 
 from megatron_core.checkpointing.layout import merge_shards, partition_record, repad_vocab, take_shard
+from megatron_core.checkpointing.megatron_lm_io import file_kind
 from megatron_core.parallel_state import ParallelState
 
 VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
@@ -61,7 +62,8 @@ def safe_path(folder: str, file: str) -> str:
     if os.path.lexists(path):
         mode = os.stat(path).st_mode if os.path.exists(path) else 0
         if not stat.S_ISREG(mode):
-            raise ValueError(f"checkpoint file {path} is not a regular file ({_kind(mode)}): refusing to read it")
+            kind = file_kind(mode) if mode else "a dangling link"
+            raise ValueError(f"checkpoint file {path} is not a regular file ({kind}): refusing to read it")
     return path
 
 
@@ -81,14 +83,6 @@ def open_safetensors(path: str):
         return safe_open(path, framework="pt")
     except SafetensorError as error:
         raise ValueError(f"checkpoint file {path} is not a readable safetensors file ({error})") from error
-
-
-def _kind(mode: int) -> str:
-    for test, name in ((stat.S_ISDIR, "a folder"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket")):
-        if test(mode):
-            return name
-    return "a dangling link" if mode == 0 else "not a plain file"
 
 
 def verify_files(folder: str, metadata: dict, files: set[str], *, require_checksums: bool = True) -> None:

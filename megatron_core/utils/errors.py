@@ -18,7 +18,7 @@ import os
 import pickle
 import sys
 import traceback
-from typing import Callable, NoReturn, Optional
+from typing import Callable, NoReturn, Optional, Sequence
 
 _PATH_ERRORS = (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
 
@@ -105,6 +105,16 @@ def run_entry_point(prog: str, body: Callable[[], Optional[int]], *, debug: bool
         report_and_exit(prog, error, debug=debug)
 
 
+def run_tool(prog: str, run: Callable[[Optional[Sequence[str]]], Optional[int]],
+             argv: Optional[Sequence[str]] = None) -> int:
+    """A tool's ``main(argv)``: ``run_entry_point`` of ``run(argv)`` whose exit status is returned rather than
+    raised (argparse's and ``report_and_exit``'s), so in-process callers get 0, 1 or 2."""
+    try:
+        return run_entry_point(prog, lambda: run(argv), debug=debug_requested(argv))
+    except SystemExit as stop:
+        return stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 2)
+
+
 def debug_requested(argv) -> bool:
     """Whether ``--debug`` is among the command-line arguments (checked before parsing: a parse failure is
     reported too)."""
@@ -112,4 +122,4 @@ def debug_requested(argv) -> bool:
 
 
 __all__ = ["InputFileError", "EnvironmentFailure", "errno_name", "describe_os_error", "exit_status_of", "describe",
-           "report_and_exit", "run_entry_point", "debug_requested"]
+           "report_and_exit", "run_entry_point", "run_tool", "debug_requested"]
