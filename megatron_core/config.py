@@ -116,6 +116,13 @@ class TransformerConfig(ModelParallelConfig):
     """Share of each head's kv_channels that rope rotates (the rest pass through), in (0, 1]."""
     rotary_seq_len_interpolation_factor: Optional[float] = None
     """Positions are divided by this factor before rope (linear position interpolation)."""
+    rope_scaling: bool = False
+    """Llama-3.1's rope frequency scaling (Megatron's ``--use-rope-scaling``; transformers' rope type "llama3")
+    with the four ``rope_scaling_*`` values below."""
+    rope_scaling_factor: float = 8.0
+    rope_scaling_low_freq_factor: float = 1.0
+    rope_scaling_high_freq_factor: float = 4.0
+    rope_scaling_original_max_position_embeddings: int = 8192
     max_position_embeddings: Optional[int] = None
     hidden_dropout: float = 0.1
     attention_dropout: float = 0.1
@@ -150,6 +157,7 @@ class TransformerConfig(ModelParallelConfig):
         self._fill_defaults()
         self._validate_sizes()
         self._validate_choices()
+        self._validate_rope_scaling()
         self._validate_activation()
         self._validate_recompute()
         self._validate_pipeline_split()
@@ -205,6 +213,34 @@ class TransformerConfig(ModelParallelConfig):
         if self.rotary_seq_len_interpolation_factor is not None and self.rotary_seq_len_interpolation_factor <= 0:
             raise ValueError(f"rotary_seq_len_interpolation_factor must be > 0, got "
                              f"{self.rotary_seq_len_interpolation_factor}")
+
+    def _validate_rope_scaling(self) -> None:
+        if not self.rope_scaling:
+            return
+        values = (f"rope_scaling_factor={self.rope_scaling_factor}, rope_scaling_low_freq_factor="
+                  f"{self.rope_scaling_low_freq_factor}, rope_scaling_high_freq_factor="
+                  f"{self.rope_scaling_high_freq_factor}, rope_scaling_original_max_position_embeddings="
+                  f"{self.rope_scaling_original_max_position_embeddings}")
+        if self.position_embedding_type != "rope":
+            raise ValueError(f"rope_scaling=True needs position_embedding_type='rope', got "
+                             f"{self.position_embedding_type!r}")
+        if self.rotary_seq_len_interpolation_factor is not None:
+            raise ValueError(f"rope_scaling=True (Llama-3 scaling) and rotary_seq_len_interpolation_factor="
+                             f"{self.rotary_seq_len_interpolation_factor} (linear scaling) disagree: give one of them")
+        if not (self.rope_scaling_factor > 0 and 0 < self.rope_scaling_low_freq_factor
+                < self.rope_scaling_high_freq_factor and self.rope_scaling_original_max_position_embeddings >= 1):
+            raise ValueError(f"Llama-3 rope scaling needs factor > 0, 0 < low_freq_factor < high_freq_factor and "
+                             f"original_max_position_embeddings >= 1, got {values}")
+
+    @property
+    def llama3_rope_scaling(self):
+        """The ``rope.Llama3RopeScaling`` of ``rope_scaling``, or None."""
+        if not self.rope_scaling:
+            return None
+        from megatron_core.transformer.rope import Llama3RopeScaling
+        return Llama3RopeScaling(factor=self.rope_scaling_factor, low_freq_factor=self.rope_scaling_low_freq_factor,
+                                 high_freq_factor=self.rope_scaling_high_freq_factor,
+                                 original_max_position_embeddings=self.rope_scaling_original_max_position_embeddings)
 
     def _validate_choices(self) -> None:
         for name, allowed in _CHOICES.items():

@@ -44,6 +44,13 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--rotary-percent", type=float, default=1.0, help="share of each head's channels rotated")
     g.add_argument("--rotary-seq-len-interpolation-factor", type=float, default=None,
                    help="divide positions by this factor (linear position interpolation)")
+    g.add_argument("--use-rope-scaling", action="store_true",
+                   help="Llama-3.1's rope frequency scaling (transformers' rope type llama3)")
+    g.add_argument("--rope-scaling-factor", type=float, default=8.0, help="with --use-rope-scaling")
+    g.add_argument("--rope-scaling-low-freq-factor", type=float, default=1.0, help="with --use-rope-scaling")
+    g.add_argument("--rope-scaling-high-freq-factor", type=float, default=4.0, help="with --use-rope-scaling")
+    g.add_argument("--rope-scaling-original-max-position-embeddings", type=int, default=8192,
+                   help="with --use-rope-scaling: the context length the model was pretrained at")
     g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
     g.add_argument("--norm-epsilon", "--layernorm-epsilon", type=float, default=1e-5, dest="layernorm_epsilon")
     g.add_argument("--apply-layernorm-1p", action="store_true",
@@ -52,6 +59,8 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--swiglu", action="store_true")
     g.add_argument("--openai-gelu", action="store_true", help="GeLU with the tanh approximation (GPT-2)")
     g.add_argument("--disable-bias-linear", action="store_true")
+    g.add_argument("--add-qkv-bias", action="store_true",
+                   help="bias on the fused QKV projection even with --disable-bias-linear (Qwen2)")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--hidden-dropout", type=float, default=0.0)
     g.add_argument("--attention-dropout", type=float, default=0.0)
@@ -386,6 +395,11 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
         add_bias_linear=not args.disable_bias_linear, position_embedding_type=args.position_embedding_type,
         rotary_base=args.rotary_base, rotary_percent=args.rotary_percent,
         rotary_seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor,
+        rope_scaling=args.use_rope_scaling, rope_scaling_factor=args.rope_scaling_factor,
+        rope_scaling_low_freq_factor=args.rope_scaling_low_freq_factor,
+        rope_scaling_high_freq_factor=args.rope_scaling_high_freq_factor,
+        rope_scaling_original_max_position_embeddings=args.rope_scaling_original_max_position_embeddings,
+        add_qkv_bias=True if args.add_qkv_bias else None,
         max_position_embeddings=args.max_position_embeddings,
         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
         layernorm_epsilon=args.layernorm_epsilon, layernorm_zero_centered_gamma=args.apply_layernorm_1p,

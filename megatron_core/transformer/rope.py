@@ -1,10 +1,36 @@
 """Rotary position embeddings (Su et al. 2021, arXiv 2104.09864), GPT-NeoX / Llama "rotate half" layout."""
 from __future__ import annotations
 
+import dataclasses
+import math
 from typing import Optional
 
 import torch
 from torch import nn
+
+
+@dataclasses.dataclass(frozen=True)
+class Llama3RopeScaling:
+    """Llama-3.1's frequency scaling (Megatron's ``--use-rope-scaling``; transformers' rope type "llama3"):
+    wavelengths longer than ``original_max_position_embeddings / low_freq_factor`` are stretched by ``factor``,
+    shorter than ``original_max_position_embeddings / high_freq_factor`` kept, and the band between blended."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def apply(self, inv_freq: torch.Tensor) -> torch.Tensor:
+        """The scaled inverse frequencies ``[d/2]`` (transformers' ``_compute_llama3_parameters``, op for op)."""
+        low_freq_wavelen = self.original_max_position_embeddings / self.low_freq_factor
+        high_freq_wavelen = self.original_max_position_embeddings / self.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / self.factor, inv_freq)
+        smooth = (self.original_max_position_embeddings / wavelen - self.low_freq_factor) / (
+            self.high_freq_factor - self.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
+        is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+        return torch.where(is_medium, smoothed, scaled)
 
 
 class RotaryEmbedding(nn.Module):
@@ -12,14 +38,18 @@ class RotaryEmbedding(nn.Module):
     ``kv_channels * rotary_percent``; the remaining channels are not rotated).
 
     forward(position_ids ``[b, s]``) -> ``[s, b, 1, d]`` fp32 angles, each frequency repeated for both halves.
-    With ``seq_len_interpolation_factor`` positions are divided by it first (linear position interpolation).
+    With ``seq_len_interpolation_factor`` positions are divided by it first (linear position interpolation);
+    with ``rope_scaling`` the frequencies are Llama-3's scaled ones.
     """
 
     def __init__(self, rotary_dim: int, *, rotary_base: float = 10000.0,
-                 seq_len_interpolation_factor: Optional[float] = None) -> None:
+                 seq_len_interpolation_factor: Optional[float] = None,
+                 rope_scaling: Optional[Llama3RopeScaling] = None) -> None:
         super().__init__()
         exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim
-        self.register_buffer("inv_freq", 1.0 / (rotary_base ** exponents), persistent=False)
+        inv_freq = 1.0 / (rotary_base ** exponents)
+        self.register_buffer("inv_freq", inv_freq if rope_scaling is None else rope_scaling.apply(inv_freq),
+                             persistent=False)
         self.seq_len_interpolation_factor = seq_len_interpolation_factor
 
     def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
