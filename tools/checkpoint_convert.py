@@ -6,18 +6,20 @@
     # reshard an MoE checkpoint to tp 2 x ep 4 (experts keep their global ids; --num-experts divisible by ep)
     python tools/checkpoint_convert.py --model-type GPT --loader mcore --saver mcore --load-dir moe_ckpt \\
         --save-dir moe_tp2_ep4 --target-tensor-parallel-size 2 --target-expert-parallel-size 4
-    # import a Hugging Face GPT-2 folder (config.json + model.safetensors or pytorch_model.bin)
-    python tools/checkpoint_convert.py --model-type GPT --loader hf --saver mcore --load-dir gpt2 \\
-        --save-dir ckpt_gpt2 --target-tensor-parallel-size 2 --target-pipeline-parallel-size 2
+    # import a Hugging Face folder (gpt2, llama, mistral, qwen2, qwen3: config.json + model.safetensors, the
+    # sharded model-0000i-of-0000n.safetensors + index, or pytorch_model.bin; dtypes kept unless --params-dtype)
+    python tools/checkpoint_convert.py --model-type GPT --loader hf --saver mcore --load-dir Llama-3.2-1B \\
+        --save-dir ckpt_llama --target-tensor-parallel-size 2 --target-pipeline-parallel-size 2
     # import a Megatron-LM checkpoint (torch or torch_dist format, any tp/pp; target sizes default to its own)
     python tools/checkpoint_convert.py --model-type GPT --loader core --saver mcore --load-dir megatron_ckpt \\
         --save-dir ckpt
     # export one that megatron-core / Megatron-LM loads (--ckpt-format torch_dist or torch)
     python tools/checkpoint_convert.py --model-type GPT --loader mcore --saver core --load-dir ckpt \\
         --save-dir megatron_ckpt --target-tensor-parallel-size 2
-    # export for transformers.GPT2LMHeadModel.from_pretrained
+    # export for transformers.AutoModelForCausalLM.from_pretrained (the family the import recorded, else the
+    # one the architecture is), sharded past --max-shard-size
     python tools/checkpoint_convert.py --model-type GPT --loader mcore --saver hf --load-dir ckpt \\
-        --save-dir hf_out --target-tensor-parallel-size 1 --target-pipeline-parallel-size 1
+        --save-dir hf_out --max-shard-size 5GB
 
 No process group is needed; each tensor is read (its tp shards merged), re-split and written before the
 next, so memory stays near the largest tensor. A progress bar is drawn on stderr. ``--check`` builds the
@@ -52,8 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0], allow_abbrev=False)
     p.add_argument("--model-type", required=True, choices=["GPT"])
     p.add_argument("--loader", choices=["mcore", "hf", *MEGATRON_LM], default="mcore",
-                   help="mcore: a megatron_core checkpoint; hf: Hugging Face GPT-2; core / megatron: a Megatron-LM "
-                        "checkpoint (torch or torch_dist format)")
+                   help="mcore: a megatron_core checkpoint; hf: a Hugging Face folder (gpt2, llama, mistral, qwen2, "
+                        "qwen3); core / megatron: a Megatron-LM checkpoint (torch or torch_dist format)")
     p.add_argument("--saver", choices=["mcore", "hf", "core"], default="mcore",
                    help="core: a Megatron-LM checkpoint megatron-core's GPTModel loads (see --ckpt-format)")
     p.add_argument("--load-dir", required=True)
@@ -69,6 +71,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "NullTokenizer's from the checkpoint args, else every padded row is kept)")
     p.add_argument("--ckpt-format", choices=["torch", "torch_dist"], default="torch_dist",
                    help="--saver core: Megatron-LM's checkpoint format to write")
+    p.add_argument("--params-dtype", choices=["fp32", "bf16", "fp16"], default=None,
+                   help="--loader hf: convert every tensor to this dtype (default: keep the folder's)")
+    p.add_argument("--max-shard-size", default="50GB",
+                   help="--saver hf: largest safetensors file (transformers' units: 5GB, 500MB, 2GiB; default 50GB "
+                        "as save_pretrained); past it the weights are sharded with model.safetensors.index.json")
     p.add_argument("--no-optim", action="store_true", help="drop optimizer states")
     p.add_argument("--check", action="store_true", help="compare logits of source and result (tp 1, pp 1)")
     p.add_argument("--no-progress", action="store_true")
@@ -84,8 +91,8 @@ def read_source(args: argparse.Namespace) -> SourceCheckpoint:
     if args.loader in MEGATRON_LM:
         from megatron_core.checkpointing.megatron_lm import read_megatron_lm_checkpoint
         return read_megatron_lm_checkpoint(args.load_dir, vars(run_flags({})), true_vocab_size=args.true_vocab_size)
-    from megatron_core.checkpointing.hf_gpt2 import read_hf_gpt2
-    return read_hf_gpt2(args.load_dir, vars(run_flags({})))
+    from megatron_core.models.hf import read_hf
+    return read_hf(args.load_dir, vars(run_flags({})), params_dtype=args.params_dtype)
 
 
 def target_flags(source: SourceCheckpoint, tp: int, pp: int, ep: int = 1) -> dict:
@@ -128,8 +135,8 @@ def convert(args: argparse.Namespace) -> str:
         raise ValueError(f"{source.description} is a mixture-of-experts checkpoint: only --saver mcore writes "
                          "experts")
     if args.saver == "hf":
-        from megatron_core.checkpointing.hf_gpt2 import write_hf_gpt2
-        return write_hf_gpt2(source, args.save_dir, progress=not args.no_progress)
+        from megatron_core.models.hf import write_hf
+        return write_hf(source, args.save_dir, max_shard_size=args.max_shard_size, progress=not args.no_progress)
     flags = target_flags(source, tp, pp, ep)
     try:
         config = config_from_flags(flags, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
@@ -147,7 +154,7 @@ def reference_logits(kind: str, directory: str, tokens: torch.Tensor) -> torch.T
     """fp32 logits ``[b, s, V]`` of the model in ``directory`` (built at tp 1, pp 1; HF via transformers)."""
     if kind == "hf":
         import transformers
-        model = transformers.GPT2LMHeadModel.from_pretrained(directory, torch_dtype=torch.float32).eval()
+        model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
         with torch.no_grad():
             return model(tokens).logits.float()
     from megatron_core import initialize_model_parallel

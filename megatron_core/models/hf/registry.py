@@ -1,0 +1,48 @@
+"""The Hugging Face families we convert, keyed by config.json's ``model_type``; adding a family is adding a
+module with an ``ADAPTER`` and a line here."""
+from __future__ import annotations
+
+import importlib
+from types import MappingProxyType
+
+from megatron_core.models.hf.base import Adapter
+
+_MODULES = MappingProxyType({"gpt2": "gpt2", "llama": "llama", "mistral": "llama", "qwen2": "qwen2",
+                             "qwen3": "qwen3"})
+SUPPORTED = tuple(_MODULES)
+_NOT_YET = MappingProxyType({"mixtral": "mixture of experts", "qwen3_moe": "mixture of experts",
+                             "qwen2_moe": "mixture of experts", "deepseek_v3": "multi-latent attention and experts",
+                             "gpt_oss": "windowed attention, sinks and experts"})
+
+
+def get_adapter(model_type) -> Adapter:
+    """The adapter of ``model_type``; ValueError naming it and listing the supported ones otherwise."""
+    if model_type not in _MODULES:
+        why = f" ({_NOT_YET[model_type]})" if model_type in _NOT_YET else ""
+        raise ValueError(f"model_type {model_type!r} is not supported yet{why}; supported: {', '.join(SUPPORTED)}")
+    module = importlib.import_module(f"megatron_core.models.hf.{_MODULES[model_type]}")
+    return module.ADAPTERS[model_type]
+
+
+def adapter_for_flags(flags: dict, description: str) -> Adapter:
+    """The family an export writes: the recorded ``hf_model_type``, else the one the architecture is (GPT-2
+    for LayerNorm + GeLU + learned positions; for RMSNorm + SwiGLU + rope: qwen3 with qk-norm, qwen2 with a
+    qkv bias only, else llama)."""
+    if flags.get("hf_model_type"):
+        return get_adapter(flags["hf_model_type"])
+    if flags.get("num_experts"):
+        raise ValueError(f"{description} is a mixture-of-experts model: no Hugging Face export for it yet")
+    shape = (flags.get("normalization", "LayerNorm"), bool(flags.get("swiglu")),
+             flags.get("position_embedding_type", "learned_absolute"))
+    if shape == ("LayerNorm", False, "learned_absolute"):
+        return get_adapter("gpt2")
+    if shape == ("RMSNorm", True, "rope"):
+        if flags.get("qk_layernorm"):
+            return get_adapter("qwen3")
+        return get_adapter("qwen2" if flags.get("add_qkv_bias") else "llama")
+    raise ValueError(f"{description}: normalization={shape[0]!r}, swiglu={shape[1]}, position_embedding_type="
+                     f"{shape[2]!r} match no Hugging Face family we export (gpt2: LayerNorm, no swiglu, "
+                     "learned_absolute; llama / qwen2 / qwen3: RMSNorm, swiglu, rope)")
+
+
+__all__ = ["get_adapter", "adapter_for_flags", "SUPPORTED"]
