@@ -147,3 +147,22 @@ def test_bad_folders_exit_2_naming_the_problem(folders, tmp_path, capsys):
     assert "model.layers.0.mlp.gate_proj.weight" in err and "[64, 32]" in err and "[48, 32]" in err
     err = _refused(capsys, folders["qwen3"][0], out, "--target-tensor-parallel-size", "3")
     assert "num_attention_heads 4 is not divisible by tensor_model_parallel_size 3" in err
+
+
+LLAMA_RUN = ["--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope", "--disable-bias-linear",
+             "--group-query-attention", "--num-query-groups", "2", "--untie-embeddings-and-output-weights",
+             "--use-rope-scaling", "--rope-scaling-factor", "4", "--rope-scaling-original-max-position-embeddings", "8"]
+
+
+@pytest.mark.parametrize("family,flags", [("llama", []), ("qwen2", ["--add-qkv-bias"]), ("qwen3", ["--qk-layernorm"])])
+def test_export_of_a_run_trained_here_picks_the_family(distributed, family, flags, tmp_path, capsys):
+    """A checkpoint of pretrain_gpt.py (no recorded hf_model_type) exports as the family its architecture is,
+    Llama-3 rope scaling included, with transformers' logits equal to ours (--check)."""
+    from tests.integration.test_checkpoint_tools import _train
+    distributed(1, _train, [*LLAMA_RUN, *flags, "--train-iters", "2", "--save", str(tmp_path / "run")])
+    assert _convert(tmp_path / "run", tmp_path / "hf", "--check", loader="mcore", saver="hf") == 0
+    assert float(capsys.readouterr().out.split("= ")[-1]) <= 1e-5
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["model_type"] == family and config["rope_parameters"]["rope_type"] == "llama3"
+    _, info = _hf_logits(tmp_path / "hf")
+    assert not info["missing_keys"] and not info["unexpected_keys"], info

@@ -106,7 +106,7 @@ def check_exportable(flags: dict, model_type: str, *, qkv_bias: bool = False, qk
 def dense_hf_config(flags: dict, vocab: int, *, model_type: str, architecture: str) -> dict:
     """config.json of the llama-shaped model the run flags describe."""
     heads = flags["num_attention_heads"]
-    groups = flags.get("num_query_groups") if flags.get("group_query_attention") else heads
+    groups = (flags.get("num_query_groups") if flags.get("group_query_attention") else None) or heads
     rope = {"rope_type": "default", "rope_theta": float(flags.get("rotary_base", 10000.0))}
     if flags.get("use_rope_scaling"):
         rope.update(rope_type="llama3", factor=flags.get("rope_scaling_factor", 8.0),
@@ -116,7 +116,8 @@ def dense_hf_config(flags: dict, vocab: int, *, model_type: str, architecture: s
     elif flags.get("rotary_seq_len_interpolation_factor"):
         rope.update(rope_type="linear", factor=flags["rotary_seq_len_interpolation_factor"])
     return {"architectures": [architecture], "model_type": model_type, "vocab_size": vocab,
-            "hidden_size": flags["hidden_size"], "intermediate_size": flags.get("ffn_hidden_size"),
+            "hidden_size": flags["hidden_size"],
+            "intermediate_size": flags.get("ffn_hidden_size") or 4 * flags["hidden_size"],
             "num_hidden_layers": flags["num_layers"], "num_attention_heads": heads, "num_key_value_heads": groups,
             "head_dim": flags.get("kv_channels") or flags["hidden_size"] // heads, "hidden_act": "silu",
             "max_position_embeddings": flags.get("max_position_embeddings") or flags.get("seq_length"),
