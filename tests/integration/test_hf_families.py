@@ -166,3 +166,21 @@ def test_export_of_a_run_trained_here_picks_the_family(distributed, family, flag
     assert config["model_type"] == family and config["rope_parameters"]["rope_type"] == "llama3"
     _, info = _hf_logits(tmp_path / "hf")
     assert not info["missing_keys"] and not info["unexpected_keys"], info
+
+
+def test_llama3_rope_frequencies_are_transformers_and_bad_values_are_refused():
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from megatron_core.config import TransformerConfig
+    from megatron_core.transformer.rope import Llama3RopeScaling, RotaryEmbedding
+    config = transformers.LlamaConfig(hidden_size=64, num_attention_heads=4, rope_parameters={**LLAMA3, "factor": 4.0})
+    expected, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+    ours = RotaryEmbedding(16, rope_scaling=Llama3RopeScaling(4.0, 1.0, 4.0, 8)).inv_freq
+    assert torch.equal(ours, expected)
+    common = dict(num_layers=1, hidden_size=32, num_attention_heads=4, rope_scaling=True)
+    with pytest.raises(ValueError, match="rope_scaling=True needs position_embedding_type='rope'"):
+        TransformerConfig(**common, max_position_embeddings=8)
+    with pytest.raises(ValueError, match="low_freq_factor < high_freq_factor"):
+        TransformerConfig(**common, position_embedding_type="rope", rope_scaling_low_freq_factor=4.0)
+    with pytest.raises(ValueError, match="disagree"):
+        TransformerConfig(**common, position_embedding_type="rope", rotary_seq_len_interpolation_factor=2.0)
