@@ -2,6 +2,8 @@
 (``gpt2.py`` holds the table, ``io.py`` the streaming shared by every family)."""
 from __future__ import annotations
 
+from types import MappingProxyType
+
 import torch
 
 from megatron_core.checkpointing.convert import SourceCheckpoint
@@ -9,7 +11,8 @@ from megatron_core.models.hf import gpt2 as _gpt2
 from megatron_core.models.hf.base import dims_of
 from megatron_core.models.hf.io import read_hf, write_hf
 
-_KINDS = {"copy": _gpt2.COPY, "conv1d": _gpt2.CONV1D, "qkv_weight": _gpt2.GPT2_QKV, "qkv_bias": _gpt2.GPT2_QKV}
+_KINDS = MappingProxyType({"copy": _gpt2.COPY, "conv1d": _gpt2.CONV1D, "qkv_weight": _gpt2.GPT2_QKV,
+                           "qkv_bias": _gpt2.GPT2_QKV})
 
 
 def read_hf_gpt2(hf_dir: str, base_flags: dict) -> SourceCheckpoint:

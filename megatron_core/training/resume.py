@@ -20,8 +20,8 @@ from megatron_core.training.elastic import layout_change_notice
 ARCHITECTURE_FLAGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "group_query_attention",
                       "num_query_groups", "kv_channels", "num_experts", "moe_ffn_hidden_size",
                       "moe_shared_expert_intermediate_size", "normalization", "position_embedding_type", "swiglu",
-                      "untie_embeddings_and_output_weights", "disable_bias_linear", "qk_layernorm",
-                      "add_position_embedding")
+                      "untie_embeddings_and_output_weights", "disable_bias_linear", "add_qkv_bias", "qk_layernorm",
+                      "add_position_embedding", "use_rope_scaling", "rope_scaling_factor")
 TOKENIZER_FILE_FLAGS = ("vocab_file", "merge_file", "tokenizer_model")
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from types import MappingProxyType
 from typing import Callable, Optional
 
 import torch
@@ -27,7 +28,7 @@ from megatron_core.utils.errors import InputFileError
 from megatron_core.utils.progress import progress_bar
 
 INDEX = "model.safetensors.index.json"
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = MappingProxyType({"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16})
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "generation_config.json")
 
@@ -64,7 +65,8 @@ def read_hf_config(hf_dir: str) -> tuple[dict, Adapter, str]:
     return config, adapter, path
 
 
-_HEADER_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
+_HEADER_DTYPES = MappingProxyType({"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
+                                   "F64": torch.float64})
 
 
 def _safetensors_shapes(path: str) -> dict[str, tuple[tuple, Optional[torch.dtype]]]:
