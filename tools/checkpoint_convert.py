@@ -6,8 +6,9 @@
     # reshard an MoE checkpoint to tp 2 x ep 4 (experts keep their global ids; --num-experts divisible by ep)
     python tools/checkpoint_convert.py --model-type GPT --loader mcore --saver mcore --load-dir moe_ckpt \\
         --save-dir moe_tp2_ep4 --target-tensor-parallel-size 2 --target-expert-parallel-size 4
-    # import a Hugging Face folder (gpt2, llama, mistral, qwen2, qwen3: config.json + model.safetensors, the
-    # sharded model-0000i-of-0000n.safetensors + index, or pytorch_model.bin; dtypes kept unless --params-dtype)
+    # import a Hugging Face folder (gpt2, llama, mistral, qwen2, qwen3, mixtral, qwen3_moe: config.json +
+    # model.safetensors, the sharded model-0000i-of-0000n.safetensors + index, or pytorch_model.bin; dtypes kept
+    # unless --params-dtype; MoE experts go to their --target-expert-parallel-size rank)
     python tools/checkpoint_convert.py --model-type GPT --loader hf --saver mcore --load-dir Llama-3.2-1B \\
         --save-dir ckpt_llama --target-tensor-parallel-size 2 --target-pipeline-parallel-size 2
     # import a Megatron-LM checkpoint (torch or torch_dist format, any tp/pp; target sizes default to its own)
@@ -55,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-type", required=True, choices=["GPT"])
     p.add_argument("--loader", choices=["mcore", "hf", *MEGATRON_LM], default="mcore",
                    help="mcore: a megatron_core checkpoint; hf: a Hugging Face folder (gpt2, llama, mistral, qwen2, "
-                        "qwen3); core / megatron: a Megatron-LM checkpoint (torch or torch_dist format)")
+                        "qwen3, mixtral, qwen3_moe); core / megatron: a Megatron-LM checkpoint (torch or torch_dist "
+                        "format)")
     p.add_argument("--saver", choices=["mcore", "hf", "core"], default="mcore",
                    help="core: a Megatron-LM checkpoint megatron-core's GPTModel loads (see --ckpt-format)")
     p.add_argument("--load-dir", required=True)
@@ -131,9 +133,9 @@ def convert(args: argparse.Namespace) -> str:
     ep = args.target_expert_parallel_size
     ep = int(source.layout.get("ep", 1)) if ep is None else ep
     has_experts = any(expert_id_of(t.name) is not None for t in source.tensors)
-    if has_experts and args.saver != "mcore":
-        raise ValueError(f"{source.description} is a mixture-of-experts checkpoint: only --saver mcore writes "
-                         "experts")
+    if has_experts and args.saver == "core":
+        raise ValueError(f"{source.description} is a mixture-of-experts checkpoint: only --saver mcore and --saver "
+                         "hf write experts")
     if args.saver == "hf":
         from megatron_core.models.hf import write_hf
         return write_hf(source, args.save_dir, max_shard_size=args.max_shard_size, progress=not args.no_progress)

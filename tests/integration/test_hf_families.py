@@ -127,9 +127,10 @@ def test_bad_folders_exit_2_naming_the_problem(folders, tmp_path, capsys):
         return target
     out = tmp_path / "out"
     folder = copy("mistral")
-    _edit_config(folder, model_type="mixtral")
+    _edit_config(folder, model_type="deepseek_v3")
     err = _refused(capsys, folder, out)
-    assert "model_type 'mixtral' is not supported yet" in err and "supported: gpt2, llama, mistral, qwen2, qwen3" in err
+    assert "model_type 'deepseek_v3' is not supported yet" in err
+    assert "supported: gpt2, llama, mistral, qwen2, qwen3, mixtral, qwen3_moe" in err
     folder = copy("mistral")
     _edit_config(folder, sliding_window=4096)
     assert "sliding_window=4096" in _refused(capsys, folder, out)

@@ -115,6 +115,11 @@ def expected_shape(name: str, flags: dict, vocab: int) -> Optional[tuple[int, ..
                 "k_layernorm.weight": (d,), "linear_qkv.weight": (qkv, h), "linear_qkv.bias": (qkv,),
                 "linear_proj.weight": (h, heads * d), "linear_proj.bias": (h,), "linear_fc1.weight": (fc1, h),
                 "linear_fc1.bias": (fc1,), "linear_fc2.weight": (h, ffn), "linear_fc2.bias": (h,)}
+    if ".mlp.experts.local_experts." in name:  # a routed expert: moe_ffn_hidden_size wide
+        expert_ffn = flags.get("moe_ffn_hidden_size") or ffn
+        suffixes.update({"linear_fc1.weight": (2 * expert_ffn if flags.get("swiglu") else expert_ffn, h),
+                         "linear_fc2.weight": (h, expert_ffn)})
+    suffixes["mlp.router.weight"] = (flags.get("num_experts") or 0, h)
     for suffix in sorted(suffixes, key=len, reverse=True):  # q_layernorm before layernorm
         if name.endswith(suffix):
             return tuple(suffixes[suffix])

@@ -8,10 +8,9 @@ from types import MappingProxyType
 from megatron_core.models.hf.base import Adapter
 
 _MODULES = MappingProxyType({"gpt2": "gpt2", "llama": "llama", "mistral": "llama", "qwen2": "qwen2",
-                             "qwen3": "qwen3"})
+                             "qwen3": "qwen3", "mixtral": "mixtral", "qwen3_moe": "qwen3_moe"})
 SUPPORTED = tuple(_MODULES)
-_NOT_YET = MappingProxyType({"mixtral": "mixture of experts", "qwen3_moe": "mixture of experts",
-                             "qwen2_moe": "mixture of experts", "deepseek_v3": "multi-latent attention and experts",
+_NOT_YET = MappingProxyType({"qwen2_moe": "shared experts", "deepseek_v3": "multi-latent attention and experts",
                              "gpt_oss": "windowed attention, sinks and experts"})
 
 
@@ -27,16 +26,20 @@ def get_adapter(model_type) -> Adapter:
 def adapter_for_flags(flags: dict, description: str) -> Adapter:
     """The family an export writes: the recorded ``hf_model_type``, else the one the architecture is (GPT-2
     for LayerNorm + GeLU + learned positions; for RMSNorm + SwiGLU + rope: qwen3 with qk-norm, qwen2 with a
-    qkv bias only, else llama)."""
+    qkv bias only, else llama; with experts: qwen3_moe with qk-norm, else mixtral)."""
     if flags.get("hf_model_type"):
         return get_adapter(flags["hf_model_type"])
-    if flags.get("num_experts"):
-        raise ValueError(f"{description} is a mixture-of-experts model: no Hugging Face export for it yet")
     shape = (flags.get("normalization", "LayerNorm"), bool(flags.get("swiglu")),
              flags.get("position_embedding_type", "learned_absolute"))
+    if flags.get("num_experts") and shape != ("RMSNorm", True, "rope"):
+        raise ValueError(f"{description} is a mixture-of-experts model with normalization={shape[0]!r}, swiglu="
+                         f"{shape[1]}, position_embedding_type={shape[2]!r}: the MoE families we export (mixtral, "
+                         "qwen3_moe) need RMSNorm, swiglu, rope")
     if shape == ("LayerNorm", False, "learned_absolute"):
         return get_adapter("gpt2")
     if shape == ("RMSNorm", True, "rope"):
+        if flags.get("num_experts"):
+            return get_adapter("qwen3_moe" if flags.get("qk_layernorm") else "mixtral")
         if flags.get("qk_layernorm"):
             return get_adapter("qwen3")
         return get_adapter("qwen2" if flags.get("add_qkv_bias") else "llama")

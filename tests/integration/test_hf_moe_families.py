@@ -1,0 +1,171 @@
+"""Hugging Face mixture-of-experts families through tools/checkpoint_convert.py, against transformers itself:
+mixtral (softmax, top-2, renormalized) and qwen3_moe (qk-norm, head_dim != hidden/heads, a dense layer from
+``mlp_only_layers``; ``norm_topk_prob`` false and true), 4 experts each, import at tp 1 x ep 1, at pp 2 x ep 2
+and at ep 4 with transformers' fp32 logits, export back from pp 2 x ep 2 to the per-expert names
+``save_pretrained`` writes (no missing or unexpected keys, the same logits and routing config); bad folders and
+layouts exit 2 naming the key, with nothing written."""
+import json
+import shutil
+
+import pytest
+import torch
+
+from tests.data.conftest import load_tool
+from tests.integration.test_hf_families import TOKENS, _convert, _edit_config, _hf_logits, _refused
+
+transformers = pytest.importorskip("transformers")
+
+SMALL = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             vocab_size=100, max_position_embeddings=64, initializer_range=0.2, num_experts_per_tok=2,
+             tie_word_embeddings=False)
+QWEN3_MOE = dict(num_experts=4, moe_intermediate_size=16, head_dim=16, num_hidden_layers=3, mlp_only_layers=[1],
+                 router_aux_loss_coef=0.01)
+FAMILIES = {
+    "mixtral": (transformers.MixtralConfig, dict(num_local_experts=4, sliding_window=None)),
+    "qwen3_moe": (transformers.Qwen3MoeConfig, dict(QWEN3_MOE, norm_topk_prob=False)),
+    "qwen3_moe_norm": (transformers.Qwen3MoeConfig, dict(QWEN3_MOE, norm_topk_prob=True)),
+}
+ROUTING_KEYS = ("num_local_experts", "num_experts", "num_experts_per_tok", "norm_topk_prob", "mlp_only_layers",
+                "moe_intermediate_size", "intermediate_size", "head_dim", "router_aux_loss_coef")
+TOOL = load_tool("checkpoint_convert")
+
+
+def _model_type(family):
+    return family.removesuffix("_norm")
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """{family: (HF folder, transformers' logits)}; routers drawn wide so that no two experts nearly tie."""
+    base = tmp_path_factory.mktemp("hf_moe_families")
+    out = {}
+    for i, (family, (config_class, extra)) in enumerate(FAMILIES.items()):
+        torch.manual_seed(20 + i)
+        model = transformers.AutoModelForCausalLM.from_config(config_class(**{**SMALL, **extra})).eval()
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("gate.weight"):
+                    param.normal_(0.0, 1.0)
+        directory = base / family
+        model.save_pretrained(directory)
+        with torch.no_grad():
+            out[family] = (directory, model(TOKENS).logits)
+    return out
+
+
+@pytest.fixture(scope="module")
+def imported(folders, tmp_path_factory):
+    """{family: pp 2 x ep 2 checkpoint folder}."""
+    base = tmp_path_factory.mktemp("moe_imported")
+    for family, (directory, _) in folders.items():
+        assert _convert(directory, base / family, "--target-pipeline-parallel-size", "2",
+                        "--target-expert-parallel-size", "2") == 0
+    return {family: base / family for family in folders}
+
+
+def test_save_pretrained_writes_per_expert_names(folders):
+    from megatron_core.models.hf.io import open_hf_weights
+    names = set(open_hf_weights(str(folders["mixtral"][0]))[0])
+    assert {"model.layers.0.block_sparse_moe.gate.weight", "model.layers.1.block_sparse_moe.experts.3.w3.weight"} \
+        <= names
+    names = set(open_hf_weights(str(folders["qwen3_moe"][0]))[0])
+    assert "model.layers.2.mlp.experts.0.gate_proj.weight" in names and "model.layers.1.mlp.gate_proj.weight" in names
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_import_at_tp1_ep1_matches_transformers(folders, family, tmp_path, capsys):
+    directory, _ = folders[family]
+    assert _convert(directory, tmp_path / "ep1", "--target-tensor-parallel-size", "1",
+                    "--target-pipeline-parallel-size", "1", "--check") == 0
+    difference = float(capsys.readouterr().out.split("= ")[-1])
+    assert difference <= 1e-5, (family, difference)
+    config = json.loads(next((tmp_path / "ep1").glob("iter_*/metadata.json")).read_text())["config"]
+    assert config["hf_model_type"] == _model_type(family) and config["num_experts"] == 4
+    assert config["moe_router_topk"] == 2 and config["moe_expert_capacity_factor"] is None
+    if family.startswith("qwen3_moe"):
+        assert config["moe_layer_freq"] == [1, 0, 1] and config["moe_ffn_hidden_size"] == 16
+        assert config["moe_router_pre_softmax"] == (family == "qwen3_moe") and config["moe_aux_loss_coeff"] == 0.01
+    else:
+        assert config["moe_layer_freq"] == 1 and not config["moe_router_pre_softmax"]
+
+
+def _logits_at_expert_layouts(directories, tokens):
+    """On 4 ranks: each checkpoint's logits at pp 2 x ep 2 (last stage, else None) and at ep 4."""
+    from megatron_core import initialize_model_parallel
+    from megatron_core.inference import load_gpt_from_checkpoint, pipeline_forward
+    out = []
+    with torch.no_grad():
+        for state in (initialize_model_parallel(1, 2, expert_model_parallel_size=2),
+                      initialize_model_parallel(1, 1, expert_model_parallel_size=4)):
+            for directory in directories:
+                model, _ = load_gpt_from_checkpoint(directory, state)
+                out.append(pipeline_forward(model, state, tokens))
+    return out
+
+
+def test_import_at_pp2_ep2_and_ep4_matches_transformers(distributed, folders, imported):
+    metadata = json.loads(next(imported["mixtral"].glob("iter_*/metadata.json")).read_text())
+    assert metadata["layout"]["ep"] == 2
+    assert metadata["tensors"]["decoder.layers.1.mlp.experts.local_experts.3.linear_fc2.weight"]["shards"]["0"][
+        "file"] == "experts_ep001_pp001.safetensors"
+    results = distributed(4, _logits_at_expert_layouts, [str(imported[f]) for f in FAMILIES], TOKENS)
+    count = len(FAMILIES)
+    for family, at_pp2, at_ep4 in zip(FAMILIES, results[-1][:count], results[0][count:]):
+        torch.testing.assert_close(at_pp2, folders[family][1], rtol=0, atol=1e-5, msg=f"{family} pp2 x ep2")
+        torch.testing.assert_close(at_ep4, folders[family][1], rtol=0, atol=1e-5, msg=f"{family} ep4")
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_export_from_pp2_ep2_loads_in_transformers(folders, imported, family, tmp_path):
+    assert _convert(imported[family], tmp_path / "hf", loader="mcore", saver="hf") == 0
+    logits, info = _hf_logits(tmp_path / "hf")
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    torch.testing.assert_close(logits, folders[family][1], rtol=0, atol=1e-5)
+    exported = json.loads((tmp_path / "hf" / "config.json").read_text())
+    original = json.loads((folders[family][0] / "config.json").read_text())
+    assert exported["model_type"] == original["model_type"] == _model_type(family)
+    assert {k: exported.get(k) for k in ROUTING_KEYS} == {k: original.get(k) for k in ROUTING_KEYS}
+    from megatron_core.models.hf.io import open_hf_weights
+    assert set(open_hf_weights(str(tmp_path / "hf"))[0]) == set(open_hf_weights(str(folders[family][0]))[0])
+
+
+def test_bad_moe_folders_and_layouts_exit_2_naming_the_problem(folders, tmp_path, capsys):
+    def copy(family):
+        target = tmp_path / f"{family}_{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(folders[family][0], target)
+        return target
+    out = tmp_path / "out"
+    err = _refused(capsys, folders["mixtral"][0], out, "--target-expert-parallel-size", "3")
+    assert "expert_model_parallel_size 3" in err and "4" in err, err
+    folder = copy("mixtral")
+    _edit_config(folder, sliding_window=4096)
+    assert "sliding_window=4096" in _refused(capsys, folder, out)
+    folder = copy("mixtral")
+    _edit_config(folder, router_jitter_noise=0.1)
+    assert "router_jitter_noise=0.1" in _refused(capsys, folder, out)
+    folder = copy("qwen3_moe")
+    _edit_config(folder, shared_expert_intermediate_size=8)
+    assert "shared_expert_intermediate_size=8" in _refused(capsys, folder, out)
+    folder = copy("qwen3_moe")
+    _edit_config(folder, mlp_only_layers=[0, 1, 2])
+    assert "mlp_only_layers=[0, 1, 2]" in _refused(capsys, folder, out)
+    folder = copy("qwen3_moe")
+    _edit_config(folder, moe_intermediate_size=24)
+    err = _refused(capsys, folder, out)
+    assert "model.layers.0.mlp.experts.0.gate_proj.weight" in err and "[16, 32]" in err and "[24, 32]" in err
+    folder = copy("qwen3_moe")
+    _edit_config(folder, model_type="qwen2_moe")
+    assert "model_type 'qwen2_moe' is not supported yet (shared experts)" in _refused(capsys, folder, out)
+
+
+def test_export_of_an_moe_run_picks_the_family_by_architecture():
+    from megatron_core.models.hf import adapter_for_flags
+    moe = {"normalization": "RMSNorm", "swiglu": True, "position_embedding_type": "rope", "num_experts": 4}
+    assert adapter_for_flags(moe, "run").model_type == "mixtral"
+    assert adapter_for_flags({**moe, "qk_layernorm": True}, "run").model_type == "qwen3_moe"
+    with pytest.raises(ValueError, match="mixture-of-experts model with normalization='LayerNorm'"):
+        adapter_for_flags({"num_experts": 4}, "run")
+    mixed = {**moe, "num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "disable_bias_linear": True,
+             "moe_layer_freq": [1, 0]}
+    with pytest.raises(ValueError, match="moe_layer_freq=\\[1, 0\\] cannot be exported as Hugging Face 'mixtral'"):
+        adapter_for_flags(mixed, "run").hf_config_from_flags(mixed, 100)
