@@ -1,9 +1,9 @@
 """Hugging Face mixture-of-experts families through tools/checkpoint_convert.py, against transformers itself:
 mixtral (softmax, top-2, renormalized) and qwen3_moe (qk-norm, head_dim != hidden/heads, a dense layer from
-``mlp_only_layers``; ``norm_topk_prob`` false and true), 4 experts each, import at tp 1 x ep 1, at pp 2 x ep 2
-and at ep 4 with transformers' fp32 logits, export back from pp 2 x ep 2 to the per-expert names
-``save_pretrained`` writes (no missing or unexpected keys, the same logits and routing config); bad folders and
-layouts exit 2 naming the key, with nothing written."""
+``mlp_only_layers`` before the MoE one; ``norm_topk_prob`` false and true), 4 experts each, import at tp 1 x
+ep 1, at pp 2 x ep 2 and at ep 4 with transformers' fp32 logits, export back from pp 2 x ep 2 to the per-expert
+names ``save_pretrained`` writes (no missing or unexpected keys, the same logits and routing config); bad
+folders and layouts exit 2 naming the key, with nothing written."""
 import json
 import shutil
 
@@ -18,15 +18,15 @@ transformers = pytest.importorskip("transformers")
 SMALL = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              vocab_size=100, max_position_embeddings=64, initializer_range=0.2, num_experts_per_tok=2,
              tie_word_embeddings=False)
-QWEN3_MOE = dict(num_experts=4, moe_intermediate_size=16, head_dim=16, num_hidden_layers=3, mlp_only_layers=[1],
+QWEN3_MOE = dict(num_experts=4, moe_intermediate_size=16, head_dim=16, mlp_only_layers=[0],
                  router_aux_loss_coef=0.01)
 FAMILIES = {
     "mixtral": (transformers.MixtralConfig, dict(num_local_experts=4, sliding_window=None)),
     "qwen3_moe": (transformers.Qwen3MoeConfig, dict(QWEN3_MOE, norm_topk_prob=False)),
     "qwen3_moe_norm": (transformers.Qwen3MoeConfig, dict(QWEN3_MOE, norm_topk_prob=True)),
 }
-ROUTING_KEYS = ("num_local_experts", "num_experts", "num_experts_per_tok", "norm_topk_prob", "mlp_only_layers",
-                "moe_intermediate_size", "intermediate_size", "head_dim", "router_aux_loss_coef")
+ROUTING_KEYS = ("num_experts_per_tok", "norm_topk_prob", "mlp_only_layers",
+                "moe_intermediate_size", "intermediate_size", "router_aux_loss_coef")
 TOOL = load_tool("checkpoint_convert")
 
 
@@ -69,7 +69,7 @@ def test_save_pretrained_writes_per_expert_names(folders):
     assert {"model.layers.0.block_sparse_moe.gate.weight", "model.layers.1.block_sparse_moe.experts.3.w3.weight"} \
         <= names
     names = set(open_hf_weights(str(folders["qwen3_moe"][0]))[0])
-    assert "model.layers.2.mlp.experts.0.gate_proj.weight" in names and "model.layers.1.mlp.gate_proj.weight" in names
+    assert "model.layers.1.mlp.experts.0.gate_proj.weight" in names and "model.layers.0.mlp.gate_proj.weight" in names
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -83,7 +83,7 @@ def test_import_at_tp1_ep1_matches_transformers(folders, family, tmp_path, capsy
     assert config["hf_model_type"] == _model_type(family) and config["num_experts"] == 4
     assert config["moe_router_topk"] == 2 and config["moe_expert_capacity_factor"] is None
     if family.startswith("qwen3_moe"):
-        assert config["moe_layer_freq"] == [1, 0, 1] and config["moe_ffn_hidden_size"] == 16
+        assert config["moe_layer_freq"] == [0, 1] and config["moe_ffn_hidden_size"] == 16
         assert config["moe_router_pre_softmax"] == (family == "qwen3_moe") and config["moe_aux_loss_coeff"] == 0.01
     else:
         assert config["moe_layer_freq"] == 1 and not config["moe_router_pre_softmax"]
@@ -125,6 +125,8 @@ def test_export_from_pp2_ep2_loads_in_transformers(folders, imported, family, tm
     original = json.loads((folders[family][0] / "config.json").read_text())
     assert exported["model_type"] == original["model_type"] == _model_type(family)
     assert {k: exported.get(k) for k in ROUTING_KEYS} == {k: original.get(k) for k in ROUTING_KEYS}
+    experts = [config.get("num_experts", config.get("num_local_experts")) for config in (exported, original)]
+    assert experts == [4, 4]  # transformers 5 writes qwen3_moe's num_experts as its alias num_local_experts
     from megatron_core.models.hf.io import open_hf_weights
     assert set(open_hf_weights(str(tmp_path / "hf"))[0]) == set(open_hf_weights(str(folders[family][0]))[0])
 
@@ -147,12 +149,12 @@ def test_bad_moe_folders_and_layouts_exit_2_naming_the_problem(folders, tmp_path
     _edit_config(folder, shared_expert_intermediate_size=8)
     assert "shared_expert_intermediate_size=8" in _refused(capsys, folder, out)
     folder = copy("qwen3_moe")
-    _edit_config(folder, mlp_only_layers=[0, 1, 2])
-    assert "mlp_only_layers=[0, 1, 2]" in _refused(capsys, folder, out)
+    _edit_config(folder, mlp_only_layers=[0, 1])
+    assert "mlp_only_layers=[0, 1]" in _refused(capsys, folder, out)
     folder = copy("qwen3_moe")
     _edit_config(folder, moe_intermediate_size=24)
     err = _refused(capsys, folder, out)
-    assert "model.layers.0.mlp.experts.0.gate_proj.weight" in err and "[16, 32]" in err and "[24, 32]" in err
+    assert "model.layers.1.mlp.experts.0.gate_proj.weight" in err and "[16, 32]" in err and "[24, 32]" in err
     folder = copy("qwen3_moe")
     _edit_config(folder, model_type="qwen2_moe")
     assert "model_type 'qwen2_moe' is not supported yet (shared experts)" in _refused(capsys, folder, out)

@@ -18,7 +18,17 @@ from megatron_core.models.hf.mixtral import check_moe_exportable, moe_flags, moe
 from megatron_core.models.hf.qwen2 import refuse_sliding_window
 
 REQUIRED = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size",
-            "num_experts", "num_experts_per_tok", "moe_intermediate_size")
+            "num_experts_per_tok", "moe_intermediate_size")
+
+
+def _num_experts(config: dict, path: str) -> int:
+    """``num_experts`` (the hub's key) or ``num_local_experts`` (what transformers 5 writes: its alias)."""
+    key = "num_experts" if "num_experts" in config else "num_local_experts"
+    value = config.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise refuse(path, key, value, "a qwen3_moe config.json gives a positive number of experts (num_experts "
+                     "or num_local_experts)")
+    return value
 
 
 def _pattern(config: dict, path: str) -> list[bool]:
@@ -43,7 +53,7 @@ def _flags(config: dict, path: str) -> dict:
         if config.get(key):
             raise refuse(path, key, config[key], "Qwen3-MoE has no shared experts (qwen2_moe's are not mapped)")
     flags = dense_flags(config, path, qk_norm=True)
-    return {**flags, **moe_flags(experts=config["num_experts"], topk=config["num_experts_per_tok"],
+    return {**flags, **moe_flags(experts=_num_experts(config, path), topk=config["num_experts_per_tok"],
                                  expert_ffn=config["moe_intermediate_size"], pattern=_pattern(config, path),
                                  normalize_topk=bool(config.get("norm_topk_prob", False)),
                                  aux_loss_coeff=config.get("router_aux_loss_coef", 0.001))}
