@@ -48,6 +48,7 @@ def folders(tmp_path_factory):
                     param.normal_(0.0, 1.0)
         directory = base / family
         model.save_pretrained(directory)
+        model.save_pretrained(base / f"{family}_fused", save_original_format=False)  # transformers 5's layout
         with torch.no_grad():
             out[family] = (directory, model(TOKENS).logits)
     return out
@@ -87,6 +88,20 @@ def test_import_at_tp1_ep1_matches_transformers(folders, family, tmp_path, capsy
         assert config["moe_router_pre_softmax"] == (family == "qwen3_moe") and config["moe_aux_loss_coeff"] == 0.01
     else:
         assert config["moe_layer_freq"] == 1 and not config["moe_router_pre_softmax"]
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_import_of_the_fused_expert_layout_matches_transformers(folders, family, tmp_path, capsys):
+    """``save_pretrained(save_original_format=False)`` keeps experts stacked (``mlp.experts.gate_up_proj``
+    ``[E, 2f, h]``, ``down_proj`` ``[E, h, f]``): each expert reads its slice."""
+    from megatron_core.models.hf.io import open_hf_weights
+    fused = folders[family][0].parent / f"{family}_fused"
+    names = set(open_hf_weights(str(fused))[0])
+    assert "model.layers.1.mlp.experts.gate_up_proj" in names and "model.layers.1.mlp.gate.weight" in names
+    assert _convert(fused, tmp_path / "ep1", "--target-expert-parallel-size", "2", "--check") == 0
+    assert float(capsys.readouterr().out.split("= ")[-1]) <= 1e-5
+    assert _convert(tmp_path / "ep1", tmp_path / "hf", loader="mcore", saver="hf") == 0
+    assert set(open_hf_weights(str(tmp_path / "hf"))[0]) == set(open_hf_weights(str(folders[family][0]))[0])
 
 
 def _logits_at_expert_layouts(directories, tokens):

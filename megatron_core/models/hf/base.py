@@ -8,7 +8,7 @@ anything is read). ``Dims`` carries the sizes the fused layouts need.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Optional, Sequence
+from typing import Callable, Collection, Optional, Sequence
 
 import torch
 
@@ -82,13 +82,16 @@ GPT2_QKV = Transform("gpt2_qkv", _gpt2_qkv_ours, _gpt2_qkv_hf, lambda shape, dim
 
 @dataclasses.dataclass(frozen=True)
 class Rule:
-    """One tensor of ours and the HF tensor(s) it is made of. Names may hold ``{i}`` (the layer index)."""
+    """One tensor of ours and the HF tensor(s) it is made of. Names may hold ``{i}`` (the layer index).
+    ``hf_index``: the HF tensors stack every expert on dim 0 (``[E, ...]``, transformers 5's fused
+    ``experts.gate_up_proj`` / ``experts.down_proj``) and ours is their slice ``hf_index`` (read alone)."""
 
     ours: str
     theirs: tuple[str, ...]
     transform: Transform = COPY
     partition_dim: Optional[int] = None
     stride: int = 1
+    hf_index: Optional[int] = None
 
     def at_layer(self, i: int, ours_prefix: str, hf_prefix: str) -> "Rule":
         return dataclasses.replace(self, ours=ours_prefix.format(i=i) + self.ours,
@@ -150,6 +153,8 @@ class Adapter:
             ``transformer.``); identity by default.
         ignored: suffixes of file tensors that carry no weights (old ``rotary_emb.inv_freq`` buffers).
         tied_output: the output layer's HF names, ignored in a file of a tied model.
+        file_rules: ``(flags, names in the file) -> [Rule]`` for a family with more than one layout on disk
+            (per-expert or fused experts); ``rules`` when None.
     """
 
     model_type: str
@@ -161,6 +166,7 @@ class Adapter:
     hf_name: Callable[[str], str] = lambda name: name
     ignored: tuple[str, ...] = ("rotary_emb.inv_freq", "attn.bias", "attn.masked_bias")
     tied_output: tuple[str, ...] = ("lm_head.weight",)
+    file_rules: Optional[Callable[[dict, Collection[str]], list[Rule]]] = None
 
 
 def refuse(path: str, key: str, value, why: str) -> ValueError:

@@ -76,16 +76,17 @@ def _safetensors_shapes(path: str) -> dict[str, tuple[tuple, Optional[torch.dtyp
                 for k in handle.keys()}
 
 
-def _reader(path: str) -> Callable[[str], torch.Tensor]:
-    def read(name: str) -> torch.Tensor:
+def _reader(path: str) -> Callable[..., torch.Tensor]:
+    def read(name: str, index: Optional[int] = None) -> torch.Tensor:
+        """Tensor ``name``, or only its slice ``index`` along dim 0 (one expert of a stacked tensor)."""
         with open_safetensors(path) as handle:
-            return handle.get_tensor(name)
+            return handle.get_tensor(name) if index is None else handle.get_slice(name)[index]
     return read
 
 
-def open_hf_weights(hf_dir: str) -> tuple[dict[str, tuple], Callable[[str], torch.Tensor], dict[str, str]]:
-    """``({name: (shape, dtype)}, read(name), {name: file})`` of the folder's weights: the sharded index, else
-    model.safetensors, else pytorch_model.bin (weights only)."""
+def open_hf_weights(hf_dir: str) -> tuple[dict[str, tuple], Callable[..., torch.Tensor], dict[str, str]]:
+    """``({name: (shape, dtype)}, read(name, index=None), {name: file})`` of the folder's weights: the sharded
+    index, else model.safetensors, else pytorch_model.bin (weights only); ``index`` reads one slice of dim 0."""
     index = os.path.join(hf_dir, INDEX)
     if os.path.lexists(index):
         return _open_sharded(hf_dir, index)
@@ -101,7 +102,8 @@ def open_hf_weights(hf_dir: str) -> tuple[dict[str, tuple], Callable[[str], torc
     if not isinstance(state, dict):
         raise InputFileError(f"{path} holds a {type(state).__name__}, not a state dict of tensors")
     tensors = {k: v for k, v in state.items() if isinstance(k, str) and isinstance(v, torch.Tensor)}
-    return ({k: (tuple(v.shape), v.dtype) for k, v in tensors.items()}, tensors.__getitem__,
+    return ({k: (tuple(v.shape), v.dtype) for k, v in tensors.items()},
+            lambda name, index=None: tensors[name] if index is None else tensors[name][index],
             dict.fromkeys(tensors, path))
 
 
@@ -126,7 +128,7 @@ def _open_sharded(hf_dir: str, index: str):
             if name not in in_file:
                 raise InputFileError(f"{path} has no tensor {name!r} although {INDEX} maps it there")
             shapes[name], files[name] = in_file[name], path
-    return shapes, (lambda name: readers[os.path.basename(files[name])](name)), files
+    return shapes, (lambda name, index=None: readers[os.path.basename(files[name])](name, index)), files
 
 
 def read_hf(hf_dir: str, base_flags: dict, *, params_dtype: Optional[str] = None) -> SourceCheckpoint:
@@ -139,12 +141,14 @@ def read_hf(hf_dir: str, base_flags: dict, *, params_dtype: Optional[str] = None
     raw_shapes, read, files = open_hf_weights(hf_dir)
     raw_name = {adapter.hf_name(k): k for k in raw_shapes}
     shapes = {full: raw_shapes[raw] for full, raw in raw_name.items()}
-    rules = adapter.rules(flags)
+    rules = adapter.file_rules(flags, shapes.keys()) if adapter.file_rules else adapter.rules(flags)
     dims, cast = dims_of(flags), DTYPES[params_dtype] if params_dtype else None
     used, tensors = set(), []
     for rule in rules:
         ours_shape = expected_shape(rule.ours, flags, vocab)
         for theirs, wanted in zip(rule.theirs, rule.transform.hf_shapes(ours_shape, dims)):
+            if rule.hf_index is not None:  # one expert of a [E, ...] stack
+                wanted = (flags.get("num_experts"), *wanted)
             if theirs not in shapes:
                 raise InputFileError(f"{hf_dir} has no tensor {theirs!r} (needed for {rule.ours!r})")
             if tuple(shapes[theirs][0]) != tuple(wanted):
@@ -154,7 +158,7 @@ def read_hf(hf_dir: str, base_flags: dict, *, params_dtype: Optional[str] = None
         dtype = cast or _dtype_of(shapes[rule.theirs[0]][1], files[raw_name[rule.theirs[0]]], rule.theirs[0])
 
         def load(rule: Rule = rule, dtype: torch.dtype = dtype) -> torch.Tensor:
-            parts = [read(raw_name[t]).to(dtype) for t in rule.theirs]
+            parts = [read(raw_name[t], rule.hf_index).to(dtype) for t in rule.theirs]
             return rule.transform.to_ours(parts, dims)
         tensors.append(SourceTensor(name=rule.ours, shape=ours_shape, dtype=dtype, partition_dim=rule.partition_dim,
                                     stride=rule.stride, load=load))

@@ -10,14 +10,14 @@ Tensors: the router ``block_sparse_moe.gate.weight`` ``[E, h]`` is our ``mlp.rou
 ``w1`` (gate) and ``w3`` (up), each ``[f, h]``, fuse into our ``mlp.experts.local_experts.<e>.linear_fc1``
 ``[gate; up]`` and ``w2`` ``[h, f]`` is its ``linear_fc2``. transformers 5 holds the experts as 3-D tensors
 (``experts.gate_up_proj`` ``[E, 2f, h]``, ``experts.down_proj`` ``[E, h, f]``) but ``save_pretrained`` writes
-(and the hub holds) the per-expert names above, which are what we read and write. Experts are not split over
+(and the hub holds) the per-expert names above: we write those and read both. Experts are not split over
 tp (partition None): the converter places each, under its global id, on the ep rank that holds it. The
 per-layer helpers here serve qwen3_moe too.
 """
 from __future__ import annotations
 
 from types import MappingProxyType
-from typing import Sequence
+from typing import Collection, Sequence
 
 from megatron_core.models.hf.base import GATE_UP, Adapter, Rule, refuse
 from megatron_core.models.hf.llama import (
@@ -51,16 +51,32 @@ def layer_freq_of(pattern: Sequence[bool]):
     return 1 if all(pattern) else [int(p) for p in pattern]
 
 
-def moe_rules(flags: dict, *, block: str, router: str, expert_names: tuple[str, str, str]) -> list[Rule]:
+def _fused_experts(experts: int) -> list[Rule]:
+    """transformers 5's own layout (``save_pretrained(save_original_format=False)``): ``mlp.gate`` and every
+    expert stacked, ``experts.gate_up_proj`` ``[E, 2f, h]`` (each ``[gate; up]``, our fc1) and
+    ``experts.down_proj`` ``[E, h, f]``; each of our experts reads its slice."""
+    rules = [Rule("mlp.router.weight", ("mlp.gate.weight",))]
+    for e in range(experts):
+        rules += [Rule(f"mlp.experts.local_experts.{e}.linear_fc1.weight", ("mlp.experts.gate_up_proj",), hf_index=e),
+                  Rule(f"mlp.experts.local_experts.{e}.linear_fc2.weight", ("mlp.experts.down_proj",), hf_index=e)]
+    return rules
+
+
+def moe_rules(flags: dict, *, block: str, router: str, expert_names: tuple[str, str, str],
+              names: Collection[str] = ()) -> list[Rule]:
     """The tensor map of an MoE model: attention (qk-norm when the flags say) and, per layer, the dense MLP
     or the router and every expert. ``block`` is the HF module of the MoE layer (``block_sparse_moe.`` /
-    ``mlp.``), ``router`` its gate, ``expert_names`` the gate, up and down projections of one expert."""
+    ``mlp.``), ``router`` its gate, ``expert_names`` the gate, up and down projections of one expert (the
+    layout ``save_pretrained`` writes); a layer whose ``experts.gate_up_proj`` is among the file's ``names``
+    is read in the fused layout."""
     gate, up, down = expert_names
     rules = [*TOP, *((OUTPUT,) if flags.get("untie_embeddings_and_output_weights") else ())]
     attention = [*ATTENTION, *(QK_NORM if flags.get("qk_layernorm") else ())]
     for i, is_moe in enumerate(moe_layer_pattern(flags)):
         layer = list(attention)
-        if is_moe:
+        if is_moe and f"model.layers.{i}.mlp.experts.gate_up_proj" in names:
+            layer += _fused_experts(flags["num_experts"])
+        elif is_moe:
             layer.append(Rule("mlp.router.weight", (f"{block}{router}.weight",)))
             for e in range(flags["num_experts"]):
                 ours, theirs = f"mlp.experts.local_experts.{e}.", f"{block}experts.{e}."
@@ -128,10 +144,10 @@ def _config(flags: dict, vocab: int) -> dict:
             "output_router_logits": False}
 
 
-def _rules(flags: dict) -> list[Rule]:
-    return moe_rules(flags, block="block_sparse_moe.", router="gate", expert_names=("w1", "w3", "w2"))
+def _rules(flags: dict, names: Collection[str] = ()) -> list[Rule]:
+    return moe_rules(flags, block="block_sparse_moe.", router="gate", expert_names=("w1", "w3", "w2"), names=names)
 
 
 ADAPTERS = MappingProxyType({"mixtral": Adapter(model_type="mixtral", architecture="MixtralForCausalLM",
                                                 required=REQUIRED, flags_from_hf=_flags, hf_config_from_flags=_config,
-                                                rules=_rules)})
+                                                rules=_rules, file_rules=_rules)})

@@ -6,11 +6,13 @@ Layer ``i`` is MoE when ``i not in mlp_only_layers and (i + 1) % decoder_sparse_
 our ``--moe-layer-freq`` 0/1 list (1 when every layer is MoE) and export it back as ``decoder_sparse_step: 1``
 plus ``mlp_only_layers``. ``norm_topk_prob: true`` renormalizes the top-k softmax probabilities (our default
 router); ``false`` keeps them (``--moe-router-pre-softmax``). Tensor names: ``mlp.gate.weight`` (router),
-``mlp.experts.<e>.{gate,up,down}_proj.weight`` (see mixtral.py for the fused layout and ours).
+``mlp.experts.<e>.{gate,up,down}_proj.weight`` (written and read), or transformers 5's fused
+``mlp.experts.gate_up_proj`` / ``down_proj`` (read; see mixtral.py).
 """
 from __future__ import annotations
 
 from types import MappingProxyType
+from typing import Collection
 
 from megatron_core.models.hf.base import Adapter, Rule, refuse
 from megatron_core.models.hf.llama import dense_flags, dense_hf_config, refuse_biases
@@ -72,10 +74,11 @@ def _config(flags: dict, vocab: int) -> dict:
             "router_aux_loss_coef": flags.get("moe_aux_loss_coeff", 0.0), "output_router_logits": False}
 
 
-def _rules(flags: dict) -> list[Rule]:
-    return moe_rules(flags, block="mlp.", router="gate", expert_names=("gate_proj", "up_proj", "down_proj"))
+def _rules(flags: dict, names: Collection[str] = ()) -> list[Rule]:
+    return moe_rules(flags, block="mlp.", router="gate", expert_names=("gate_proj", "up_proj", "down_proj"),
+                     names=names)
 
 
 ADAPTERS = MappingProxyType({"qwen3_moe": Adapter(model_type="qwen3_moe", architecture="Qwen3MoeForCausalLM",
                                                   required=REQUIRED, flags_from_hf=_flags,
-                                                  hf_config_from_flags=_config, rules=_rules)})
+                                                  hf_config_from_flags=_config, rules=_rules, file_rules=_rules)})
