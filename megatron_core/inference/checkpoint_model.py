@@ -49,14 +49,16 @@ def config_from_flags(flags: dict, *, tensor_model_parallel_size: int, pipeline_
 
 
 def load_gpt_from_checkpoint(load_dir: str, state: ParallelState, *, parallel_output: bool = False,
-                             iteration: Optional[int] = None,
-                             require_checksums: bool = True) -> tuple[GPTModel, dict]:
-    """This rank's stage of the checkpoint's model at ``state``'s tp/pp/ep (no sequence parallelism), weights
-    loaded, in eval mode. Returns ``(model, metadata)``."""
+                             iteration: Optional[int] = None, require_checksums: bool = True,
+                             sequence_parallel: bool = False) -> tuple[GPTModel, dict]:
+    """This rank's stage of the checkpoint's model at ``state``'s tp/pp/ep, weights loaded, in eval mode.
+    ``sequence_parallel`` (tp > 1; what MoE layers need there): the sequence length must divide by tp, and
+    ``pipeline_forward`` runs such a model at pp 1 only (its stage-to-stage buffers are full-sequence).
+    Returns ``(model, metadata)``."""
     folder, metadata = read_metadata(load_dir, iteration, require_checksums=require_checksums)
     flags = metadata.get("config") or {}
     config = config_from_flags(flags, tensor_model_parallel_size=state.tp_size,
-                               pipeline_model_parallel_size=state.pp_size, sequence_parallel=False)
+                               pipeline_model_parallel_size=state.pp_size, sequence_parallel=sequence_parallel)
     args = run_flags(flags)
     torch.manual_seed(int(args.seed))
     model = GPTModel(config, parallel_state=state, vocab_size=metadata["true_vocab_size"],

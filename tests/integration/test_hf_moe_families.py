@@ -1,9 +1,10 @@
 """Hugging Face mixture-of-experts families through tools/checkpoint_convert.py, against transformers itself:
 mixtral (softmax, top-2, renormalized) and qwen3_moe (qk-norm, head_dim != hidden/heads, a dense layer from
 ``mlp_only_layers`` before the MoE one; ``norm_topk_prob`` false and true), 4 experts each, import at tp 1 x
-ep 1, at pp 2 x ep 2 and at ep 4 with transformers' fp32 logits, export back from pp 2 x ep 2 to the per-expert
-names ``save_pretrained`` writes (no missing or unexpected keys, the same logits and routing config); bad
-folders and layouts exit 2 naming the key, with nothing written."""
+ep 1, at pp 2 x ep 2, at ep 4 and at tp 2 x ep 2 (sequence parallel) with transformers' fp32 logits, the
+fused layout of transformers 5 too; export back from pp 2 x ep 2 to the per-expert names ``save_pretrained``
+writes (no missing or unexpected keys, the same logits and routing config); bad folders and layouts exit 2
+naming the key, with nothing written."""
 import json
 import shutil
 
@@ -128,6 +129,26 @@ def test_import_at_pp2_ep2_and_ep4_matches_transformers(distributed, folders, im
     for family, at_pp2, at_ep4 in zip(FAMILIES, results[-1][:count], results[0][count:]):
         torch.testing.assert_close(at_pp2, folders[family][1], rtol=0, atol=1e-5, msg=f"{family} pp2 x ep2")
         torch.testing.assert_close(at_ep4, folders[family][1], rtol=0, atol=1e-5, msg=f"{family} ep4")
+
+
+def _logits_at_tp2_ep2(directories, tokens):
+    """On 2 ranks: each checkpoint's logits at tp 2 x ep 2 with sequence parallelism (MoE at tp > 1 routes each
+    tp rank's chunk of the sequence)."""
+    from megatron_core import initialize_model_parallel
+    from megatron_core.inference import load_gpt_from_checkpoint, pipeline_forward
+    state = initialize_model_parallel(2, 1, expert_model_parallel_size=2)
+    with torch.no_grad():
+        return [pipeline_forward(load_gpt_from_checkpoint(d, state, sequence_parallel=True)[0], state, tokens)
+                for d in directories]
+
+
+def test_import_at_tp2_ep2_matches_transformers(distributed, folders, tmp_path):
+    for family, (directory, _) in folders.items():
+        assert _convert(directory, tmp_path / family, "--target-tensor-parallel-size", "2",
+                        "--target-expert-parallel-size", "2") == 0
+    results = distributed(2, _logits_at_tp2_ep2, [str(tmp_path / f) for f in FAMILIES], TOKENS)
+    for family, logits in zip(FAMILIES, results[0]):
+        torch.testing.assert_close(logits, folders[family][1], rtol=0, atol=1e-5, msg=f"{family} tp2 x ep2")
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
