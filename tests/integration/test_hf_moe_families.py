@@ -207,3 +207,26 @@ def test_export_of_an_moe_run_picks_the_family_by_architecture():
              "moe_layer_freq": [1, 0]}
     with pytest.raises(ValueError, match="moe_layer_freq=\\[1, 0\\] cannot be exported as Hugging Face 'mixtral'"):
         adapter_for_flags(mixed, "run").hf_config_from_flags(mixed, 100)
+
+
+MOE_RUN = ["--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope", "--disable-bias-linear",
+           "--group-query-attention", "--num-query-groups", "2", "--untie-embeddings-and-output-weights",
+           "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32", "--moe-aux-loss-coeff",
+           "1e-2", "--train-iters", "2"]
+
+
+@pytest.mark.parametrize("family,flags", [("mixtral", []), ("qwen3_moe", ["--qk-layernorm", "--moe-layer-freq",
+                                                                            "[0,1]", "--moe-router-pre-softmax"])])
+def test_export_of_an_moe_run_trained_here(distributed, family, flags, tmp_path, capsys):
+    """A checkpoint of pretrain_gpt.py with experts (no recorded hf_model_type) exports as mixtral, or as
+    qwen3_moe with qk-norm (a dense first layer, unnormalized top-k), with transformers' logits equal to ours."""
+    from tests.integration.test_checkpoint_tools import _train
+    distributed(1, _train, [*MOE_RUN, *flags, "--save", str(tmp_path / "run")])
+    assert _convert(tmp_path / "run", tmp_path / "hf", "--check", loader="mcore", saver="hf") == 0
+    assert float(capsys.readouterr().out.split("= ")[-1]) <= 1e-5
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["model_type"] == family and config["num_experts_per_tok"] == 2
+    if family == "qwen3_moe":
+        assert config["mlp_only_layers"] == [0] and config["norm_topk_prob"] is False
+    _, info = _hf_logits(tmp_path / "hf")
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
