@@ -191,6 +191,13 @@ def test_bad_moe_folders_and_layouts_exit_2_naming_the_problem(folders, tmp_path
     _edit_config(folder, moe_intermediate_size=24)
     err = _refused(capsys, folder, out)
     assert "model.layers.1.mlp.experts.0.gate_proj.weight" in err and "[16, 32]" in err and "[24, 32]" in err
+    folder = copy("mixtral")
+    from safetensors.torch import load_file, save_file
+    weights = load_file(folder / "model.safetensors")
+    del weights["model.layers.1.block_sparse_moe.experts.3.w2.weight"]
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    err = _refused(capsys, folder, out)
+    assert "no tensor 'model.layers.1.block_sparse_moe.experts.3.w2.weight'" in err, err
     folder = copy("qwen3_moe")
     _edit_config(folder, model_type="qwen2_moe")
     assert "model_type 'qwen2_moe' is not supported yet (shared experts)" in _refused(capsys, folder, out)
