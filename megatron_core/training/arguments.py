@@ -202,6 +202,9 @@ def _io_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--load-fallback", action="store_true",
                    help="if the newest checkpoint is missing a file or corrupt, load the newest older one that is not")
     g.add_argument("--finetune", action="store_true", help="load weights only; start at iteration 0")
+    g.add_argument("--use-checkpoint-args", action="store_true",
+                   help="take the model architecture and tokenizer from the --load checkpoint's recorded flags (a "
+                        "flag given here that contradicts it is an error)")
     g.add_argument("--ignore-mismatched-sizes", action="store_true",
                    help="with --finetune: load what fits from a checkpoint of another shape or vocab (tensors of "
                         "another shape or absent keep their initialization, extra ones are ignored; each listed)")
@@ -251,6 +254,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         known = [opt for action in parser._actions for opt in action.option_strings]
         parser.error(megatron_flags.unrecognized_message(unknown, known))
     try:
+        if args.use_checkpoint_args:
+            from megatron_core.training.checkpoint_args import apply_checkpoint_args
+            apply_checkpoint_args(args, vars(parser.parse_args([])))
         validate_args(args)
     except ValueError as error:
         parser.error(str(error))

@@ -94,6 +94,9 @@ def load(run) -> int:
     if not load_optim:
         run.optimizer.reload_model_params()
     if args.finetune:
+        if run.is_logging_rank:
+            print(f" loaded checkpoint {folder} weights only (--finetune: from iteration 0, a fresh optimizer)",
+                  flush=True)
         return 0
     if not args.no_load_rng:
         load_rng(folder, metadata, state=run.state, layout_extra={"zero_stage": args.zero_stage},
