@@ -4,10 +4,12 @@
     torchrun --nproc-per-node 4 tools/generate.py --load ckpt --tensor-model-parallel-size 2 \\
         --pipeline-model-parallel-size 2 --prompt-ids 1,2,3 --max-new-tokens 20 --temperature 0.8 \\
         --top-k 50 --top-p 0.95 --seed 1 --output-json out.json
+    torchrun --nproc-per-node 4 tools/generate.py --load ckpt_tp2_pp2 --prompt-ids 1,2,3 --max-new-tokens 20 \\
+        --greedy    # no layout flags: the checkpoint's own tp x pp
 
-Rank 0 prints the prompt and its continuation; ``--output-json`` writes the generated token ids and the
-log-probabilities of the prompt tokens (from the second on) and of the generated tokens. The tokenizer
-defaults to the one the checkpoint's run recorded.
+Rank 0 prints the prompt and its continuation; ``--output-json`` writes the generated token ids, the
+log-probabilities of the prompt tokens (from the second on) and of the generated tokens, and the layout run.
+The tokenizer defaults to the one the checkpoint's run recorded.
 """
 from __future__ import annotations
 
@@ -47,8 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-json", default=None)
-    p.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    p.add_argument("--tensor-model-parallel-size", type=int, default=None,
+                   help="default: the checkpoint's tp when the launch has its tp x pp processes, else 1")
+    p.add_argument("--pipeline-model-parallel-size", type=int, default=None,
+                   help="default: the checkpoint's pp when the launch has its tp x pp processes, else 1")
     for flag in ("--tokenizer-type", "--tokenizer-model", "--vocab-file", "--merge-file"):
         p.add_argument(flag, default=None, help="default: the checkpoint's")
     p.add_argument("--vocab-size", type=int, default=None, help="default: the checkpoint's")
@@ -80,13 +84,30 @@ def _prompt_ids(args: argparse.Namespace, flags: dict) -> tuple[list[int], Optio
     return tokenizer.encode(args.prompt), tokenizer
 
 
+def launch_layout(args: argparse.Namespace, metadata: dict) -> tuple[int, int]:
+    """``(tp, pp)``: the flags; without them the checkpoint's own layout when the launch has tp x pp processes
+    (one process: tp 1, pp 1); any other process count is an error naming both."""
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    if tp is not None or pp is not None:
+        return tp or 1, pp or 1
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    saved_tp, saved_pp = int(metadata["layout"].get("tp", 1)), int(metadata["layout"].get("pp", 1))
+    if world == saved_tp * saved_pp:
+        return saved_tp, saved_pp
+    if world == 1:
+        return 1, 1
+    raise ValueError(f"{world} processes cannot run {args.load} at its own layout (tp {saved_tp} x pp {saved_pp}): "
+                     f"launch {saved_tp * saved_pp} processes, or pass --tensor-model-parallel-size and "
+                     "--pipeline-model-parallel-size")
+
+
 def run(args: argparse.Namespace) -> dict:
     """Loads the model at the launch layout and generates (collective); returns the result dict."""
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     _, metadata = read_metadata(args.load, require_checksums=not args.allow_missing_checksums)
     flags = metadata.get("config") or {}
-    state = initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+    state = initialize_model_parallel(*launch_layout(args, metadata))
     model, _ = load_gpt_from_checkpoint(args.load, state, parallel_output=False,
                                         require_checksums=not args.allow_missing_checksums)
     ids, tokenizer = _prompt_ids(args, flags)
@@ -96,6 +117,7 @@ def run(args: argparse.Namespace) -> dict:
                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                       max_sequence_length=int(flags.get("seq_length") or 0) or None)
     result["prompt_ids"] = ids
+    result["layout"] = {"tp": state.tp_size, "pp": state.pp_size}
     result["text"] = tokenizer.decode(ids + result["tokens"]) if tokenizer is not None else None
     return result
 
@@ -112,7 +134,8 @@ def _run(argv: Optional[Sequence[str]]) -> int:
         print(result["text"] if result["text"] is not None
               else " ".join(map(str, result["prompt_ids"] + result["tokens"])))
         if args.output_json:
-            payload = {k: result[k] for k in ("prompt_ids", "tokens", "prompt_logprobs", "generated_logprobs")}
+            payload = {k: result[k] for k in ("prompt_ids", "tokens", "prompt_logprobs", "generated_logprobs",
+                                              "layout")}
             atomic_write(args.output_json, json.dumps(payload, indent=1).encode())
     if dist.is_initialized():
         dist.destroy_process_group()
