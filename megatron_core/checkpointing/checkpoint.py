@@ -34,7 +34,7 @@ from megatron_core.checkpointing.layout import (
     global_named_parameters,
     partition_record,
 )
-from megatron_core.checkpointing.megatron_lm_io import describe_foreign
+from megatron_core.checkpointing.megatron_lm_io import describe_foreign, resolves_inside
 from megatron_core.checkpointing.metadata_schema import validate_metadata
 from megatron_core.checkpointing.optimizer_state import collect_optimizer_state
 from megatron_core.checkpointing.publication import CheckpointSaveError, agree_on_failure, publish_checkpoint
@@ -267,9 +267,7 @@ def read_metadata(directory: str, iteration: Optional[int] = None, *, fallback: 
     With ``fallback``, every file of the checkpoint is verified first and, if one is missing or corrupt, the
     next older complete checkpoint is tried (each failure is logged).
     """
-    if os.path.lexists(os.path.join(directory, LATEST)):
-        safe_path(directory, LATEST)  # before anything opens it: a FIFO or a device would hang the read
-    foreign = describe_foreign(directory)
+    foreign = describe_foreign(directory)  # (it opens the pointer file only if it is a regular file inside)
     if foreign:
         raise ValueError(foreign)
     iteration = latest_iteration(directory) if iteration is None else iteration
@@ -301,11 +299,9 @@ def _complete_iterations(directory: str, *, below: int) -> list[int]:
 
 def _read_one(directory: str, iteration: int) -> tuple[str, dict]:
     folder = os.path.join(directory, f"iter_{iteration:07d}")
-    if os.path.islink(folder):
-        root, target = os.path.realpath(directory), os.path.realpath(folder)
-        if os.path.commonpath([root, target]) != root:
-            raise ValueError(f"checkpoint {folder} is a symlink to {target}, outside {directory}: refusing to read "
-                             "it (link the whole --load folder instead)")
+    if os.path.islink(folder) and not resolves_inside(directory, folder):
+        raise ValueError(f"checkpoint {folder} is a symlink to {os.path.realpath(folder)}, outside {directory}: "
+                         "refusing to read it (link the whole --load folder instead)")
     path = os.path.join(folder, "metadata.json")
     if not os.path.exists(path):
         raise ValueError(f"checkpoint {folder} is incomplete: metadata.json is missing")

@@ -82,14 +82,20 @@ def regular_file_size(path: str) -> int:
     return status.st_size
 
 
+def resolves_inside(folder: str, path: str) -> bool:
+    """Whether ``path``'s real path (symlinks followed) lies inside ``folder``'s real path."""
+    root = os.path.realpath(folder)
+    return os.path.commonpath([root, os.path.realpath(path)]) == root
+
+
 def file_inside(folder: str, relative: str) -> tuple[str, int]:
     """``(path, size)`` of ``folder/relative``: a regular file whose real path (symlinks followed) lies inside
     ``folder``'s real path; ``../``, an absolute path or a symlink out is refused."""
     path = os.path.join(folder, relative)
     size = regular_file_size(path)
-    root, real = os.path.realpath(folder), os.path.realpath(path)
-    if os.path.commonpath([root, real]) != root:
-        raise InputFileError(f"{path} resolves to {real}, outside the checkpoint folder {root}: refusing to read it")
+    if not resolves_inside(folder, path):
+        raise InputFileError(f"{path} resolves to {os.path.realpath(path)}, outside the checkpoint folder "
+                             f"{os.path.realpath(folder)}: refusing to read it")
     return path, size
 
 
@@ -354,6 +360,7 @@ def legacy_rank_dir(tp_rank: int, pp_rank: int, pp_size: int) -> str:
     return f"mp_rank_{tp_rank:02d}" if pp_size == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
 
 
-__all__ = ["Opaque", "file_kind", "regular_file_size", "file_inside", "load_pt", "read_dcp_metadata", "DcpTensorReader",
+__all__ = ["Opaque", "file_kind", "resolves_inside", "regular_file_size", "file_inside",
+           "load_pt", "read_dcp_metadata", "DcpTensorReader",
            "write_dcp", "iteration_folder", "detect_format", "describe_foreign", "legacy_rank_files",
            "legacy_rank_dir", "LATEST"]

@@ -102,9 +102,8 @@ def publish_checkpoint(*, directory: str, partial: str, final: str, iteration: i
             publish_folder(partial, final)
     else:
         publish_folder(partial, final)
-    if read_complete_metadata(final) is None:
-        raise CheckpointSaveError(f"checkpoint {final} does not read back as complete after publication: "
-                                  f"{pointer} was not moved")
+    if not os.path.isfile(os.path.join(final, "metadata.json")):  # (its content was verified in partial)
+        raise CheckpointSaveError(f"checkpoint {final} is not in place after publication: {pointer} was not moved")
     fsync_write(os.path.join(directory, pointer), str(iteration).encode())
 
 

@@ -22,7 +22,7 @@ from safetensors import safe_open
 from torch import nn
 
 from megatron_core.checkpointing.layout import merge_shards, partition_record, repad_vocab, take_shard
-from megatron_core.checkpointing.megatron_lm_io import file_kind
+from megatron_core.checkpointing.megatron_lm_io import file_kind, resolves_inside
 from megatron_core.parallel_state import ParallelState
 
 VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
@@ -54,11 +54,9 @@ def safe_path(folder: str, file: str) -> str:
         raise ValueError(f"checkpoint {folder} names the file {file!r}, which is not a plain file name inside the "
                          "checkpoint folder: refusing to read it")
     path = os.path.join(folder, file)
-    if os.path.islink(path):
-        target = os.path.realpath(path)
-        if os.path.commonpath([target, os.path.realpath(folder)]) != os.path.realpath(folder):
-            raise ValueError(f"checkpoint file {path} is a symlink to {target}, outside the checkpoint folder: "
-                             "refusing to read it")
+    if os.path.islink(path) and not resolves_inside(folder, path):
+        raise ValueError(f"checkpoint file {path} is a symlink to {os.path.realpath(path)}, outside the checkpoint "
+                         "folder: refusing to read it")
     if os.path.lexists(path):
         mode = os.stat(path).st_mode if os.path.exists(path) else 0
         if not stat.S_ISREG(mode):
