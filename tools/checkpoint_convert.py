@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-pipeline-parallel-size", type=int, default=None, help="default: the source's")
     p.add_argument("--target-expert-parallel-size", type=int, default=None,
                    help="MoE: the target --expert-model-parallel-size (default: the source's)")
+    p.add_argument("--target-expert-tensor-parallel-size", type=int, default=None,
+                   help="MoE: the target --expert-tensor-parallel-size, 1 or the target tp (default: the source's "
+                        "when the target tp equals it, else 1)")
     p.add_argument("--target-data-parallel-size", type=int, default=1,
                    help="recorded in the layout; data-parallel sharding happens at load time")
     p.add_argument("--true-vocab-size", type=int, default=None,
@@ -97,13 +100,14 @@ def read_source(args: argparse.Namespace) -> SourceCheckpoint:
     return read_hf(args.load_dir, vars(run_flags({})), params_dtype=args.params_dtype)
 
 
-def target_flags(source: SourceCheckpoint, tp: int, pp: int, ep: int = 1) -> dict:
+def target_flags(source: SourceCheckpoint, tp: int, pp: int, ep: int = 1, etp: int = 1) -> dict:
     """The source's run flags at the target layout (virtual pipelining and sequence parallelism reset
     when they no longer apply)."""
     flags = dict(source.flags)
     flags.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     if flags.get("num_experts") or ep > 1:
         flags["expert_model_parallel_size"] = ep
+        flags["expert_tensor_parallel_size"] = etp
         if tp > 1:  # MoE layers at tp > 1 route each tp rank's chunk of the sequence
             flags["sequence_parallel"] = True
     per_stage = flags.get("num_layers_per_virtual_pipeline_stage")
@@ -132,6 +136,10 @@ def convert(args: argparse.Namespace) -> str:
     tp, pp, dp = target_layout(args, source)
     ep = args.target_expert_parallel_size
     ep = int(source.layout.get("ep", 1)) if ep is None else ep
+    etp = args.target_expert_tensor_parallel_size
+    if etp is None:
+        saved = int(source.flags.get("expert_tensor_parallel_size") or 1)
+        etp = saved if saved == tp else 1
     has_experts = any(expert_id_of(t.name) is not None for t in source.tensors)
     if has_experts and args.saver == "core":
         raise ValueError(f"{source.description} is a mixture-of-experts checkpoint: only --saver mcore and --saver "
@@ -139,7 +147,7 @@ def convert(args: argparse.Namespace) -> str:
     if args.saver == "hf":
         from megatron_core.models.hf import write_hf
         return write_hf(source, args.save_dir, max_shard_size=args.max_shard_size, progress=not args.no_progress)
-    flags = target_flags(source, tp, pp, ep)
+    flags = target_flags(source, tp, pp, ep, etp)
     try:
         config = config_from_flags(flags, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     except ValueError as error:
@@ -149,7 +157,8 @@ def convert(args: argparse.Namespace) -> str:
         from megatron_core.checkpointing.megatron_lm import write_megatron_lm_checkpoint
         return write_megatron_lm_checkpoint(source, args.save_dir, tp=tp, pp=pp, ckpt_format=args.ckpt_format)
     return write_mcore_checkpoint(source, args.save_dir, config=config, flags=flags, data_parallel_size=dp,
-                                  no_optim=args.no_optim, progress=not args.no_progress, expert_parallel_size=ep)
+                                  no_optim=args.no_optim, progress=not args.no_progress, expert_parallel_size=ep,
+                                  expert_tensor_parallel_size=etp)
 
 
 def reference_logits(kind: str, directory: str, tokens: torch.Tensor) -> torch.Tensor:

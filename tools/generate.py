@@ -5,7 +5,7 @@
         --pipeline-model-parallel-size 2 --prompt-ids 1,2,3 --max-new-tokens 20 --temperature 0.8 \\
         --top-k 50 --top-p 0.95 --seed 1 --output-json out.json
     torchrun --nproc-per-node 4 tools/generate.py --load ckpt_tp2_pp2 --prompt-ids 1,2,3 --max-new-tokens 20 \\
-        --greedy    # no layout flags: the checkpoint's own tp x pp
+        --greedy    # no layout flags: the checkpoint's own tp x pp (x ep, x etp)
 
 Rank 0 prints the prompt and its continuation; ``--output-json`` writes the generated token ids, the
 log-probabilities of the prompt tokens (from the second on) and of the generated tokens, and the layout run.
@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import sys
 from typing import Optional, Sequence
@@ -53,6 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="default: the checkpoint's tp when the launch has its tp x pp processes, else 1")
     p.add_argument("--pipeline-model-parallel-size", type=int, default=None,
                    help="default: the checkpoint's pp when the launch has its tp x pp processes, else 1")
+    p.add_argument("--expert-model-parallel-size", type=int, default=None,
+                   help="mixture-of-experts models: default the checkpoint's ep with its own layout, else 1")
+    p.add_argument("--expert-tensor-parallel-size", type=int, default=None,
+                   help="mixture-of-experts models: 1 or tp; default the checkpoint's with its own layout, else 1")
     for flag in ("--tokenizer-type", "--tokenizer-model", "--vocab-file", "--merge-file"):
         p.add_argument(flag, default=None, help="default: the checkpoint's")
     p.add_argument("--vocab-size", type=int, default=None, help="default: the checkpoint's")
@@ -84,21 +89,40 @@ def _prompt_ids(args: argparse.Namespace, flags: dict) -> tuple[list[int], Optio
     return tokenizer.encode(args.prompt), tokenizer
 
 
-def launch_layout(args: argparse.Namespace, metadata: dict) -> tuple[int, int]:
-    """``(tp, pp)``: the flags; without them the checkpoint's own layout when the launch has tp x pp processes
-    (one process: tp 1, pp 1); any other process count is an error naming both."""
-    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    if tp is not None or pp is not None:
-        return tp or 1, pp or 1
+LAYOUT_FLAGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
+                "expert_tensor_parallel_size")
+
+
+def processes_for(tp: int, pp: int, ep: int, etp: int) -> int:
+    """The fewest processes that run a tp x pp layout with ep x etp expert ranks: each pipeline stage needs
+    tp x dp ranks, a multiple of tp and of ep x etp (dp replicas then generate the same tokens)."""
+    return pp * math.lcm(tp, ep * etp)
+
+
+def saved_layout(metadata: dict) -> tuple[int, int, int, int]:
+    """``(tp, pp, ep, etp)`` the checkpoint was written at."""
+    layout, flags = metadata["layout"], metadata.get("config") or {}
+    tp, pp, ep = (int(layout.get(axis, 1)) for axis in ("tp", "pp", "ep"))
+    return tp, pp, ep, int(flags.get("expert_tensor_parallel_size") or 1) if tp > 1 else 1
+
+
+def launch_layout(args: argparse.Namespace, metadata: dict) -> tuple[int, int, int, int]:
+    """``(tp, pp, ep, etp)``: the flags (1 for each one not given); without any, the checkpoint's own layout
+    when the launch has ``processes_for`` it (one process: all 1); any other process count is an error
+    naming both."""
+    if any(getattr(args, flag) is not None for flag in LAYOUT_FLAGS):
+        return tuple(getattr(args, flag) or 1 for flag in LAYOUT_FLAGS)
     world = dist.get_world_size() if dist.is_initialized() else 1
-    saved_tp, saved_pp = int(metadata["layout"].get("tp", 1)), int(metadata["layout"].get("pp", 1))
-    if world == saved_tp * saved_pp:
-        return saved_tp, saved_pp
+    tp, pp, ep, etp = saved_layout(metadata)
+    needed = processes_for(tp, pp, ep, etp)
+    if world == needed:
+        return tp, pp, ep, etp
     if world == 1:
-        return 1, 1
-    raise ValueError(f"{world} processes cannot run {args.load} at its own layout (tp {saved_tp} x pp {saved_pp}): "
-                     f"launch {saved_tp * saved_pp} processes, or pass --tensor-model-parallel-size and "
-                     "--pipeline-model-parallel-size")
+        return 1, 1, 1, 1
+    experts = f" x ep {ep}" + (f" x etp {etp}" if etp > 1 else "") if ep * etp > 1 else ""
+    raise ValueError(f"{world} processes cannot run {args.load} at its own layout (tp {tp} x pp {pp}{experts}): "
+                     f"launch {needed} processes, or pass --tensor-model-parallel-size and "
+                     "--pipeline-model-parallel-size (and --expert-model-parallel-size)")
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -107,7 +131,8 @@ def run(args: argparse.Namespace) -> dict:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     _, metadata = read_metadata(args.load, require_checksums=not args.allow_missing_checksums)
     flags = metadata.get("config") or {}
-    state = initialize_model_parallel(*launch_layout(args, metadata))
+    tp, pp, ep, etp = launch_layout(args, metadata)
+    state = initialize_model_parallel(tp, pp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
     model, _ = load_gpt_from_checkpoint(args.load, state, parallel_output=False,
                                         require_checksums=not args.allow_missing_checksums)
     ids, tokenizer = _prompt_ids(args, flags)
@@ -117,7 +142,7 @@ def run(args: argparse.Namespace) -> dict:
                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                       max_sequence_length=int(flags.get("seq_length") or 0) or None)
     result["prompt_ids"] = ids
-    result["layout"] = {"tp": state.tp_size, "pp": state.pp_size}
+    result["layout"] = {"tp": state.tp_size, "pp": state.pp_size, "ep": state.ep_size, "etp": state.etp_size}
     result["text"] = tokenizer.decode(ids + result["tokens"]) if tokenizer is not None else None
     return result
 

@@ -7,9 +7,11 @@ that owns it and streams it into ``model_tp{r}_pp{p}.safetensors`` (header first
 peak memory stays near the largest tensor. Optimizer states (``optim/<state>/<param>``) are converted like
 their parameters; vocab-padded tensors (names ending in a ``VOCAB_PARAMS`` entry) lose their padding on read
 and are re-padded for the target tp on write. MoE experts (``...mlp.experts.local_experts.<global id>...``
-and their optimizer states) are not split over tp: each goes, once, into ``experts_ep{r}_pp{p}.safetensors``
-of the target ep rank that holds its global id (ep rank r holds ids ``[r * E / ep, (r + 1) * E / ep)``), so
-conversion changes tp, pp and ep together and every expert keeps its global id.
+and their optimizer states) go, once, into ``experts_ep{r}_pp{p}.safetensors`` of the target ep rank that
+holds its global id (ep rank r holds ids ``[r * E / ep, (r + 1) * E / ep)``), or with expert tensor
+parallelism (etp = tp) split as the model splits them (``expert_partition``) into
+``experts_ep{r}_tp{t}_pp{p}.safetensors``, so conversion changes tp, pp, ep and etp together and every expert
+keeps its global id.
 """
 from __future__ import annotations
 
@@ -152,6 +154,17 @@ def expert_id_of(name: str) -> Optional[int]:
     return int(param.split(EXPERT_MARK, 1)[1].split(".", 1)[0])
 
 
+def expert_partition(name: str, *, swiglu: bool) -> tuple[Optional[int], int]:
+    """``(partition_dim, stride)`` of a routed-expert tensor split over etp, as ``moe.experts`` splits it:
+    fc1 by rows (SwiGLU's gate and up halves each: stride 2), fc2 by columns (its bias replicated)."""
+    param = parameter_name(name)
+    if ".linear_fc1." in param:
+        return 0, 2 if swiglu else 1
+    if param.endswith(".linear_fc2.weight"):
+        return 1, 1
+    return None, 1
+
+
 def pipeline_stage_of(name: str, config: TransformerConfig) -> int:
     """The pipeline rank that holds tensor ``name`` in a model built with ``config``."""
     param = parameter_name(name)
@@ -191,22 +204,46 @@ def plan_target_tensors(source: SourceCheckpoint, *, tied: bool, pp: int,
     return plan
 
 
-def _target_shape(name: str, tensor: SourceTensor, padded_vocab: int, tp: int) -> tuple[int, ...]:
-    shape = list(tensor.shape)
-    if is_vocab_tensor(name):
-        shape[0] = padded_vocab
-    dim = tensor.partition_dim
-    if dim is not None and shape[dim] % (tensor.stride * tp) != 0:
-        raise ValueError(f"tensor {name!r} of shape {tuple(shape)} cannot be split over tensor_model_parallel_size "
-                         f"{tp} (dim {dim} with stride {tensor.stride})")
-    if dim is not None:
-        shape[dim] //= tp
-    return tuple(shape)
+@dataclasses.dataclass
+class PlannedTensor:
+    """One target tensor: its source, pipeline stage and split (``splits`` shards along ``partition_dim``: tp
+    for dense tensors, etp for experts; a tensor not split is stored whole, once per tp file or once)."""
+
+    name: str
+    source: SourceTensor
+    stage: int
+    partition_dim: Optional[int]
+    stride: int
+    splits: int
+    expert: Optional[int]
+
+    def shard_shape(self, padded_vocab: int) -> tuple[int, ...]:
+        shape = list(self.source.shape)
+        if is_vocab_tensor(self.name):
+            shape[0] = padded_vocab
+        dim, size = self.partition_dim, self.splits
+        if dim is not None and shape[dim] % (self.stride * size) != 0:
+            axis = "expert_tensor_parallel_size" if self.expert is not None else "tensor_model_parallel_size"
+            raise ValueError(f"tensor {self.name!r} of shape {tuple(shape)} cannot be split over {axis} {size} "
+                             f"(dim {dim} with stride {self.stride})")
+        if dim is not None:
+            shape[dim] //= size
+        return tuple(shape)
+
+
+def plan_tensor(name: str, tensor: SourceTensor, config: TransformerConfig, etp: int) -> PlannedTensor:
+    expert = expert_id_of(name)
+    if expert is None:
+        dim, stride, splits = tensor.partition_dim, tensor.stride, config.tensor_model_parallel_size
+    else:
+        dim, stride = expert_partition(name, swiglu=config.activation == "swiglu") if etp > 1 else (None, 1)
+        splits = etp
+    return PlannedTensor(name, tensor, pipeline_stage_of(name, config), dim, stride, splits, expert)
 
 
 def write_mcore_checkpoint(source: SourceCheckpoint, save_dir: str, *, config: TransformerConfig, flags: dict,
                            data_parallel_size: int = 1, no_optim: bool = False, progress: bool = True,
-                           expert_parallel_size: int = 1) -> str:
+                           expert_parallel_size: int = 1, expert_tensor_parallel_size: int = 1) -> str:
     """Writes ``source`` as a checkpoint for the layout of ``config`` (its tp and pp sizes) under
     ``save_dir/iter_N`` (atomically: ``iter_N.partial``, fsync, rename, then the pointer file).
 
@@ -216,6 +253,7 @@ def write_mcore_checkpoint(source: SourceCheckpoint, save_dir: str, *, config: T
         data_parallel_size: recorded as the layout's dp (dp sharding happens at load time).
         no_optim: drop optimizer states (``optim/`` tensors and metadata["optimizer"]).
         expert_parallel_size: the target ep (MoE models: ``num_moe_experts`` must be divisible by it).
+        expert_tensor_parallel_size: the target etp (1, or tp: each expert split over the tp ranks).
     Returns: the checkpoint folder.
     """
     if data_parallel_size < 1:
@@ -225,18 +263,22 @@ def write_mcore_checkpoint(source: SourceCheckpoint, save_dir: str, *, config: T
     if ep < 1 or (ep > 1 and num_experts is None) or (num_experts and num_experts % ep):
         raise ValueError(f"target expert_model_parallel_size {ep} does not fit num_moe_experts {num_experts} "
                          "(it must be >= 1 and divide the number of experts; 1 without experts)")
+    etp = expert_tensor_parallel_size
+    if etp not in (1, tp) or (etp > 1 and num_experts is None):
+        raise ValueError(f"target expert_tensor_parallel_size {etp} must be 1 or the target tensor_model_parallel_size"
+                         f" {tp} (and is 1 without experts)")
     padded_vocab = vocab_size_with_padding(
         source.true_vocab_size, tensor_model_parallel_size=tp,
         make_vocab_size_divisible_by=int(flags.get("make_vocab_size_divisible_by", 128)))
     tied = not (flags.get("untie_embeddings_and_output_weights") or config.untie_embeddings_and_output_weights)
-    plan = [(name, tensor, pipeline_stage_of(name, config), _target_shape(name, tensor, padded_vocab, tp))
+    plan = [plan_tensor(name, tensor, config, etp)
             for name, tensor in plan_target_tensors(source, tied=tied, pp=pp, no_optim=no_optim)]
     final = os.path.join(save_dir, f"iter_{source.iteration:07d}")
     partial = f"{final}.partial"
     os.makedirs(save_dir, exist_ok=True)
     remove_path(partial)
     os.mkdir(partial)
-    records = _stream_tensors(partial, plan, tp=tp, padded_vocab=padded_vocab,
+    records = _stream_tensors(partial, plan, padded_vocab=padded_vocab,
                               true_vocab=source.true_vocab_size, progress=progress,
                               experts_per_rank=(num_experts // ep) if num_experts else None)
     layout = {"tp": tp, "pp": pp, "dp": data_parallel_size, "vpp": config.virtual_pipeline_model_parallel_size,
@@ -252,43 +294,45 @@ def write_mcore_checkpoint(source: SourceCheckpoint, save_dir: str, *, config: T
     return final
 
 
-def _stream_tensors(folder: str, plan: list, *, tp: int, padded_vocab: int, true_vocab: int,
+def _shard_file(planned: PlannedTensor, rank: int, experts_per_rank: Optional[int]) -> str:
+    if planned.expert is None:
+        return f"model_tp{rank:02d}_pp{planned.stage:03d}.safetensors"
+    if experts_per_rank is None:
+        raise ValueError(f"tensor {planned.name!r} is a routed expert's but the target model has no experts")
+    tp_part = f"_tp{rank:02d}" if planned.splits > 1 else ""
+    return f"experts_ep{planned.expert // experts_per_rank:03d}{tp_part}_pp{planned.stage:03d}.safetensors"
+
+
+def _stream_tensors(folder: str, plan: list[PlannedTensor], *, padded_vocab: int, true_vocab: int,
                     progress: bool, experts_per_rank: Optional[int] = None) -> dict:
-    """Declares every file's tensors, then reads each source tensor once and writes its tp shards (an
-    expert tensor: one copy, in its ep rank's expert file)."""
+    """Declares every file's tensors, then reads each source tensor once and writes its shards (a dense tensor
+    into each tp file; an expert tensor into its ep rank's expert file, or its etp shards into theirs)."""
     declared: dict[str, list] = {}
     records = {}
-    for name, tensor, stage, shard_shape in plan:
-        shards = {}
-        expert = expert_id_of(name)
-        if expert is not None:
-            if experts_per_rank is None or tensor.partition_dim is not None:
-                raise ValueError(f"tensor {name!r} is a routed expert's but the target model has no experts "
-                                 "(or the expert is split over tp, which this converter does not write)")
-            file = f"experts_ep{expert // experts_per_rank:03d}_pp{stage:03d}.safetensors"
-            declared.setdefault(file, []).append((name, tensor.dtype, shard_shape))
-            shards["0"] = {"file": file, "shape": list(shard_shape)}
-        for rank in range(tp if expert is None else 0):
-            file = f"model_tp{rank:02d}_pp{stage:03d}.safetensors"
-            declared.setdefault(file, []).append((name, tensor.dtype, shard_shape))
+    for planned in plan:
+        shard_shape, shards = planned.shard_shape(padded_vocab), {}
+        for rank in range(planned.splits):
+            file = _shard_file(planned, rank, experts_per_rank)
+            declared.setdefault(file, []).append((planned.name, planned.source.dtype, shard_shape))
             shards[str(rank)] = {"file": file, "shape": list(shard_shape)}
-        global_shape = [padded_vocab if is_vocab_tensor(name) and d == 0 else n for d, n in enumerate(tensor.shape)]
-        records[name] = {"partition_dim": tensor.partition_dim, "stride": tensor.stride, "dtype": str(tensor.dtype),
-                         "shards": shards, "global_shape": global_shape}
+        global_shape = [padded_vocab if is_vocab_tensor(planned.name) and d == 0 else n
+                        for d, n in enumerate(planned.source.shape)]
+        records[planned.name] = {"partition_dim": planned.partition_dim, "stride": planned.stride,
+                                 "dtype": str(planned.source.dtype), "shards": shards, "global_shape": global_shape}
     with contextlib.ExitStack() as stack:
         writers = {file: StreamingSafetensorsWriter(os.path.join(folder, file), tensors, atomic=False)
                    for file, tensors in declared.items()}
         for writer in writers.values():
             stack.callback(writer._file.close)
-        for name, tensor, stage, shard_shape in progress_bar(plan, desc="converting", unit=" tensors",
-                                                             enabled=progress):
+        for planned in progress_bar(plan, desc="converting", unit=" tensors", enabled=progress):
+            name, tensor = planned.name, planned.source
             full = tensor.load()
             if tuple(full.shape) != tensor.shape:
                 raise ValueError(f"{name!r}: read shape {tuple(full.shape)}, expected {tensor.shape}")
             if is_vocab_tensor(name):
                 full = repad_vocab(full, true_vocab, padded_vocab)
             for rank, shard_record in records[name]["shards"].items():
-                shard = take_shard(full, tensor.partition_dim, tensor.stride, int(rank), tp)
+                shard = take_shard(full, planned.partition_dim, planned.stride, int(rank), planned.splits)
                 writers[shard_record["file"]].write(name, shard.to(tensor.dtype))
         for writer in writers.values():
             writer.close()
@@ -296,5 +340,5 @@ def _stream_tensors(folder: str, plan: list, *, tp: int, padded_vocab: int, true
 
 
 __all__ = ["SourceTensor", "SourceCheckpoint", "read_mcore_checkpoint", "write_mcore_checkpoint",
-           "plan_target_tensors", "pipeline_stage_of", "expert_id_of", "parameter_name", "is_vocab_tensor",
-           "VOCAB_PARAMS"]
+           "plan_target_tensors", "pipeline_stage_of", "expert_id_of", "expert_partition", "parameter_name",
+           "is_vocab_tensor", "VOCAB_PARAMS"]

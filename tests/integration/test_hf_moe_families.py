@@ -151,6 +151,47 @@ def test_import_at_tp2_ep2_matches_transformers(distributed, folders, tmp_path):
         torch.testing.assert_close(logits, folders[family][1], rtol=0, atol=1e-5, msg=f"{family} tp2 x ep2")
 
 
+def _logits_at_tp2_etp2(directory, tokens):
+    """On 2 ranks: the logits at tp 2 x etp 2 with sequence parallelism and without it (forward-only: each tp
+    rank routes the whole sequence), and the error of a training-mode forward without it."""
+    from megatron_core import initialize_model_parallel
+    from megatron_core.inference import load_gpt_from_checkpoint, pipeline_forward
+    state = initialize_model_parallel(2, 1, expert_tensor_parallel_size=2)
+    with torch.no_grad():
+        logits = [pipeline_forward(load_gpt_from_checkpoint(directory, state, sequence_parallel=sp)[0], state, tokens)
+                  for sp in (True, False)]
+    model = load_gpt_from_checkpoint(directory, state)[0].train()
+    try:
+        pipeline_forward(model, state, tokens)
+    except ValueError as error:
+        return logits, str(error)
+    return logits, None
+
+
+def test_import_at_tp2_etp2_splits_each_expert_and_exports_back(distributed, folders, tmp_path, capsys):
+    """--target-expert-tensor-parallel-size 2: each expert's fc1 rows (gate and up halves) and fc2 columns in
+    experts_ep000_tp0{0,1}_pp000; transformers' logits at tp 2 x etp 2; the split checkpoint exports back."""
+    directory, reference = folders["qwen3_moe"]
+    assert _convert(directory, tmp_path / "etp2", "--target-tensor-parallel-size", "2",
+                    "--target-expert-tensor-parallel-size", "2") == 0
+    metadata = json.loads(next((tmp_path / "etp2").glob("iter_*/metadata.json")).read_text())
+    fc1 = metadata["tensors"]["decoder.layers.1.mlp.experts.local_experts.2.linear_fc1.weight"]
+    assert (fc1["partition_dim"], fc1["stride"], fc1["shards"]["1"]["shape"]) == (0, 2, [16, 32])
+    assert fc1["shards"]["1"]["file"] == "experts_ep000_tp01_pp000.safetensors"
+    assert metadata["config"]["expert_tensor_parallel_size"] == 2
+    (with_sp, without_sp), error = distributed(2, _logits_at_tp2_etp2, str(tmp_path / "etp2"), TOKENS)[0]
+    torch.testing.assert_close(with_sp, reference, rtol=0, atol=1e-5)
+    torch.testing.assert_close(without_sp, reference, rtol=0, atol=1e-5)
+    assert error is not None and "need sequence_parallel=True to train" in error, error
+    assert _convert(tmp_path / "etp2", tmp_path / "hf", loader="mcore", saver="hf") == 0
+    logits, info = _hf_logits(tmp_path / "hf")
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    torch.testing.assert_close(logits, reference, rtol=0, atol=1e-5)
+    err = _refused(capsys, directory, tmp_path / "out", "--target-tensor-parallel-size", "2",
+                   "--target-expert-tensor-parallel-size", "4")
+    assert "expert_tensor_parallel_size 4 must be 1 or the target tensor_model_parallel_size 2" in err, err
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_export_from_pp2_ep2_loads_in_transformers(folders, imported, family, tmp_path):
     assert _convert(imported[family], tmp_path / "hf", loader="mcore", saver="hf") == 0

@@ -30,14 +30,22 @@ from megatron_core.transformer.spec import TransformerLayerSpec
 
 def check_moe_layout(config: TransformerConfig, state: ParallelState) -> None:
     """ValueError naming the values when the MoE settings do not fit the layout."""
-    experts, ep, tp = config.moe.num_moe_experts, state.ep_size, state.tp_size
+    experts, ep = config.moe.num_moe_experts, state.ep_size
     if experts % ep != 0:
         raise ValueError(f"num_moe_experts {experts} is not divisible by expert_model_parallel_size {ep}: every ep "
                          "rank holds the same number of experts; change --num-experts or "
                          "--expert-model-parallel-size")
-    if tp > 1 and not config.sequence_parallel:
-        raise ValueError(f"MoE layers with tensor_model_parallel_size {tp} need sequence_parallel=True (as "
-                         "Megatron-LM): each tp rank routes its own chunk of the sequence; add --sequence-parallel")
+
+
+def check_replicated_tokens(module: nn.Module, *, tp: int, sequence_parallel: bool) -> None:
+    """At tp > 1 without sequence parallelism every tp rank holds (and routes) the whole sequence: the forward
+    is exact (each rank gets every token's output; the ep all-to-all carries each copy), so inference runs
+    there (decoding one token cannot be split over tp), but an expert would see each token tp times in
+    backward. ValueError when such a layer is run with gradients in training mode."""
+    if tp > 1 and not sequence_parallel and module.training and torch.is_grad_enabled():
+        raise ValueError(f"MoE layers with tensor_model_parallel_size {tp} need sequence_parallel=True to train "
+                         "(as Megatron-LM): each tp rank routes its own chunk of the sequence; add "
+                         "--sequence-parallel (without it they run forward-only, in eval mode or no_grad)")
 
 
 class MoELayer(nn.Module):
@@ -49,10 +57,12 @@ class MoELayer(nn.Module):
         parallel_state: the layout (``ep_group`` for dispatch, ``tp_group`` for the shared experts).
 
     forward: hidden ``[s, b, h]`` (``[s/tp, b, h]`` with sequence parallelism) -> ``(output, None)`` of the
-    same shape. Collectives: the dispatcher's over ep (see ``dispatcher``), the shared experts' over tp (as
-    the dense MLP), and the router's count all-reduce over tp with sequence parallelism. With expert tensor
-    parallelism (``etp_size`` = tp) the routed tokens, probs and map are all-gathered over tp before dispatch
-    and the experts' partial outputs reduce-scattered over tp after combine (backward: the reverse).
+    same shape. At tp > 1 without sequence parallelism (inference only: ``check_replicated_tokens``) every tp
+    rank routes the whole sequence. Collectives: the dispatcher's over ep (see ``dispatcher``), the shared
+    experts' over tp (as the dense MLP), and the router's count all-reduce over tp with sequence parallelism.
+    With expert tensor parallelism (``etp_size`` = tp) the routed tokens, probs and map are all-gathered over
+    tp before dispatch and the experts' partial outputs reduce-scattered over tp after combine (backward: the
+    reverse).
 
     Initialization is layout-independent: the router first, then one seed per global expert (all of them,
     on every rank), then the shared experts, all from the layer's seeded generator.
@@ -63,6 +73,7 @@ class MoELayer(nn.Module):
         check_moe_layout(config, parallel_state)
         moe = config.moe
         self.layer_number, self.moe = layer_number, moe
+        self.tp_size, self.sequence_parallel = parallel_state.tp_size, config.sequence_parallel
         self.router = TopKRouter(config, parallel_state=parallel_state, layer_number=layer_number)
         seeds = [int(s) for s in torch.randint(0, 2 ** 31 - 1, (moe.num_moe_experts,))]
         local = moe.num_moe_experts // parallel_state.ep_size
@@ -81,6 +92,7 @@ class MoELayer(nn.Module):
                                      stats=self.comm_stats)
 
     def forward(self, hidden: torch.Tensor):
+        check_replicated_tokens(self, tp=self.tp_size, sequence_parallel=self.sequence_parallel)
         probs, routing_map = self.router(hidden)                                  # [T, E] each
         tokens = hidden.reshape(-1, hidden.shape[-1])                             # [T, h]
         if self.etp_group is not None:  # every etp rank computes its part of each expert on all their tokens
