@@ -24,6 +24,7 @@ from megatron_core.checkpointing.shard_reader import open_safetensors
 from megatron_core.checkpointing.streaming import StreamingSafetensorsWriter
 from megatron_core.models.hf.base import Adapter, Rule, dims_of, expected_shape
 from megatron_core.models.hf.registry import adapter_for_flags, get_adapter
+from megatron_core.utils.durable import atomic_file
 from megatron_core.utils.errors import InputFileError
 from megatron_core.utils.progress import progress_bar
 
@@ -281,7 +282,8 @@ def _copy_tokenizer(flags: dict, save_dir: str) -> None:
     for name, path in sources.items():
         target = os.path.join(save_dir, name)
         if path and os.path.isfile(path) and os.path.abspath(path) != os.path.abspath(target):
-            shutil.copyfile(path, target)
+            with open(path, "rb") as source, atomic_file(target) as out:
+                shutil.copyfileobj(source, out)
 
 
 __all__ = ["read_hf", "write_hf", "read_hf_config", "open_hf_weights", "parse_size", "DTYPES", "INDEX"]
