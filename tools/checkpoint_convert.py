@@ -46,6 +46,7 @@ from megatron_core.checkpointing.convert import (  # noqa: E402
 )
 from megatron_core.inference.checkpoint_model import config_from_flags, run_flags  # noqa: E402
 from megatron_core.utils.errors import run_tool  # noqa: E402
+from megatron_core.utils.malloc import mmap_large_allocations  # noqa: E402
 
 PROG = "checkpoint_convert.py"
 MEGATRON_LM = ("core", "megatron")  # Megatron-LM checkpoints of megatron-core's GPTModel (torch or torch_dist)
@@ -190,6 +191,7 @@ def check(args: argparse.Namespace, source: SourceCheckpoint, seed: int = 0) -> 
 def _run(argv: Optional[Sequence[str]]) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    mmap_large_allocations()  # tensors read, joined and freed one at a time: keep the peak near the largest
     if args.check and (args.saver == "core" or args.loader in MEGATRON_LM):
         parser.error("--check runs megatron_core and Hugging Face models only; compare a Megatron-LM checkpoint "
                      "in megatron-core itself (see tests/integration/test_megatron_lm_checkpoints.py)")

@@ -29,7 +29,6 @@ from megatron_core.checkpointing.layout import merge_shards, repad_vocab, take_s
 from megatron_core.checkpointing.publication import publish_checkpoint
 from megatron_core.checkpointing.shard_reader import (
     VOCAB_PARAMS,
-    file_digests,
     open_safetensors,
     safe_path,
     verify_files,
@@ -278,7 +277,7 @@ def write_mcore_checkpoint(source: SourceCheckpoint, save_dir: str, *, config: T
     os.makedirs(save_dir, exist_ok=True)
     remove_path(partial)
     os.mkdir(partial)
-    records = _stream_tensors(partial, plan, padded_vocab=padded_vocab,
+    records, digests = _stream_tensors(partial, plan, padded_vocab=padded_vocab,
                               true_vocab=source.true_vocab_size, progress=progress,
                               experts_per_rank=(num_experts // ep) if num_experts else None)
     layout = {"tp": tp, "pp": pp, "dp": data_parallel_size, "vpp": config.virtual_pipeline_model_parallel_size,
@@ -287,7 +286,7 @@ def write_mcore_checkpoint(source: SourceCheckpoint, save_dir: str, *, config: T
     metadata = {"format": FORMAT, "iteration": source.iteration, "consumed_samples": source.consumed_samples,
                 "true_vocab_size": source.true_vocab_size, "layout": layout, "config": flags,
                 "scheduler": source.scheduler, "optimizer": None if no_optim else source.optimizer,
-                "tensors": records, **file_digests(partial)}
+                "tensors": records, **digests}
     fsync_write(os.path.join(partial, "metadata.json"), json.dumps(metadata, indent=1).encode())
     publish_checkpoint(directory=save_dir, partial=partial, final=final, iteration=source.iteration,
                        expected_files=metadata["checksums"], pointer=LATEST)
@@ -304,9 +303,10 @@ def _shard_file(planned: PlannedTensor, rank: int, experts_per_rank: Optional[in
 
 
 def _stream_tensors(folder: str, plan: list[PlannedTensor], *, padded_vocab: int, true_vocab: int,
-                    progress: bool, experts_per_rank: Optional[int] = None) -> dict:
+                    progress: bool, experts_per_rank: Optional[int] = None) -> tuple[dict, dict]:
     """Declares every file's tensors, then reads each source tensor once and writes its shards (a dense tensor
-    into each tp file; an expert tensor into its ep rank's expert file, or its etp shards into theirs)."""
+    into each tp file; an expert tensor into its ep rank's expert file, or its etp shards into theirs).
+    Returns ``(records, {"checksums": {file: sha256}, "sizes": {file: bytes}})`` (hashed while written)."""
     declared: dict[str, list] = {}
     records = {}
     for planned in plan:
@@ -336,7 +336,8 @@ def _stream_tensors(folder: str, plan: list[PlannedTensor], *, padded_vocab: int
                 writers[shard_record["file"]].write(name, shard.to(tensor.dtype))
         for writer in writers.values():
             writer.close()
-    return records
+    files = sorted(writers)
+    return records, {"checksums": {f: writers[f].sha256 for f in files}, "sizes": {f: writers[f].size for f in files}}
 
 
 __all__ = ["SourceTensor", "SourceCheckpoint", "read_mcore_checkpoint", "write_mcore_checkpoint",

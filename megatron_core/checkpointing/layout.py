@@ -81,8 +81,9 @@ def merge_shards(shards: Sequence[torch.Tensor], dim: Optional[int], stride: int
 
 
 def take_shard(full: torch.Tensor, dim: Optional[int], stride: int, tp_rank: int, tp_size: int) -> torch.Tensor:
-    """This tp rank's shard of a full tensor (the inverse of ``merge_shards``)."""
-    if dim is None:
+    """This tp rank's shard of a full tensor (the inverse of ``merge_shards``; ``full`` itself, not a copy,
+    when it is not split)."""
+    if dim is None or tp_size == 1:
         return full
     blocks = full.chunk(stride * tp_size, dim)
     return torch.cat(blocks[tp_rank::tp_size], dim)

@@ -1,8 +1,10 @@
 """Write a safetensors file tensor by tensor: the header (every name, dtype and shape) goes first, then each
 tensor's bytes are appended as they are produced, so a writer never holds more than one tensor in memory.
-The files are ordinary safetensors files (``safe_open`` / ``load_file`` read them)."""
+The files are ordinary safetensors files (``safe_open`` / ``load_file`` read them). The writer hashes what it
+writes, so the sha256 and length metadata.json records need no second read of the file."""
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -36,6 +38,8 @@ class StreamingSafetensorsWriter:
         atomic: write a fresh temporary file beside ``path`` (random name, ``O_EXCL | O_NOFOLLOW``) that
             ``close`` fsyncs and renames into place; without it, ``path`` itself is created new
             (``O_EXCL | O_NOFOLLOW``: for files inside a fresh folder that is published as a whole).
+
+    After ``close``, ``sha256`` (hex) and ``size`` (bytes) describe the file written.
     """
 
     def __init__(self, path: str, tensors: Sequence[tuple[str, torch.dtype, Sequence[int]]], *,
@@ -57,7 +61,13 @@ class StreamingSafetensorsWriter:
             self._file = os.fdopen(fd, "wb")
         else:
             self._tmp, self._file = None, open_new(path)
-        self._file.write(len(encoded).to_bytes(8, "little") + encoded)
+        self._digest, self.size, self.sha256 = hashlib.sha256(), 0, None
+        self._append(len(encoded).to_bytes(8, "little") + encoded)
+
+    def _append(self, data) -> None:
+        self._file.write(data)
+        self._digest.update(data)
+        self.size += len(data)
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         """Appends ``tensor`` (must be the next declared name, with its dtype and shape)."""
@@ -67,7 +77,7 @@ class StreamingSafetensorsWriter:
             raise ValueError(f"{self.path}: expected tensor {expected_name!r} next as {dtype} {shape}, got {name!r} "
                              f"{tensor.dtype} {tuple(tensor.shape)}")
         data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-        self._file.write(memoryview(data.numpy()))
+        self._append(memoryview(data.numpy()))
         self._next += 1
 
     def close(self) -> None:
@@ -78,6 +88,7 @@ class StreamingSafetensorsWriter:
         self._file.flush()
         os.fsync(self._file.fileno())
         self._file.close()
+        self.sha256 = self._digest.hexdigest()
         if self._tmp is not None:
             os.replace(self._tmp, self.path)
             fsync_path(os.path.dirname(os.path.abspath(self.path)))

@@ -1,4 +1,6 @@
 """The KV cache gives the logits of the full forward; openai_gelu; the streaming safetensors writer."""
+import hashlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -52,6 +54,8 @@ def test_streaming_writer_writes_a_safetensors_file(tmp_path):
     writer.close()
     loaded = load_file(tmp_path / "x.safetensors")
     assert all(torch.equal(loaded[k], v) for k, v in tensors.items())
+    data = (tmp_path / "x.safetensors").read_bytes()  # hashed while written: no second read for metadata.json
+    assert (writer.sha256, writer.size) == (hashlib.sha256(data).hexdigest(), len(data))
 
 
 def test_sampling_respects_top_k_and_top_p():

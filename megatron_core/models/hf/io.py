@@ -11,6 +11,7 @@ Writing: the adapter's rules turn our tensors into HF ones, packed into ``model.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from types import MappingProxyType
@@ -77,11 +78,40 @@ def _safetensors_shapes(path: str) -> dict[str, tuple[tuple, Optional[torch.dtyp
                 for k in handle.keys()}
 
 
+def _data_layout(path: str) -> dict[str, tuple[torch.dtype, tuple, int]]:
+    """``{name: (dtype, shape, byte offset)}`` from a safetensors header (``safe_open`` validated it when the
+    folder was opened); tensors of a dtype not imported are left out."""
+    with open(path, "rb") as handle:
+        length = int.from_bytes(handle.read(8), "little")
+        header = json.loads(handle.read(length))
+    return {name: (_HEADER_DTYPES[entry["dtype"]], tuple(entry["shape"]), 8 + length + entry["data_offsets"][0])
+            for name, entry in header.items() if name != "__metadata__" and entry["dtype"] in _HEADER_DTYPES}
+
+
 def _reader(path: str) -> Callable[..., torch.Tensor]:
+    """``read(name, index=None)``: tensor ``name``, or only its slice ``index`` along dim 0 (one expert of a
+    stacked tensor), read with ``readinto`` into a fresh tensor. (Not through the memory map: its pages would
+    stay resident beside the copy, doubling the peak for the largest tensor.)"""
+    layout: dict[str, tuple[torch.dtype, tuple, int]] = {}
+
     def read(name: str, index: Optional[int] = None) -> torch.Tensor:
-        """Tensor ``name``, or only its slice ``index`` along dim 0 (one expert of a stacked tensor)."""
-        with open_safetensors(path) as handle:
-            return handle.get_tensor(name) if index is None else handle.get_slice(name)[index]
+        if not layout:
+            layout.update(_data_layout(path))
+        if name not in layout:  # a dtype we do not import: the library reads it
+            with open_safetensors(path) as handle:
+                return handle.get_tensor(name) if index is None else handle.get_slice(name)[index]
+        dtype, shape, offset = layout[name]
+        if index is not None:
+            shape, offset = shape[1:], offset + index * math.prod(shape[1:]) * dtype.itemsize
+        out = torch.empty(shape, dtype=dtype)
+        view = memoryview(out.reshape(-1).view(torch.uint8).numpy())
+        with open(path, "rb") as handle:
+            handle.seek(offset)
+            count = handle.readinto(view)
+        if count != len(view):
+            raise InputFileError(f"{path} is truncated: tensor {name!r} needs {len(view)} bytes at offset {offset}, "
+                                 f"the file has {count}")
+        return out
     return read
 
 
