@@ -81,11 +81,15 @@ class MegatronOptimizer:
         config: the optimizer settings.
         chunks: the model chunks (plain modules or ``DistributedDataParallel``).
         parallel_state: the layout (for the norm over tp and pp); None means no model parallelism.
+        no_weight_decay_cond: ``cond(param)`` True exempts ``param`` from weight decay; None: parameters with
+            fewer than 2 dims are exempt (Megatron's default).
     """
 
     def __init__(self, config: OptimizerConfig, chunks: Sequence[nn.Module], *,
-                 parallel_state: Optional[ParallelState]) -> None:
+                 parallel_state: Optional[ParallelState],
+                 no_weight_decay_cond: Optional[Callable[[nn.Parameter], bool]] = None) -> None:
         self.config, self.chunks, self.parallel_state = config, list(chunks), parallel_state
+        self._no_weight_decay = no_weight_decay_cond
         self.ddp_chunks = [c for c in self.chunks if isinstance(c, DistributedDataParallel)]
         sharded = [c for c in self.ddp_chunks if c.config.zero_stage >= 1]
         self.dp_group = sharded[0].dp_group if sharded else None
@@ -120,7 +124,8 @@ class MegatronOptimizer:
                 aliased = model.dtype == torch.float32 and host is None
                 master = model if aliased else None if self.nvme else \
                     model.detach().to(host or model.device, torch.float32).clone()
-                pieces.append(_Piece(param, model, grad_fn, master, aliased, is_shard, decay=len(shape) >= 2,
+                exempt = self._no_weight_decay(param) if self._no_weight_decay else len(shape) < 2
+                pieces.append(_Piece(param, model, grad_fn, master, aliased, is_shard, decay=not exempt,
                                      param_range=param_range, param_shape=shape,
                                      is_expert=bool(getattr(param, "is_expert", False))))
         return pieces
