@@ -268,8 +268,14 @@ def _check_scalar(value: Any, key: Key, path: str, source: str) -> Any:
     return value
 
 
+_WARNED: set[str] = set()  # the keys warned about in this process (each once)
+
+
 def warn_unused(path: str, reason: str) -> None:
-    """Warns (once per key: Python's default warning filter) that ``path`` is accepted but does nothing."""
+    """Warns, once per key and process, that ``path`` is accepted but does nothing here."""
+    if path in _WARNED:
+        return
+    _WARNED.add(path)
     warnings.warn(f"DeepSpeed config key {path} is accepted but has no effect here: {reason}",
                   UnusedConfigWarning, stacklevel=4)
 
