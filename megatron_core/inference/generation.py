@@ -19,15 +19,19 @@ from megatron_core.transformer.inference_cache import InferenceCache
 
 
 def pipeline_forward(model: GPTModel, state: ParallelState, tokens: torch.Tensor,
-                     inference_cache: Optional[InferenceCache] = None) -> Optional[torch.Tensor]:
+                     inference_cache: Optional[InferenceCache] = None, *,
+                     position_ids: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
     """One forward of ``tokens`` ``[b, s]`` through every pipeline stage (no sequence parallelism).
 
     Returns the logits ``[b, s, V]`` (gathered over tp: build the model with ``parallel_output=False``) on
-    the last stage, None elsewhere. Positions start at the cache's offset (0 without a cache).
+    the last stage, None elsewhere. Positions ``position_ids`` ``[b, s]``, by default from the cache's offset
+    (0 without a cache). ``inference_cache``: an ``InferenceCache``, or any object with its hooks (the
+    engine's ``PagedStep``).
     """
     b, s = tokens.shape
     offset = inference_cache.offset if inference_cache is not None else 0
-    positions = (offset + torch.arange(s, device=tokens.device)).unsqueeze(0).expand(b, s)
+    positions = position_ids if position_ids is not None else (
+        offset + torch.arange(s, device=tokens.device)).unsqueeze(0).expand(b, s)
     if not state.is_pipeline_first_stage:
         hidden = torch.empty(s, b, model.config.hidden_size, dtype=model.config.params_dtype, device=state.device)
         dist.recv(hidden, src=state.prev_pipeline_rank, group=state.pp_group)
