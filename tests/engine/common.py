@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 import torch
-import torch.distributed as dist
+import torch._dynamo  # noqa: F401  (the first optimizer step imports it: ~9 s here; imported before the
+import torch.distributed as dist  # rank pool forks, every rank inherits it)
 import torch.nn.functional as F
 import transformers
 from torch import nn
