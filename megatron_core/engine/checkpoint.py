@@ -27,7 +27,7 @@ from safetensors import safe_open
 
 from megatron_core.checkpointing.durable import publish_folder, remove_path, save_file_durably
 from megatron_core.checkpointing.optimizer_state import collect_optimizer_state, restore_optimizer_state
-from megatron_core.checkpointing.publication import agree_on_failure
+from megatron_core.checkpointing.publication import CheckpointSaveError, agree_on_failure
 from megatron_core.checkpointing.streaming import StreamingSafetensorsWriter
 from megatron_core.utils.durable import fsync_path, write_text_atomically
 
@@ -146,32 +146,30 @@ def save(engine: "Engine", save_dir: str, *, tag: Optional[str], client_state: d
          exclude_frozen_parameters: bool = False) -> bool:
     """Writes checkpoint ``tag`` of ``engine`` (see the module docstring). Collective over every rank.
     Collectives: ZeRO-3 all-gathers (one bucket at a time), a gather of the optimizer shards to dp rank 0,
-    ``all_gather_object``s that agree on failures. Raises ``CheckpointSaveError`` on every rank if any fails."""
+    ``all_gather_object``s that agree on failures. Raises ``CheckpointSaveError`` on every rank if any fails
+    (nothing is published then; the previous checkpoint and ``latest`` are untouched)."""
     tag = _check_tag(tag if tag is not None else f"global_step{engine.global_steps}")
     final, partial = os.path.join(save_dir, tag), os.path.join(save_dir, f".{tag}.partial")
-    writer = _rank() == 0
-    error = None
-    if writer:
-        try:
+    writer, error = _rank() == 0, None
+    client_tensors: dict[str, torch.Tensor] = {}
+    try:
+        encoded = encode_client_state(client_state, client_tensors)
+        if writer:
             os.makedirs(save_dir, exist_ok=True)
             remove_path(partial)
             os.mkdir(partial)
-        except OSError as failure:
-            error = failure
-    agree_on_failure(error, folder=partial, what="create")
-    named, tied = _names(engine)
-    error = _write_model(engine, os.path.join(partial, "model.safetensors") if writer else None, named,
-                         frozen=not exclude_frozen_parameters)
-    optim_tensors, scalars = ({}, None)
-    if engine.optimizer is not None:
-        optim_tensors, scalars = collect_optimizer_state(engine.optimizer, named, engine.state)
-    if writer and error is None:
-        try:
-            _write_rest(engine, partial, final, tag=tag, named=named, tied=tied, client_state=client_state,
-                        optim={k: v for k, (v, _) in optim_tensors.items()}, scalars=scalars)
-        except (OSError, ValueError) as failure:
-            error = failure
-    agree_on_failure(error, folder=final, what="write checkpoint")
+    except (OSError, ValueError) as failure:
+        error = failure
+    agree_on_failure(error, folder=final, what="start checkpoint")
+    try:
+        _save_into(engine, partial, final, tag=tag, writer=writer, client=(encoded, client_tensors),
+                   frozen=not exclude_frozen_parameters)
+    except CheckpointSaveError:
+        if writer:
+            with contextlib.suppress(OSError):
+                remove_path(partial)
+        raise
+    error = None
     if writer and save_latest:
         try:
             write_text_atomically(os.path.join(save_dir, LATEST), tag)
@@ -181,11 +179,29 @@ def save(engine: "Engine", save_dir: str, *, tag: Optional[str], client_state: d
     return True
 
 
+def _save_into(engine: "Engine", partial: str, final: str, *, tag: str, writer: bool, client: tuple,
+               frozen: bool) -> None:
+    """The collective part of ``save``: the model (streamed), the optimizer states (gathered to dp rank 0),
+    then rank 0's remaining files and the publication of the folder."""
+    named, tied = _names(engine)
+    error = _write_model(engine, os.path.join(partial, "model.safetensors") if writer else None, named,
+                         frozen=frozen)
+    optim_tensors, scalars = ({}, None)
+    if engine.optimizer is not None:
+        optim_tensors, scalars = collect_optimizer_state(engine.optimizer, named, engine.state)
+    if writer and error is None:
+        try:
+            _write_rest(engine, partial, final, tag=tag, named=named, tied=tied, client=client,
+                        optim={k: v for k, (v, _) in optim_tensors.items()}, scalars=scalars)
+        except (OSError, ValueError) as failure:
+            error = failure
+    agree_on_failure(error, folder=final, what="write checkpoint")
+
+
 def _write_rest(engine: "Engine", partial: str, final: str, *, tag: str, named: dict, tied: dict,
-                client_state: dict, optim: dict, scalars: Optional[dict]) -> None:
+                client: tuple, optim: dict, scalars: Optional[dict]) -> None:
     """Rank 0: optimizer states, client tensors, engine.json; then publishes the folder."""
-    client_tensors: dict[str, torch.Tensor] = {}
-    encoded = encode_client_state(client_state, client_tensors)
+    encoded, client_tensors = client
     if optim:
         save_file_durably(optim, os.path.join(partial, "optim.safetensors"))
     if client_tensors:
@@ -251,7 +267,8 @@ def _load_model(engine: "Engine", folder: str, meta: dict, *, strict: bool) -> d
     buckets = {id(p): b for b in engine.ddp.buckets for p in b.params if b.shard_params}
     with safe_open(os.path.join(folder, "model.safetensors"), framework="pt") as reader:
         saved = set(reader.keys())
-        buffers = {n: b for n, b in engine.module.state_dict(keep_vars=True).items() if n not in named}
+        buffers = {n: b for n, b in engine.module.state_dict(keep_vars=True).items()
+                   if n not in named and not isinstance(b, torch.nn.Parameter)}
         missing = [n for n in list(named) + list(buffers) if n not in saved]
         unexpected = sorted(saved - set(named) - set(buffers))
         if strict and (missing or unexpected):
