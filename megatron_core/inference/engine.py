@@ -145,7 +145,7 @@ class InferenceEngine:
     def abort(self, request_id: str) -> Optional[RequestOutput]:
         """Ends a waiting or running request (finish_reason "abort"; its blocks return to the pool)."""
         request = self.scheduler.find(request_id)
-        return None if request is None else self._finish(request, "abort", "")
+        return None if request is None else self.finish(request, "abort")
 
     # -- every rank: steps ------------------------------------------------------------------------------------
 
@@ -161,7 +161,7 @@ class InferenceEngine:
         except Exception:  # noqa: BLE001 - the step's requests fail with "error"; the others go on
             logger.exception("inference step of %d requests failed", len(plan.entries))
             failed = [self.scheduler.find(e.request_id) for e in plan.entries]
-            return [self._finish(r, "error", "") for r in failed if r is not None]
+            return [self.finish(r, "error") for r in failed if r is not None]
         return [self._output(request) for request in self.scheduler.advance(plan, results)]
 
     def follow(self) -> None:
@@ -252,14 +252,16 @@ class InferenceEngine:
         stream = self._texts.get(request.request_id)
         text, stopped = stream.push(request.generated) if stream is not None else ("", False)
         if stopped:  # the text ends before the stop string: nothing held back to flush
-            return self._finish(request, "stop", text, new=1, flush=False)
+            return self.finish(request, "stop", text, new=1, flush=False)
         if token in params.stop_token_ids or (token == self.eos_id and not params.ignore_eos):
-            return self._finish(request, "stop", text, new=1)
+            return self.finish(request, "stop", text, new=1)
         if len(request.generated) >= params.max_tokens:
-            return self._finish(request, "length", text, new=1)
+            return self.finish(request, "length", text, new=1)
         return RequestOutput(request, [token], [request.logprobs[-1]], text, False)
 
-    def _finish(self, request: Request, reason: str, text: str, new: int = 0, flush: bool = True) -> RequestOutput:
+    def finish(self, request: Request, reason: str, text: str = "", new: int = 0, flush: bool = True) -> RequestOutput:
+        """Ends ``request`` with ``reason`` (its blocks return to the pool); the output carries its last ``new``
+        tokens and the text not yet returned."""
         stream = self._texts.pop(request.request_id, None)
         if stream is not None and flush:
             text += stream.finish(request.generated)
