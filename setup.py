@@ -44,7 +44,16 @@ setup(
         "tiktoken",
         # Lint: scripts/test.sh runs `ruff check .` (ruff.toml) before the tests.
         "ruff",
+        # tests/serving start tools/run_text_generation_server.py: its routes and request validation.
+        "fastapi",
+        # ... and the ASGI server that runs them on a loopback port.
+        "uvicorn",
+        # tests/serving call that server with the official OpenAI client (completions, chat, streaming).
+        "openai",
     ],
+        # tools/run_text_generation_server.py (imported lazily, only by the server): FastAPI for the routes and
+        # their validation, uvicorn to serve them.
+        "serve": ["fastapi", "uvicorn"],
         # bench_memory.py and benchmark.py also run DeepSpeed's ZeRO engines when deepspeed is installed
         # (pure Python on CPU, gloo).
         "bench": ["deepspeed"]},
