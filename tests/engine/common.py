@@ -133,3 +133,15 @@ def full_state(engine: Any) -> dict:
     from megatron_core.engine import zero
     with zero.GatheredParameters(list(engine.module.parameters())):
         return {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+
+
+def _warm_up() -> None:
+    """Imports what the first GPT-2 step imports lazily (transformers' GPT-2 code, the attention-mask helpers,
+    torch._dynamo through the optimizer: ~4 s here), before the rank pools fork, so no rank pays it again."""
+    model = gpt2()
+    optimizer = torch.optim.AdamW(model.parameters())
+    loss_of("gpt2", model, batch("gpt2", 0, rows=1)).backward()
+    optimizer.step()
+
+
+_warm_up()
