@@ -82,7 +82,7 @@ class ModelParallelConfig:
 RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm")
 _CHOICES = MappingProxyType({
     "normalization": ("LayerNorm", "RMSNorm"),
-    "activation": ("gelu", "swiglu"),
+    "activation": ("gelu", "swiglu", "squared_relu"),
     "position_embedding_type": ("learned_absolute", "rope", "none"),
     "recompute_granularity": (None, "full", "selective"),
     "recompute_method": (None, "uniform", "block"),
@@ -116,6 +116,8 @@ class TransformerConfig(ModelParallelConfig):
     """Share of each head's kv_channels that rope rotates (the rest pass through), in (0, 1]."""
     rotary_seq_len_interpolation_factor: Optional[float] = None
     """Positions are divided by this factor before rope (linear position interpolation)."""
+    rotary_interleaved: bool = False
+    """Rope pairs channels (2i, 2i + 1) (the paper's and GPT-J's layout) instead of (i, i + d/2)."""
     rope_scaling: bool = False
     """Llama-3.1's rope frequency scaling (Megatron's ``--use-rope-scaling``; transformers' rope type "llama3")
     with the four ``rope_scaling_*`` values below."""

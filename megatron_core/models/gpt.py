@@ -71,7 +71,8 @@ class GPTModel(nn.Module):
                 base_seed=base_seed)
         self.rotary_pos_emb = (RotaryEmbedding(config.rotary_dim, rotary_base=config.rotary_base,
                                                seq_len_interpolation_factor=config.rotary_seq_len_interpolation_factor,
-                                               rope_scaling=config.llama3_rope_scaling)
+                                               rope_scaling=config.llama3_rope_scaling,
+                                               interleaved=config.rotary_interleaved)
                                if config.position_embedding_type == "rope" else None)
         self.decoder = TransformerBlock(config, parallel_state=parallel_state, spec=layer_spec or gpt_layer_spec(),
                                         base_seed=base_seed, pre_process=pre_process, post_process=post_process,

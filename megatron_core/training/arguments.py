@@ -18,6 +18,7 @@ import torch
 
 from megatron_core.config import TransformerConfig
 from megatron_core.training import arguments_megatron as megatron_flags
+from megatron_core.training import megatron_table
 from megatron_core.training.arguments_moe import add_moe_flags, moe_config, validate_moe_flags
 from megatron_core.training.elastic import add_elastic_flags, validate_elastic_flags
 from megatron_core.training.schedule import validate_schedule_flags
@@ -42,6 +43,10 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
                    help="no learned position embedding: with rope a no-op, else --position-embedding-type none")
     g.add_argument("--rotary-base", type=float, default=10000.0)
     g.add_argument("--rotary-percent", type=float, default=1.0, help="share of each head's channels rotated")
+    g.add_argument("--use-rotary-position-embeddings", action="store_true",
+                   help="deprecated in Megatron-LM: the same as --position-embedding-type rope")
+    g.add_argument("--rotary-interleaved", action="store_true",
+                   help="rope pairs channels (2i, 2i+1) (the paper's and GPT-J's layout), not (i, i+d/2)")
     g.add_argument("--rotary-seq-len-interpolation-factor", type=float, default=None,
                    help="divide positions by this factor (linear position interpolation)")
     g.add_argument("--use-rope-scaling", action="store_true",
@@ -58,6 +63,7 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--qk-layernorm", action="store_true", help="normalize each head's query and key")
     g.add_argument("--swiglu", action="store_true")
     g.add_argument("--openai-gelu", action="store_true", help="GeLU with the tanh approximation (GPT-2)")
+    g.add_argument("--squared-relu", action="store_true", help="relu(x)^2 as the MLP activation (Primer)")
     g.add_argument("--disable-bias-linear", action="store_true")
     g.add_argument("--add-qkv-bias", action="store_true",
                    help="bias on the fused QKV projection even with --disable-bias-linear (Qwen2)")
@@ -196,7 +202,9 @@ def _io_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--vocab-size", type=int, default=None)
     g.add_argument("--save", default=None)
     g.add_argument("--save-interval", type=int, default=None)
-    g.add_argument("--load", default=None, help="an empty or missing folder starts from scratch (with a notice)")
+    g.add_argument("--load", default=None, help="a folder without a checkpoint starts from scratch (with a warning)")
+    g.add_argument("--exit-on-missing-checkpoint", action="store_true",
+                   help="exit (status 2) when --load holds no checkpoint, instead of starting from scratch")
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
     g.add_argument("--load-fallback", action="store_true",
@@ -239,6 +247,8 @@ def build_parser() -> argparse.ArgumentParser:
     megatron_flags.add_megatron_flags(parser)
     add_moe_flags(parser)
     add_elastic_flags(parser)
+    megatron_table.add_no_op_flags(parser)
+    parser.widened_choices = megatron_table.widen_choices(parser)
     return parser
 
 
@@ -247,12 +257,18 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser = build_parser()
     argv = megatron_flags.strip_shell_quotes(sys.argv[1:] if argv is None else argv)
     args, unknown = parser.parse_known_args(argv)
-    refusal = megatron_flags.refusal(args, unknown)
+    known = [opt for action in parser._actions for opt in action.option_strings]
+    refused, unknown = megatron_table.refused_given(unknown, set(known))
+    refused += megatron_table.refused_values(args, parser.widened_choices)
+    refusal = megatron_flags.refusal(args, unknown, refused)
     if refusal:
         exit_with_config_error(refusal)
     if unknown:
-        known = [opt for action in parser._actions for opt in action.option_strings]
         parser.error(megatron_flags.unrecognized_message(unknown, known))
+    no_ops = megatron_table.given_no_ops(args)
+    if no_ops:
+        megatron_flags.warn_rank_0(f"accepted for Megatron-LM compatibility, no effect here: {', '.join(no_ops)} "
+                                   "(pretrain_gpt.py --help says why for each)")
     try:
         if args.use_checkpoint_args:
             from megatron_core.training.checkpoint_args import apply_checkpoint_args
@@ -261,6 +277,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     except ValueError as error:
         parser.error(str(error))
     return args
+
+
+def _activation(args: argparse.Namespace) -> str:
+    if args.swiglu and args.squared_relu:
+        raise ValueError("--swiglu and --squared-relu are two MLP activations: give one of them")
+    return "swiglu" if args.swiglu else "squared_relu" if args.squared_relu else "gelu"
 
 
 def _one_cp_comm_type(value) -> str:
@@ -291,6 +313,8 @@ def zero_stage(args: argparse.Namespace) -> int:
 def _resolve_model_flags(args: argparse.Namespace) -> None:
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
+    if args.use_rotary_position_embeddings:  # Megatron-LM's deprecated spelling
+        args.position_embedding_type = "rope"
     if not args.add_position_embedding and args.position_embedding_type == "learned_absolute":
         args.position_embedding_type = "none"
     if args.recompute_activations:
@@ -396,11 +420,12 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
         num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
         num_attention_heads=args.num_attention_heads, kv_channels=args.kv_channels,
         num_query_groups=args.num_query_groups if args.group_query_attention else None,
-        normalization=args.normalization, activation="swiglu" if args.swiglu else "gelu",
+        normalization=args.normalization, activation=_activation(args),
         openai_gelu=args.openai_gelu,
         add_bias_linear=not args.disable_bias_linear, position_embedding_type=args.position_embedding_type,
         rotary_base=args.rotary_base, rotary_percent=args.rotary_percent,
         rotary_seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor,
+        rotary_interleaved=args.rotary_interleaved,
         rope_scaling=args.use_rope_scaling, rope_scaling_factor=args.rope_scaling_factor,
         rope_scaling_low_freq_factor=args.rope_scaling_low_freq_factor,
         rope_scaling_high_freq_factor=args.rope_scaling_high_freq_factor,

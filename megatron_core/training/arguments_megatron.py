@@ -66,8 +66,10 @@ _MTP = "multi-token prediction is not built; drop these flags"
 _GPT_OSS = ("gpt-oss's layer variants (windowed attention, learnable softmax, clamped GeGLU) are not built; "
             "drop these flags")
 _CUDA_GRAPH = "CUDA graphs are not built; drop these flags"
+_MODELOPT = ("Model Optimizer's export and distillation flags (its own extra arguments of pretrain_gpt.py) are not "
+             "built; drop them")
 REFUSED_PREFIXES: dict[str, str] = MappingProxyType({"--moe-": _MOE, "--fp8": _FP8, "--fp4": _FP8, "--mtp-": _MTP,
-                                                     "--cuda-graph": _CUDA_GRAPH})
+                                                     "--cuda-graph": _CUDA_GRAPH, "--export-": _MODELOPT})
 REFUSED_FLAGS: dict[str, str] = MappingProxyType({
     "--multi-latent-attention": _MLA, "--q-lora-rank": _MLA, "--kv-lora-rank": _MLA, "--qk-head-dim": _MLA,
     "--qk-pos-emb-head-dim": _MLA, "--v-head-dim": _MLA, "--mscale": _MLA, "--mscale-all-dim": _MLA,
@@ -92,6 +94,8 @@ def add_megatron_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--log-loss-scale-to-tensorboard", action="store_true", default=True)
     g.add_argument("--no-log-loss-scale-to-tensorboard", action="store_false", dest="log_loss_scale_to_tensorboard")
     g.add_argument("--logging-level", type=int, default=None, help="Python logging level (10 debug ... 40 error)")
+    g.add_argument("--deterministic-mode", action="store_true",
+                   help="bitwise-repeatable runs: deterministic algorithms (CUDA: cuBLAS workspace, NCCL ring)")
     g.add_argument("--manual-gc", action="store_true", help="disable automatic garbage collection; collect manually")
     g.add_argument("--manual-gc-interval", type=int, default=0, help="with --manual-gc: collect every N iterations")
     g.add_argument("--no-manual-gc-eval", action="store_false", dest="manual_gc_eval",
@@ -164,9 +168,13 @@ def _refused_on_known(args: argparse.Namespace) -> list[tuple[str, str]]:
     return given
 
 
-def refusal(args: argparse.Namespace, unknown: Sequence[str]) -> Optional[str]:
-    """One paragraph naming every given flag of a feature that is not built, and why; None if there is none."""
+def refusal(args: argparse.Namespace, unknown: Sequence[str],
+            refused: Sequence[tuple[str, str]] = ()) -> Optional[str]:
+    """One paragraph naming every given flag of a feature that is not built, and why (``refused``: more
+    ``(flag as given, reason)`` pairs, from Megatron-LM's flag table); None if there is none."""
     by_reason: dict[str, list[str]] = {}
+    for shown, why in refused:
+        by_reason.setdefault(why, []).append(shown)
     for shown, key in _refused_on_known(args):
         by_reason.setdefault(REFUSED_FLAGS[key], []).append(shown)
     for i, token in enumerate(unknown):

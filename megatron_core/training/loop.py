@@ -28,6 +28,7 @@ from megatron_core.tensor_parallel import model_parallel_seed
 from megatron_core.training.arguments import transformer_config
 from megatron_core.training.banner import end_report, memory_probe, start_banner
 from megatron_core.training.data import build_datasets_once_per_node, build_run_tokenizer, micro_batches, take
+from megatron_core.training.determinism import deterministic_mode
 from megatron_core.training.elastic import (
     check_elastic_world,
     exit_with_parent,
@@ -302,11 +303,12 @@ def _recorded_flags(run: Run) -> dict:
 def pretrain(args: argparse.Namespace) -> list[float]:
     """Trains as the flags say; returns the training losses (the same on every rank)."""
     exit_with_parent()
-    run = build_run(args)
-    try:
-        return _train(run)
-    finally:
-        destroy_model_parallel(run.state)
+    with deterministic_mode(args.deterministic_mode, cuda=torch.cuda.is_available()):
+        run = build_run(args)
+        try:
+            return _train(run)
+        finally:
+            destroy_model_parallel(run.state)
 
 
 def _train(run: Run) -> list[float]:

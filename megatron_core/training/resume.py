@@ -74,13 +74,30 @@ def check_resume(folder: str, metadata: dict, args: argparse.Namespace, tokenize
                          "--ignore-mismatched-sizes to load what fits on purpose")
 
 
+def holds_checkpoint(directory: str) -> bool:
+    """Whether ``directory`` holds anything a checkpoint reader should look at: the pointer file, an ``iter_*``
+    entry (complete, partial or damaged) or a checkpoint of another framework. A missing folder, an empty one
+    or one with only other files (Megatron-LM's CI points --load at its data folder) holds none."""
+    from megatron_core.checkpointing.checkpoint import LATEST
+    from megatron_core.checkpointing.megatron_lm_io import describe_foreign
+    if not os.path.isdir(directory):
+        return False
+    entries = os.listdir(directory)
+    return LATEST in entries or any(e.startswith("iter_") for e in entries) or describe_foreign(directory) is not None
+
+
 def load(run) -> int:
-    """Loads ``--load``; returns the iteration to continue from (0 with --finetune). An empty or missing
-    folder starts from scratch with a notice, as in Megatron-LM (its scripts pass --save and --load alike)."""
+    """Loads ``--load``; returns the iteration to continue from (0 with --finetune). A folder without a
+    checkpoint (``holds_checkpoint``) starts from scratch with a warning, as in Megatron-LM (its scripts pass
+    --save and --load alike), or exits with --exit-on-missing-checkpoint; a damaged checkpoint stops the run."""
     args = run.args
-    if not os.path.isdir(args.load) or not os.listdir(args.load):
+    if not holds_checkpoint(args.load):
+        if args.exit_on_missing_checkpoint:
+            raise ValueError(f"--exit-on-missing-checkpoint: no checkpoint in {args.load} (no "
+                             "latest_checkpointed_iteration.txt, no iter_* folder)")
         if run.is_logging_rank:
-            print(f" no checkpoint to load in {args.load} (empty or missing): starting from scratch", flush=True)
+            print(f" WARNING: no checkpoint to load in {args.load} (no latest_checkpointed_iteration.txt, no iter_* "
+                  "folder): starting from scratch", flush=True)
         return 0
     checksums = not args.allow_missing_checksums
     folder, metadata = read_metadata(args.load, fallback=args.load_fallback, require_checksums=checksums)

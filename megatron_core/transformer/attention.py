@@ -181,8 +181,8 @@ class SelfAttention(nn.Module):
         if self.q_layernorm is not None:
             query, key = self.q_layernorm(query), self.k_layernorm(key)
         if rotary_pos_emb is not None:
-            query = apply_rotary_pos_emb(query, rotary_pos_emb)
-            key = apply_rotary_pos_emb(key, rotary_pos_emb)
+            query = apply_rotary_pos_emb(query, rotary_pos_emb, interleaved=self.config.rotary_interleaved)
+            key = apply_rotary_pos_emb(key, rotary_pos_emb, interleaved=self.config.rotary_interleaved)
         if inference_cache is not None:
             if attention_mask is not None or self.config.sequence_parallel or self.cp_size > 1:
                 raise ValueError("an inference cache works with the causal mask (attention_mask=None) and "

@@ -15,6 +15,18 @@ from megatron_core.tensor_parallel import (
 )
 
 
+def mlp_activation(x: torch.Tensor, activation: str, *, gelu_approximate: str = "none") -> torch.Tensor:
+    """The MLP's nonlinearity: ``"swiglu"`` ``[..., 2f]`` (gate; up) -> ``silu(gate) * up`` ``[..., f]``;
+    ``"squared_relu"`` -> ``relu(x)^2`` (Primer; Megatron-LM's --squared-relu); ``"gelu"`` (tanh-approximated
+    with ``gelu_approximate="tanh"``)."""
+    if activation == "swiglu":
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    if activation == "squared_relu":
+        return F.relu(x).square()
+    return F.gelu(x, approximate=gelu_approximate)
+
+
 class MLP(nn.Module):
     """``fc2(act(fc1(x)))`` with fc1 ``[h -> ffn]`` split over tp by columns and fc2 ``[ffn -> h]`` by rows.
 
@@ -30,7 +42,7 @@ class MLP(nn.Module):
     def __init__(self, config: TransformerConfig, *, layer_number: int, parallel_state: ParallelState) -> None:
         super().__init__()
         self.layer_number = layer_number
-        self.swiglu = config.activation == "swiglu"
+        self.swiglu, self.activation_name = config.activation == "swiglu", config.activation
         self.gelu_approximate = "tanh" if config.openai_gelu else "none"
         common = dict(tp_group=parallel_state.tp_group, sequence_parallel=config.sequence_parallel,
                       tp_comm_overlap=config.tp_comm_overlap, weight_grad_store=parallel_state.weight_grad_store,
@@ -44,10 +56,7 @@ class MLP(nn.Module):
 
     def activation(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., ffn/tp]`` (``[..., 2 ffn/tp]`` for SwiGLU) -> ``[..., ffn/tp]``."""
-        if self.swiglu:
-            gate, up = x.chunk(2, dim=-1)
-            return F.silu(gate) * up
-        return F.gelu(x, approximate=self.gelu_approximate)
+        return mlp_activation(x, self.activation_name, gelu_approximate=self.gelu_approximate)
 
     def forward(self, hidden: torch.Tensor):
         intermediate, _ = self.linear_fc1(hidden)

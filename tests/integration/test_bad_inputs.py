@@ -68,12 +68,31 @@ def test_bad_flag(distributed, name):
     assert "Traceback" not in err
 
 
+def _train_capturing_stdout(argv):
+    import contextlib
+    import io
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        status, err = run_main(argv)
+    return status, err, out.getvalue()
+
+
 def test_load_from_a_folder_without_a_checkpoint(distributed, tmp_path):
-    """An empty or missing --load folder starts from scratch (Megatron's scripts pass --save and --load
-    alike); a folder with other files in it is not taken for an empty one."""
+    """A --load folder that holds data but no checkpoint (Megatron-LM's CI points --load at its data folder)
+    warns and starts from scratch, as Megatron does; --exit-on-missing-checkpoint exits 2 instead; a damaged
+    checkpoint (the pointer names a folder that is gone) still stops the run naming it."""
     (tmp_path / "notes.txt").write_text("not a checkpoint")
+    (tmp_path / "text_document.bin").write_bytes(b"\0" * 16)
+    status, err, out = distributed(1, _train_capturing_stdout, [*TINY, "--train-iters", "2", "--load",
+                                                                str(tmp_path)])[0]
+    assert status == 0, err
+    assert f"WARNING: no checkpoint to load in {tmp_path}" in out and "starting from scratch" in out
+    status, err = distributed(1, run_main, [*TINY, "--train-iters", "2", "--load", str(tmp_path),
+                                            "--exit-on-missing-checkpoint"])[0]
+    assert status == 2 and f"--exit-on-missing-checkpoint: no checkpoint in {tmp_path}" in err, err
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("7")
     status, err = distributed(1, run_main, [*TINY, "--train-iters", "2", "--load", str(tmp_path)])[0]
-    assert status == 2 and f"no checkpoint in {tmp_path}" in err and "Traceback" not in err
+    assert status == 2 and "iter_0000007" in err and "Traceback" not in err, err
 
 
 def test_world_size_not_matching_the_layout(distributed):

@@ -61,7 +61,8 @@ def flags_from_hf(config: dict, path: str) -> dict:
 
 def check_exportable(flags: dict, description: str = "the checkpoint") -> None:
     wanted = {"normalization": "LayerNorm", "position_embedding_type": "learned_absolute", "swiglu": False,
-              "disable_bias_linear": False, "group_query_attention": False, "qk_layernorm": False}
+              "disable_bias_linear": False, "group_query_attention": False, "qk_layernorm": False,
+              "squared_relu": False, "rotary_interleaved": False}
     for key, value in wanted.items():
         if (flags.get(key) or False) != (value or False) and key in flags:
             raise ValueError(f"{description}: config {key}={flags.get(key)!r} cannot be exported as GPT-2 "

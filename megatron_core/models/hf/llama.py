@@ -94,7 +94,7 @@ def refuse_biases(config: dict, path: str, keys: tuple[str, ...]) -> None:
 def check_exportable(flags: dict, model_type: str, *, qkv_bias: bool = False, qk_norm: bool = False) -> None:
     wanted = {"normalization": "RMSNorm", "swiglu": True, "position_embedding_type": "rope",
               "disable_bias_linear": True, "add_qkv_bias": qkv_bias, "qk_layernorm": qk_norm, "rotary_percent": 1.0,
-              "apply_layernorm_1p": False}
+              "apply_layernorm_1p": False, "squared_relu": False, "rotary_interleaved": False}
     for key, value in wanted.items():
         if (flags.get(key) or False) != (value or False) and not (key == "rotary_percent" and key not in flags):
             raise ValueError(f"run flag {key}={flags.get(key)!r} cannot be exported as Hugging Face {model_type!r} "

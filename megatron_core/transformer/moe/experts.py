@@ -28,6 +28,7 @@ from megatron_core.tensor_parallel import (
     set_tensor_model_parallel_attributes,
 )
 from megatron_core.tensor_parallel.initialization import InitMethod, InitRecipe, init_method_constant, init_param_
+from megatron_core.transformer.mlp import mlp_activation
 
 
 def tag_expert(param: nn.Parameter, *, partition_dim: int = -1, stride: int = 1) -> nn.Parameter:
@@ -106,7 +107,7 @@ class LocalExperts(nn.Module):
         moe = config.moe
         ffn = moe.moe_ffn_hidden_size or config.ffn_hidden_size
         self.expert_ids, self.grouped = list(expert_ids), moe.moe_grouped_gemm
-        self.swiglu = config.activation == "swiglu"
+        self.swiglu, self.activation_name = config.activation == "swiglu", config.activation
         self.gelu_approximate = "tanh" if config.openai_gelu else "none"
         experts = {}
         for expert_id in self.expert_ids:
@@ -121,10 +122,7 @@ class LocalExperts(nn.Module):
         return bias if bias is None or self.add_fc2_bias else bias * 0.0
 
     def activation(self, x: torch.Tensor) -> torch.Tensor:
-        if self.swiglu:
-            gate, up = x.chunk(2, dim=-1)
-            return F.silu(gate) * up
-        return F.gelu(x, approximate=self.gelu_approximate)
+        return mlp_activation(x, self.activation_name, gelu_approximate=self.gelu_approximate)
 
     def forward(self, tokens: torch.Tensor, tokens_per_expert: Sequence[int]) -> torch.Tensor:
         counts = [int(c) for c in tokens_per_expert]
