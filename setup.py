@@ -14,6 +14,8 @@ setup(
     version="0.1.0",
     description="Megatron-style 3D-parallel GPT training with ZeRO, testable on CPU",
     packages=find_packages(include=["megatron_core", "megatron_core.*", "kernels", "kernels.*"]),
+    # Megatron-LM's pretraining flags (scripts/extract_megatron_flags.py): pretrain_gpt.py recognizes each one.
+    package_data={"megatron_core.training": ["megatron_lm_flags.json"]},
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.3",
