@@ -119,6 +119,9 @@ RULES: tuple[tuple[str, str, str], ...] = (
     (r"--trust-remote-code", REFUSE, "loading never executes code from a file"),
 )
 
+# values of refused flags that describe what happens here anyway
+HARMLESS_VALUES = MappingProxyType({"--rerun-mode": ("disabled",), "--dataloader-type": ("single",)})
+
 
 @lru_cache(maxsize=None)
 def megatron_lm_flags() -> MappingProxyType:
@@ -197,13 +200,14 @@ def _is_default(value, default) -> bool:
 
 def refused_given(unknown: list[str], known: set[str]) -> tuple[list[tuple[str, str]], list[str]]:
     """``([(flag as given, reason)], tokens still unknown)`` for the refused Megatron-LM flags in ``unknown``;
-    a value flag given with Megatron's default value is harmless and not listed."""
+    a value flag given with Megatron's default value (or a ``HARMLESS_VALUES`` one) is not listed."""
     namespace, rest = refused_flag_parser(known).parse_known_args(unknown)
     flags = megatron_lm_flags()
     refused = []
     for dest, value in vars(namespace).items():
         option = dest.split(":", 1)[1]
-        if flags[option]["action"] == "_StoreAction" and _is_default(value, flags[option]["default"]):
+        if flags[option]["action"] == "_StoreAction" and (_is_default(value, flags[option]["default"])
+                                                          or value in HARMLESS_VALUES.get(option, ())):
             continue
         text = " ".join(map(str, value)) if isinstance(value, list) else str(value)
         shown = option if value is True else f"{option} {text}"
@@ -234,7 +238,7 @@ def refused_values(args: argparse.Namespace, widened: dict) -> list[tuple[str, s
     for dest, (option, extra, built) in widened.items():
         value = getattr(args, dest, None)
         if value in extra:
-            out.append((f"{option} {value}", f"{option} {value} is not built here (built: "
+            out.append((f"{option} {value}", f"a {option} Megatron-LM has, not built here (built: "
                                              f"{', '.join(map(str, built))})"))
     return out
 

@@ -41,8 +41,10 @@ def test_did_you_mean_keeps_the_polarity(capsys):
 
 
 def test_usage_error_is_one_paragraph(capsys):
-    err = _error(["--lr-decay-style", "WSD"], capsys)
-    assert "invalid choice: 'WSD'" in err
+    err = _error(["--lr-decay-style", "bogus"], capsys)
+    assert "invalid choice: 'bogus'" in err
+    err = _error(["--lr-decay-style", "WSD"], capsys)  # a value Megatron-LM has: refused by name
+    assert "--lr-decay-style WSD: a --lr-decay-style Megatron-LM has, not built here (built: constant" in err
 
 
 def test_sequence_parallel_at_tp1_is_turned_off(caplog):
@@ -141,3 +143,39 @@ def test_gpt3_script_gives_both_schedule_and_global_batch(capsys):
     assert args.batch_schedule.largest == 1536
     assert "differs from the last batch size 1536" in _error(
         ["--global-batch-size", "64", "--step-batch-size-schedule", "0:16 1K:1536"], capsys)
+
+
+def test_every_megatron_lm_flag_acts_is_a_documented_no_op_or_is_refused(capsys):
+    """Megatron-LM's parser has 876 option strings (megatron_lm_flags.json); each one is ours, an accepted
+    no-op listed in --help with its reason, or refused by name."""
+    from megatron_core.training.arguments import build_parser
+    from megatron_core.training.megatron_table import NO_OP, classify, megatron_lm_flags
+    parser = build_parser()
+    ours = {option for action in parser._actions for option in action.option_strings
+            if not action.dest.startswith("megatron_no_op_")}
+    flags = megatron_lm_flags()
+    assert len(flags) == 876
+    kinds = {option: "ours" if option in ours else classify(option)[0] for option in flags}
+    assert all(kind in ("ours", NO_OP, "refuse") for kind in kinds.values())
+    help_text = parser.format_help()
+    for option, kind in kinds.items():
+        if kind == NO_OP:
+            assert option in help_text, option
+    assert kinds["--use-persistent-ckpt-worker"] == NO_OP and kinds["--deterministic-mode"] == "ours"
+    assert kinds["--rerun-mode"] == "refuse" and kinds["--muon-momentum"] == "refuse"
+    assert classify("--some-future-megatron-flag") == ("refuse", "a Megatron-LM option this framework has not built")
+
+
+def test_no_ops_are_accepted_with_one_warning_and_refusals_name_the_flag(capsys, caplog):
+    with caplog.at_level("WARNING"):
+        args = parse_args(["--use-persistent-ckpt-worker", "--ckpt-fully-parallel-load", "--async-strategy", "nvrx"])
+    assert "no effect here: --async-strategy, --ckpt-fully-parallel-load, --use-persistent-ckpt-worker" in caplog.text
+    assert args.num_layers == 4  # the run's own flags are untouched
+    # what happens here anyway, or a refused flag at Megatron-LM's own default, is harmless
+    parse_args(["--rerun-mode", "disabled", "--dataloader-type", "single", "--fim-rate", "0.5"])
+    err = _error(["--rerun-mode", "report_stats", "--save-activations-interval", "5"], capsys)
+    assert "--rerun-mode report_stats: Megatron's rerun state machine" in err
+    assert "--save-activations-interval 5: saving activations, gradients or parameters" in err
+    err = _error(["--optimizer", "muon", "--muon-momentum", "0.5"], capsys)  # (its default is 0.95)
+    assert "--optimizer muon: a --optimizer Megatron-LM has, not built here (built: adam, sgd)" in err
+    assert "--muon-momentum 0.5: this optimizer option is not built" in err

@@ -74,3 +74,35 @@ def test_selective_recompute_modules_keep_the_gradients(modules):
     torch.testing.assert_close(loss_r, loss)
     for name, grad in grads.items():
         torch.testing.assert_close(grads_r[name], grad, rtol=1e-5, atol=1e-7)
+
+
+def test_rotary_interleaved_is_rotate_half_on_permuted_channels():
+    """--rotary-interleaved pairs channels (2i, 2i+1): it equals the rotate-half rope applied to the channels
+    reordered evens-then-odds, and reordered back; a model with it differs from one without."""
+    torch.manual_seed(0)
+    x = torch.randn(6, 2, 3, 8)
+    positions = torch.arange(6).unsqueeze(0).expand(2, 6)
+    interleaved = apply_rotary_pos_emb(x, RotaryEmbedding(8, interleaved=True)(positions), interleaved=True)
+    order = torch.cat([torch.arange(0, 8, 2), torch.arange(1, 8, 2)])
+    half = apply_rotary_pos_emb(x[..., order], RotaryEmbedding(8)(positions))
+    torch.testing.assert_close(interleaved, half[..., torch.argsort(order)], rtol=0, atol=1e-6)
+    assert not torch.allclose(interleaved, apply_rotary_pos_emb(x, RotaryEmbedding(8)(positions)))
+    rope = dict(position_embedding_type="rope")
+    loss, _ = _loss_and_grads(tiny_config(**rope))
+    loss_interleaved, _ = _loss_and_grads(tiny_config(**rope, rotary_interleaved=True))
+    assert loss != loss_interleaved  # (near-uniform attention at init: they differ in the fifth digit)
+
+
+def test_squared_relu_is_relu_squared_in_every_mlp():
+    from megatron_core.transformer.mlp import MLP
+    config = tiny_config(activation="squared_relu")
+    torch.manual_seed(0)
+    mlp = MLP(config, layer_number=1, parallel_state=initialize_model_parallel())
+    x = torch.randn(4, 2, config.hidden_size)
+    out, bias = mlp(x)
+    fc1, fc2 = mlp.linear_fc1, mlp.linear_fc2
+    expected = torch.relu(x @ fc1.weight.t() + fc1.bias).square() @ fc2.weight.t()
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(bias, fc2.bias)
+    from megatron_core.training.arguments import parse_args, transformer_config
+    assert transformer_config(parse_args(["--squared-relu"])).activation == "squared_relu"
