@@ -37,9 +37,10 @@ def read_flags(checkout: str) -> dict:
     for action in parser._actions:
         if not action.option_strings or action.dest == "help":
             continue
+        nargs = action.nargs if isinstance(action.nargs, (int, type(None))) else str(action.nargs)
         for option in action.option_strings:
             flags[option] = {"dest": action.dest, "action": type(action).__name__, "default": _plain(action.default),
-                             "nargs": action.nargs if isinstance(action.nargs, (int, type(None))) else str(action.nargs),
+                             "nargs": nargs,
                              "choices": [str(c) for c in action.choices] if action.choices else None,
                              "type": getattr(action.type, "__name__", None) if action.type else None}
     return flags
