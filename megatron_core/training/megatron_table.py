@@ -243,10 +243,23 @@ def refused_values(args: argparse.Namespace, widened: dict) -> list[tuple[str, s
     return out
 
 
+def markdown(ours: set[str]) -> str:
+    """The docs' table of every Megatron-LM flag not in ``ours``: no-ops then refusals, grouped by reason."""
+    groups: dict[tuple[str, str], list[str]] = {}
+    for option in sorted(megatron_lm_flags()):
+        if option not in ours:
+            groups.setdefault(classify(option), []).append(option)
+    lines = ["| | flags | why |", "| --- | --- | --- |"]
+    for (kind, reason), options in sorted(groups.items(), key=lambda item: (item[0][0] != NO_OP, item[0][1])):
+        shown = ", ".join(f"`{option}`" for option in options)
+        lines.append(f"| {'accepted, no effect' if kind == NO_OP else 'refused'} | {shown} | {reason} |")
+    return "\n".join(lines) + "\n"
+
+
 def megatron_default(option: str) -> Optional[object]:
     spec = megatron_lm_flags().get(option)
     return None if spec is None else spec["default"]
 
 
 __all__ = ["NO_OP", "REFUSE", "RULES", "megatron_lm_flags", "classify", "add_no_op_flags", "given_no_ops",
-           "refused_flag_parser", "refused_given", "widen_choices", "refused_values", "megatron_default"]
+           "refused_flag_parser", "refused_given", "widen_choices", "refused_values", "markdown", "megatron_default"]

@@ -179,3 +179,17 @@ def test_no_ops_are_accepted_with_one_warning_and_refusals_name_the_flag(capsys,
     err = _error(["--optimizer", "muon", "--muon-momentum", "0.5"], capsys)  # (its default is 0.95)
     assert "--optimizer muon: a --optimizer Megatron-LM has, not built here (built: adam, sgd)" in err
     assert "--muon-momentum 0.5: this optimizer option is not built" in err
+
+
+def test_docs_list_every_no_op_and_refusal_with_its_reason():
+    import importlib.util
+    import pathlib
+    root = pathlib.Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("extract_megatron_flags", root / "scripts" /
+                                                  "extract_megatron_flags.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    table = module.docs_table()
+    assert table in (root / "docs" / "megatron_lm.md").read_text(), \
+        "docs/megatron_lm.md is out of date: run python scripts/extract_megatron_flags.py --docs"
+    assert "`--use-persistent-ckpt-worker`" in table and "`--rerun-mode`" in table
