@@ -43,6 +43,23 @@ def _cast_half(value: Any) -> Any:
     return value
 
 
+class SmallParametersRoot(nn.Module):
+    """ZeRO-3's root unit around the user's model: it claims every 1-D parameter (biases, norm weights), which
+    are then gathered once for the whole forward and once for the whole backward instead of one small
+    all-gather per module (``gathers_small_parameters`` of ``distributed.zero3.plan_units``). The engine uses
+    it when ``stage3_param_persistence_threshold`` > 0 (DeepSpeed keeps parameters under the threshold
+    unpartitioned; here they stay sharded between steps)."""
+
+    gathers_small_parameters = True
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.model(*args, **kwargs)
+
+
 class Engine(nn.Module):
     """The engine ``initialize`` returns (DeepSpeed's ``DeepSpeedEngine``).
 
@@ -77,7 +94,8 @@ class Engine(nn.Module):
     @property
     def module(self) -> nn.Module:
         """The user's model (at ZeRO-3 its parameters are empty outside forward: see ``zero.GatheredParameters``)."""
-        return self.ddp.module
+        wrapped = self.ddp.module
+        return wrapped.model if isinstance(wrapped, SmallParametersRoot) else wrapped
 
     @property
     def dp_world_size(self) -> int:
@@ -100,7 +118,7 @@ class Engine(nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            return getattr(super().__getattr__("ddp").module, name)
+            return getattr(Engine.module.fget(self), name)
 
     def gradient_accumulation_steps(self) -> int:
         return self.config.gradient_accumulation_steps
@@ -298,4 +316,4 @@ class Engine(nn.Module):
                     load_lr_scheduler_states=load_lr_scheduler_states and not load_module_only)
 
 
-__all__ = ["Engine"]
+__all__ = ["Engine", "SmallParametersRoot"]

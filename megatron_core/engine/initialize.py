@@ -21,7 +21,7 @@ from torch import nn
 from megatron_core.distributed import DistributedDataParallel
 from megatron_core.engine.config import EngineConfig, OptimizerSpec
 from megatron_core.engine.data import EngineDataLoader
-from megatron_core.engine.engine import Engine
+from megatron_core.engine.engine import Engine, SmallParametersRoot
 from megatron_core.engine.lr_schedules import SCHEDULES
 from megatron_core.engine.zero import register_zero3_buckets
 from megatron_core.engine.zero_init import materialize_
@@ -109,7 +109,7 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None,
     ddp = _wrap(model, cfg, state)
     engine_optimizer = None
     if spec is not None:
-        no_decay = {id(p) for name, p in ddp.module.named_parameters() if name in no_decay_names}
+        no_decay = {id(p) for name, p in model.named_parameters() if name in no_decay_names}
         engine_optimizer = get_optimizer(cfg.optimizer_config(spec), ddp, parallel_state=state,
                                          no_weight_decay_cond=lambda param: id(param) in no_decay)
     scheduler = _scheduler(cfg, lr_scheduler, engine_optimizer)
@@ -236,7 +236,9 @@ def _wrap(model: nn.Module, cfg: EngineConfig, state: ParallelState) -> Distribu
         model.to(device)
     if cfg.zero_stage == 3 and cfg.raw["zero_optimization"]["reduce_bucket_size"] is not None:
         logger.warning("zero_optimization.reduce_bucket_size has no effect at stage 3: one bucket per module")
-    ddp = DistributedDataParallel(model, config=cfg.ddp_config(), dp_group=state.dp_group, device=device)
+    small_together = cfg.zero_stage == 3 and cfg.zero["stage3_param_persistence_threshold"] > 0
+    root = SmallParametersRoot(model) if small_together else model
+    ddp = DistributedDataParallel(root, config=cfg.ddp_config(), dp_group=state.dp_group, device=device)
     register_zero3_buckets(ddp)
     offload = cfg.zero["offload_param"]
     if offload["device"] != "none":

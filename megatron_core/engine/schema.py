@@ -111,7 +111,7 @@ ZERO = {
     "cpu_offload_use_pin_memory": Key("bool", None, nullable=True, unused="see offload_*.pin_memory"),
     "stage3_prefetch_bucket_size": int_key(50_000_000, minimum=0, unused=_NO_ZERO3_TUNING),
     "prefetch_bucket_size": alias_key("stage3_prefetch_bucket_size"),
-    "stage3_param_persistence_threshold": int_key(100_000, minimum=0, unused=_NO_ZERO3_TUNING + "; none persists"),
+    "stage3_param_persistence_threshold": int_key(100_000, minimum=0),
     "param_persistence_threshold": alias_key("stage3_param_persistence_threshold"),
     "stage3_model_persistence_threshold": int_key(2 ** 63 - 1, minimum=0, unused=_NO_ZERO3_TUNING),
     "model_persistence_threshold": alias_key("stage3_model_persistence_threshold"),

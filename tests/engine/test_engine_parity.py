@@ -43,7 +43,8 @@ def _run(kind, config, *, groups=None, client_optimizer=None, client_scheduler=N
                 "global_samples": engine.global_samples, "lr": engine.get_lr(),
                 "grad_norm": engine.get_global_grad_norm(), "dtypes": {p.dtype for p in engine.module.parameters()},
                 "optimizer_is_returned": engine_optimizer is engine.optimizer,
-                "scheduler_is_returned": engine_scheduler is engine.lr_scheduler}
+                "scheduler_is_returned": engine_scheduler is engine.lr_scheduler,
+                "released": all(p.numel() == 0 for p in engine.module.parameters())}
     return losses, full_state(engine), counters
 
 
@@ -66,6 +67,7 @@ def test_gpt2_matches_plain_torch_at_every_stage(distributed, stage):
         (STEPS, STEPS * accumulation, STEPS * GLOBAL_BATCH)
     assert counters["grad_norm"] == pytest.approx(norms[-1], rel=1e-5)  # the clipped step's unclipped norm
     assert counters["lr"] == [LR] and counters["optimizer_is_returned"]
+    assert counters["released"] == (stage == 3)  # ZeRO-3: every parameter freed outside forward and backward
     assert torch.equal(results[0][1]["lm_head.weight"], results[0][1]["transformer.wte.weight"])  # still tied
 
 
@@ -74,6 +76,14 @@ def test_gpt2_matches_plain_torch_at_every_stage(distributed, stage):
 def test_models_we_did_not_write(distributed, kind, stage):
     losses, state, _ = reference(kind)
     _assert_equal(distributed(2, _run, kind, ds_config(stage)), losses, state)
+
+
+def test_zero3_units_without_grouping_small_parameters(distributed):
+    """stage3_param_persistence_threshold 0: every module's biases and norm weights are its own units."""
+    config = ds_config(3)
+    config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    losses, state, _ = reference("gpt2")
+    _assert_equal(distributed(2, _run, "gpt2", config), losses, state)
 
 
 def test_sgd_with_momentum(distributed):
