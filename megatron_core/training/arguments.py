@@ -33,7 +33,7 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ffn-hidden-size", type=int, default=None)
     g.add_argument("--num-attention-heads", type=int, default=4)
     g.add_argument("--group-query-attention", action="store_true")
-    g.add_argument("--num-query-groups", type=int, default=None)
+    g.add_argument("--num-query-groups", type=int, default=1, help="with --group-query-attention")
     g.add_argument("--kv-channels", type=int, default=None)
     g.add_argument("--seq-length", type=int, default=128)
     g.add_argument("--max-position-embeddings", type=int, default=None, help="default: --seq-length")
@@ -68,8 +68,8 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--add-qkv-bias", action="store_true",
                    help="bias on the fused QKV projection even with --disable-bias-linear (Qwen2)")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
-    g.add_argument("--hidden-dropout", type=float, default=0.0)
-    g.add_argument("--attention-dropout", type=float, default=0.0)
+    g.add_argument("--hidden-dropout", type=float, default=0.1)
+    g.add_argument("--attention-dropout", type=float, default=0.1)
     g.add_argument("--init-method-std", type=float, default=0.02)
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     g.add_argument("--recompute-activations", action="store_true", help="= --recompute-granularity selective")
@@ -129,9 +129,9 @@ def _training_flags(p: argparse.ArgumentParser) -> None:
                    help='global batch by consumed tokens: "0:16 2.4B:320 12B:1536" (K, M, B, T suffixes)')
     g.add_argument("--train-iters", type=int, default=None, help="default: 100 (unless --train-samples)")
     g.add_argument("--train-samples", type=int, default=None, help="sample-based training")
-    g.add_argument("--eval-interval", type=int, default=1000)
+    g.add_argument("--eval-interval", type=int, default=None, help="default: no evaluation during training")
     g.add_argument("--eval-iters", type=int, default=100)
-    g.add_argument("--log-interval", type=int, default=10)
+    g.add_argument("--log-interval", type=int, default=100)
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--compile", action="store_true",
@@ -141,7 +141,7 @@ def _training_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--initial-loss-scale", type=float, default=2.0**32)
     g.add_argument("--optimizer", choices=["adam", "sgd"], default="adam")
     g.add_argument("--lr", type=float, default=3e-3)
-    g.add_argument("--min-lr", type=float, default=3e-4)
+    g.add_argument("--min-lr", type=float, default=0.0)
     g.add_argument("--decoupled-lr", type=float, default=None, help="lr of the input embedding and output layer")
     g.add_argument("--decoupled-min-lr", type=float, default=None)
     g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine", "inverse-square-root"],
@@ -154,7 +154,7 @@ def _training_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lr-decay-samples", type=int, default=None, help="default: --train-samples")
     g.add_argument("--weight-decay", type=float, default=0.01)
     g.add_argument("--adam-beta1", type=float, default=0.9)
-    g.add_argument("--adam-beta2", type=float, default=0.95)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
     g.add_argument("--adam-eps", type=float, default=1e-8)
     g.add_argument("--clip-grad", type=float, default=1.0)
     g.add_argument("--calculate-per-token-loss", action="store_true",
@@ -359,13 +359,15 @@ def validate_args(args: argparse.Namespace) -> None:
     _resolve_model_flags(args)
     validate_schedule_flags(args)
     for name in ("micro_batch_size", "log_interval", "eval_interval", "seq_length"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.position_embedding_type == "learned_absolute" and args.seq_length > args.max_position_embeddings:
         raise ValueError(f"--seq-length {args.seq_length} is longer than --max-position-embeddings "
                          f"{args.max_position_embeddings}; raise the latter or use --position-embedding-type rope")
-    if args.num_query_groups is not None and not args.group_query_attention:
+    if args.num_query_groups not in (None, 1) and not args.group_query_attention:
         raise ValueError(f"--num-query-groups {args.num_query_groups} needs --group-query-attention")
+    if not args.group_query_attention:
+        args.num_query_groups = None  # (Megatron-LM's default 1 applies with --group-query-attention only)
     if args.save_interval is not None and args.save is None:
         raise ValueError("--save-interval needs --save DIR")
     if args.ignore_mismatched_sizes and not args.finetune:

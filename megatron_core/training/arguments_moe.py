@@ -20,8 +20,8 @@ def add_moe_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--num-experts", type=int, default=None, help="routed experts per MoE layer (default: dense)")
     g.add_argument("--expert-model-parallel-size", type=int, default=1)
     g.add_argument("--expert-tensor-parallel-size", type=int, default=None,
-                   help="1 (default: experts whole on each rank) or the tp size (each expert's fc1/fc2 split over "
-                        "the tp group; Megatron-LM's default)")
+                   help="1 (experts whole on each rank) or the tp size (each expert's fc1/fc2 split over the tp "
+                        "group; the default, as in Megatron-LM)")
     g.add_argument("--moe-router-topk", type=int, default=2)
     g.add_argument("--moe-router-load-balancing-type", choices=LOAD_BALANCING_TYPES, default="aux_loss")
     g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0)
@@ -88,8 +88,11 @@ def moe_config(args: argparse.Namespace) -> Optional[MoEConfig]:
 def validate_moe_flags(args: argparse.Namespace) -> None:
     """Checks that need no process group (ValueError naming the values and the fix); the world-size checks
     run in ``initialize_model_parallel`` and the MoE layer."""
-    ep, etp, tp = (args.expert_model_parallel_size, args.expert_tensor_parallel_size or 1,
-                   args.tensor_model_parallel_size)
+    ep, tp = args.expert_model_parallel_size, args.tensor_model_parallel_size
+    given_etp = args.expert_tensor_parallel_size
+    # Megatron-LM's default: experts split over the tp group (etp = tp); without experts, 1
+    etp = given_etp if given_etp is not None else (tp if args.num_experts is not None else 1)
+    args.expert_tensor_parallel_size = etp
     if ep < 1:
         raise ValueError(f"--expert-model-parallel-size must be >= 1, got {ep}")
     if etp not in (1, tp):

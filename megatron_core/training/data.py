@@ -32,7 +32,7 @@ def build_datasets(args: argparse.Namespace, tokenizer, global_batch: int):
     """(train, valid, test) sized for the run: train_iters global batches, and the evaluations. With
     ``--mock-data``, synthetic documents over the tokenizer's vocabulary (no files; valid and test drawn from
     other seeds)."""
-    evaluations = args.train_iters // args.eval_interval + 1
+    evaluations = args.train_iters // args.eval_interval + 1 if args.eval_interval else 0
     eval_samples = evaluations * args.eval_iters * global_batch
     counts = (args.train_iters * global_batch, eval_samples, args.eval_iters * global_batch)
     if args.mock_data:

@@ -358,7 +358,7 @@ def _train(run: Run) -> list[float]:
             if run.async_writer is not None:
                 with _phase(run, "the publication of an async checkpoint (all-reduce over every rank)"):
                     run.async_writer.poll()
-            if iteration % args.eval_interval == 0:
+            if args.eval_interval and iteration % args.eval_interval == 0:
                 hooks.around_evaluation()
                 loss = evaluate(run, iteration, writer)
                 if loss is not None:

@@ -3,7 +3,9 @@ save gathers one bucket at a time: measured with LiveMemoryTracker on 2 gloo ran
 ``prepare_checkpoint`` (the host copies and gathers of a save)."""
 import pytest
 
-ARGV = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+from tests.recipe import RECIPE
+
+ARGV = [*RECIPE, "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
         "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "1", "--lr", "1e-3",
         "--eval-interval", "100000", "--log-interval", "100000", "--seed", "3"]
 

@@ -14,8 +14,10 @@ import sys
 import time
 from typing import Callable, Optional, Sequence
 
+from tests.recipe import RECIPE
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
+TINY = [*RECIPE, "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
         "--micro-batch-size", "2", "--lr", "1e-3", "--min-lr", "1e-4", "--lr-warmup-iters", "1",
         "--eval-interval", "100000", "--log-interval", "1", "--seed", "3"]
 

@@ -14,9 +14,10 @@ from safetensors import safe_open
 from megatron_core.checkpointing.checkpoint import _verify, read_metadata
 from megatron_core.training.arguments import parse_args
 from megatron_core.training.loop import pretrain  # imported before the forks: a child only trains
+from tests.recipe import RECIPE
 
 TRIALS = 20
-ARGV = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
+ARGV = [*RECIPE, "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
         "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "600", "--lr", "1e-3",
         "--eval-interval", "100000", "--log-interval", "100000", "--seed", "3", "--save-interval", "1",
         "--async-save"]

@@ -4,7 +4,9 @@ it records); the pointer file names the last one; every file is fsynced before t
 import json
 import os
 
-KEEP = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
+from tests.recipe import RECIPE
+
+KEEP = [*RECIPE, "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
         "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "6", "--lr", "1e-3",
         "--min-lr", "1e-4", "--lr-warmup-iters", "1", "--eval-interval", "100000", "--log-interval", "100000",
         "--seed", "3", "--save-interval", "2", "--zero-stage", "1"]

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from tests.data.conftest import load_tool
+from tests.recipe import RECIPE
 
-BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
+BASE = [*RECIPE, "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
         "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-3", "--min-lr", "1e-4",
         "--lr-warmup-iters", "1", "--eval-interval", "1000", "--log-interval", "1000", "--seed", "7"]
 TOKENS = torch.tensor([[5, 17, 3, 99, 42, 8, 0, 64, 23, 11], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]])

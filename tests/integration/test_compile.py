@@ -9,7 +9,9 @@ import tempfile
 import pytest
 import torch
 
-BASE = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
+from tests.recipe import RECIPE
+
+BASE = [*RECIPE, "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
         "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "4", "--lr", "1e-3",
         "--min-lr", "1e-4", "--eval-interval", "1000", "--log-interval", "1000", "--seed", "7"]
 LAYOUTS = {

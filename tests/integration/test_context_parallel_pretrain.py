@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from tests.integration.test_reliability import TINY, run_main
+from tests.recipe import RECIPE
 
-BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
+BASE = [*RECIPE, "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
         "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "8", "--lr", "1e-3",
         "--min-lr", "1e-4", "--lr-warmup-iters", "2", "--eval-interval", "1000", "--log-interval", "1000",
         "--seed", "7"]

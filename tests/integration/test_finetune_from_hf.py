@@ -11,10 +11,11 @@ import torch
 
 from tests.data.conftest import load_tool
 from tests.integration.test_reliability import run_main
+from tests.recipe import RECIPE
 
 transformers = pytest.importorskip("transformers")
 
-RUN = ["--mock-data", "--train-iters", "2", "--micro-batch-size", "2", "--global-batch-size", "4",
+RUN = [*RECIPE, "--mock-data", "--train-iters", "2", "--micro-batch-size", "2", "--global-batch-size", "4",
        "--seq-length", "16", "--lr", "1e-4", "--min-lr", "1e-5", "--lr-warmup-iters", "0",
        "--eval-interval", "100000", "--log-interval", "1"]
 

@@ -15,8 +15,10 @@ import time
 
 import pytest
 
+from tests.recipe import RECIPE
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
+TINY = [*RECIPE, "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
         "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-3", "--min-lr", "1e-4",
         "--lr-warmup-iters", "1", "--eval-interval", "100000", "--log-interval", "100000", "--seed", "3"]
 

@@ -193,3 +193,50 @@ def test_docs_list_every_no_op_and_refusal_with_its_reason():
     assert table in (root / "docs" / "megatron_lm.md").read_text(), \
         "docs/megatron_lm.md is out of date: run python scripts/extract_megatron_flags.py --docs"
     assert "`--use-persistent-ckpt-worker`" in table and "`--rerun-mode`" in table
+
+
+# Where our default differs from Megatron-LM's, and why (everything else must match).
+DEFAULT_EXCEPTIONS = {
+    # Megatron-LM has no default (it requires them); ours train the tiny built-in model with no flags
+    "--num-layers": 4, "--hidden-size": 128, "--num-attention-heads": 4, "--seq-length": 128,
+    "--micro-batch-size": 4, "--lr": 3e-3,
+    "--split": "969,30,1",  # Megatron-LM sets the same split when none is given ("969, 30, 1")
+    "--distributed-backend": None,  # nccl with CUDA, gloo without (Megatron-LM's nccl cannot run on a CPU)
+    # read with --use-megatron-fsdp only, where ours means optim_grads_params (ZeRO-3) too
+    "--data-parallel-sharding-strategy": None,
+}
+
+
+def test_every_shared_flag_has_megatron_lms_default():
+    """Each value flag pretrain_gpt.py shares with Megatron-LM's parser has Megatron's default (read from the
+    parser itself, megatron_lm_flags.json), except the listed ones; accepted no-ops are not compared."""
+    from megatron_core.training.arguments import build_parser
+    from megatron_core.training.arguments_megatron import ACCEPTED_NO_OPS
+    from megatron_core.training.megatron_table import megatron_lm_flags
+    differ = {}
+    for action in build_parser()._actions:
+        for option in action.option_strings:
+            theirs = megatron_lm_flags().get(option)
+            if (theirs is None or option in ACCEPTED_NO_OPS or action.dest.startswith("megatron_no_op_")
+                    or theirs["action"] != "_StoreAction" or type(action).__name__ != "_StoreAction"):
+                continue
+            ours, default = action.default, theirs["default"]
+            same = ours == default or (isinstance(ours, (int, float)) and isinstance(default, (int, float))
+                                       and float(ours) == float(default))
+            if not same:
+                differ[option] = (ours, default)
+    unexplained = {k: v for k, v in differ.items() if k not in DEFAULT_EXCEPTIONS or DEFAULT_EXCEPTIONS[k] != v[0]}
+    assert not unexplained, unexplained
+    assert set(DEFAULT_EXCEPTIONS) <= set(differ)  # (an exception that no longer differs is dropped)
+
+
+def test_megatron_lms_defaults_where_ours_used_to_differ():
+    args = parse_args([])
+    assert (args.adam_beta2, args.hidden_dropout, args.attention_dropout, args.min_lr, args.log_interval,
+            args.eval_interval) == (0.999, 0.1, 0.1, 0.0, 100, None)
+    moe = parse_args(["--num-experts", "4", "--tensor-model-parallel-size", "2", "--sequence-parallel"])
+    assert moe.expert_tensor_parallel_size == 2  # etp = tp, as in Megatron-LM
+    assert parse_args(["--num-experts", "4"]).expert_tensor_parallel_size == 1
+    gqa = parse_args(["--group-query-attention"])
+    assert gqa.num_query_groups == 1  # Megatron-LM's default: one group (multi-query attention)
+    assert parse_args([]).num_query_groups is None  # (without --group-query-attention: every head its own)

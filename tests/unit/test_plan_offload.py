@@ -7,9 +7,10 @@ import torch
 
 from megatron_core.config import TransformerConfig
 from megatron_core.planning.planner import Hardware, Workload, rank_plans
+from tests.recipe import RECIPE
 from tools.plan_parallelism import main
 
-MODEL = ["--num-layers", "8", "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "256",
+MODEL = [*RECIPE, "--num-layers", "8", "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "256",
          "--max-position-embeddings", "256", "--micro-batch-size", "1", "--global-batch-size", "8", "--bf16",
          "--vocab-size", "1000"]
 
