@@ -14,6 +14,7 @@
 A thin shell over megatron_core: ``DistributedDataParallel`` (ZeRO 0-3, its buckets and gathers), the
 ``MegatronOptimizer`` (fp32 masters, loss scaling, clipping, CPU/NVMe offload) and the checkpoint pieces.
 """
+from megatron_core.engine import activation_checkpointing as checkpointing
 from megatron_core.engine import lr_schedules, zero
 from megatron_core.engine.checkpoint import FORMAT as CHECKPOINT_FORMAT
 from megatron_core.engine.config import EngineConfig
@@ -25,4 +26,4 @@ from megatron_core.engine.schema import UnusedConfigWarning
 DeepSpeedEngine = Engine  # DeepSpeed's name for it
 
 __all__ = ["CHECKPOINT_FORMAT", "DeepSpeedEngine", "Engine", "EngineConfig", "EngineDataLoader", "RepeatingLoader",
-           "UnusedConfigWarning", "init_distributed", "initialize", "lr_schedules", "zero"]
+           "UnusedConfigWarning", "checkpointing", "init_distributed", "initialize", "lr_schedules", "zero"]

@@ -30,8 +30,26 @@ def _no_decay_groups(model):
     return [{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": rest, "weight_decay": 0.0}]
 
 
-def _run(kind, config, *, groups=None, client_optimizer=None, client_scheduler=None, steps=STEPS):
+class _Recomputed(torch.nn.Module):
+    """nn.Sequential's layers, each recomputed in backward through the engine's checkpointing.checkpoint."""
+
+    def __init__(self, layers):
+        super().__init__()
+        self.layers = layers
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = deepspeed.checkpointing.checkpoint(layer, x)
+        return x
+
+
+def _run(kind, config, *, groups=None, client_optimizer=None, client_scheduler=None, steps=STEPS,
+         recompute=False):
     model = MODELS[kind]()
+    if recompute and kind == "gpt2":  # transformers' own (torch.utils.checkpoint, not reentrant)
+        model.gradient_checkpointing_enable()
+    elif recompute:
+        model = _Recomputed(model)
     params = groups(model) if groups is not None else model.parameters()
     optimizer = client_optimizer(params) if client_optimizer is not None else None
     scheduler = client_scheduler(optimizer) if client_scheduler is not None else None
@@ -84,6 +102,15 @@ def test_zero3_units_without_grouping_small_parameters(distributed):
     config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
     losses, state, _ = reference("gpt2")
     _assert_equal(distributed(2, _run, "gpt2", config), losses, state)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "sequential"])
+def test_activation_checkpointing_at_stage_3(distributed, kind):
+    losses, state, _ = reference(kind)
+    results = distributed(2, _run, kind, ds_config(3), recompute=True)
+    if kind == "sequential":  # the wrapper's names
+        results = [(losses_, {k.replace("layers.", "", 1): v for k, v in s.items()}, c) for losses_, s, c in results]
+    _assert_equal(results, losses, state)
 
 
 def test_sgd_with_momentum(distributed):
