@@ -118,6 +118,9 @@ def serve(engine: InferenceEngine, args: argparse.Namespace) -> int:
                                            timeout_graceful_shutdown=max(int(math.ceil(args.drain_timeout)), 1)))
     logger.info("serving %s (%d cache blocks of %d tokens) on http://%s:%d", name,
                 engine.scheduler.pool.num_blocks, engine.scheduler.pool.block_size, args.host, args.port)
+    for sig in (signal.SIGTERM, signal.SIGINT):  # uvicorn re-raises the signal it handled once it has shut
+        # down gracefully; with this handler in place (restored by uvicorn) that ends in exit status 0
+        signal.signal(sig, lambda number, _frame: logger.info("stopped by signal %d", number))
     try:
         server.run()
     finally:

@@ -10,6 +10,7 @@ with ``call_soon_threadsafe``). With nothing to run the thread still steps every
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import threading
 import time
@@ -42,6 +43,7 @@ class EngineLoop:
         self._stopping, self._closed, self._drain_deadline = False, False, 0.0
         self._thread: Optional[threading.Thread] = None
         self.steps = 0
+        self.finished: collections.Counter[str] = collections.Counter()  # requests ended, by finish_reason
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="inference-engine", daemon=True)
@@ -136,6 +138,7 @@ class EngineLoop:
                 if target is None:
                     continue
                 if output.finished:
+                    self.finished[output.request.finish_reason] += 1
                     del self._queues[output.request_id]
                 loop, queue = target
                 try:

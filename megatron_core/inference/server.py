@@ -102,7 +102,8 @@ class TextGenerationServer:
     async def health(self) -> dict:
         pool, scheduler = self.engine.scheduler.pool, self.engine.scheduler
         return {"status": "ok", "running": len(scheduler.running), "waiting": len(scheduler.waiting),
-                "free_blocks": pool.num_free, "total_blocks": pool.num_blocks, "steps": self.loop.steps}
+                "free_blocks": pool.num_free, "total_blocks": pool.num_blocks, "steps": self.loop.steps,
+                "finished": dict(self.loop.finished)}
 
     async def models(self) -> dict:
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,

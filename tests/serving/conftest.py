@@ -17,14 +17,15 @@ from tests.data.conftest import REPO, load_tool
 
 transformers = pytest.importorskip("transformers")
 
-WORDS = 88  # w0 .. w87, then the roles, "</s>" (eos), "<s>", "<unk>"
+WORDS = 88  # w0 .. w87, then the roles, "</s>" (eos), "<s>", "<unk>", "<pad>": 96 ids
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
                  "{% if add_generation_prompt %}assistant{% endif %}")
 SERVER = os.path.join(REPO, "tools", "run_text_generation_server.py")
 
 
 def tiny_vocab() -> dict[str, int]:
-    names = [f"w{i}" for i in range(WORDS)] + ["system", "user", "assistant", "developer", "</s>", "<s>", "<unk>"]
+    specials = ["system", "user", "assistant", "developer", "</s>", "<s>", "<unk>", "<pad>"]
+    names = [f"w{i}" for i in range(WORDS)] + specials
     return {name: i for i, name in enumerate(names)}
 
 
@@ -86,18 +87,19 @@ class ServerProcess:
         raise AssertionError(f"the server did not answer /health within {timeout} s:\n{self.output()[-4000:]}")
 
     def output(self) -> str:
-        self.log.flush()
         with open(self.log_path) as f:
             return f.read()
 
     def terminate(self, pid: int | None = None, timeout: float = 60.0) -> int:
-        """SIGTERM to ``pid`` (default the launched process); returns the launched process's exit status."""
+        """SIGTERM to ``pid`` (default the launched process); the launched process's exit status (killed and
+        -9 past ``timeout``)."""
         if self.proc.poll() is None:
             os.kill(pid or self.proc.pid, signal.SIGTERM)
         try:
             return self.proc.wait(timeout=timeout)
-        finally:
+        except subprocess.TimeoutExpired:
             self.close()
+            return -9
 
     def close(self) -> None:
         if self.proc.poll() is None:
