@@ -201,6 +201,8 @@ def _io_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--merge-file", default=None)
     g.add_argument("--vocab-size", type=int, default=None)
     g.add_argument("--save", default=None)
+    g.add_argument("--save-retain-interval", type=int, default=None,
+                   help="keep every N-th checkpoint and the newest; remove the others after each save")
     g.add_argument("--save-interval", type=int, default=None)
     g.add_argument("--load", default=None, help="a folder without a checkpoint starts from scratch (with a warning)")
     g.add_argument("--exit-on-missing-checkpoint", action="store_true",
@@ -368,8 +370,11 @@ def validate_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--num-query-groups {args.num_query_groups} needs --group-query-attention")
     if not args.group_query_attention:
         args.num_query_groups = None  # (Megatron-LM's default 1 applies with --group-query-attention only)
-    if args.save_interval is not None and args.save is None:
-        raise ValueError("--save-interval needs --save DIR")
+    if args.save_interval is not None and args.save is None:  # Megatron-LM saves nothing then, too
+        megatron_flags.warn_rank_0(f"--save-interval {args.save_interval} without --save: no checkpoints are written")
+    for flag in ("save_retain_interval", "check_weight_hash_across_dp_replicas_interval"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.ignore_mismatched_sizes and not args.finetune:
         raise ValueError("--ignore-mismatched-sizes changes shapes on purpose and needs --finetune (a resumed run "
                          "must match its checkpoint)")

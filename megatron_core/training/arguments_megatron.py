@@ -94,6 +94,8 @@ def add_megatron_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--log-loss-scale-to-tensorboard", action="store_true", default=True)
     g.add_argument("--no-log-loss-scale-to-tensorboard", action="store_false", dest="log_loss_scale_to_tensorboard")
     g.add_argument("--logging-level", type=int, default=None, help="Python logging level (10 debug ... 40 error)")
+    g.add_argument("--check-weight-hash-across-dp-replicas-interval", type=int, default=None,
+                   help="every N iterations, compare a hash of the weights across data-parallel replicas")
     g.add_argument("--deterministic-mode", action="store_true",
                    help="bitwise-repeatable runs: deterministic algorithms (CUDA: cuBLAS workspace, NCCL ring)")
     g.add_argument("--manual-gc", action="store_true", help="disable automatic garbage collection; collect manually")

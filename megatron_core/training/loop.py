@@ -27,6 +27,7 @@ from megatron_core.pipeline_parallel import PipelineError, get_forward_backward_
 from megatron_core.tensor_parallel import model_parallel_seed
 from megatron_core.training.arguments import transformer_config
 from megatron_core.training.banner import end_report, memory_probe, start_banner
+from megatron_core.training.checkpoint_upkeep import check_replica_weights, prune_checkpoints
 from megatron_core.training.data import build_datasets_once_per_node, build_run_tokenizer, micro_batches, take
 from megatron_core.training.determinism import deterministic_mode
 from megatron_core.training.elastic import (
@@ -288,6 +289,10 @@ def save(run: Run, iteration: int) -> None:
         else:
             save_checkpoint(run.args.save, **kwargs)
     run.save_stalls.append(time.perf_counter() - begin)
+    if run.args.save_retain_interval and dist.get_rank() == 0:
+        removed = prune_checkpoints(run.args.save, run.args.save_retain_interval)
+        if removed:
+            print(f" --save-retain-interval {run.args.save_retain_interval}: removed {', '.join(removed)}", flush=True)
     if run.is_logging_rank:
         how = "started saving (async)" if run.async_writer is not None else "saved"
         print(f" {how} checkpoint at iteration {iteration} to {run.args.save} (the step loop waited "
@@ -415,6 +420,9 @@ def _should_stop(run: Run, iteration: int, stop_requested: dict) -> bool:
         flag = torch.tensor([1.0 if local else 0.0], device=run.state.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         stop = stop or bool(flag.item())
+    if args.check_weight_hash_across_dp_replicas_interval and \
+            iteration % args.check_weight_hash_across_dp_replicas_interval == 0:
+        check_replica_weights(run.chunks, run.state, iteration=iteration)
     if args.save and args.save_interval and iteration % args.save_interval == 0 and not stop \
             and iteration < args.train_iters:
         save(run, iteration)

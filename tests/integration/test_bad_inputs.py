@@ -42,7 +42,7 @@ FLAG_CASES = {
     "full recompute without method": (["--recompute-granularity", "full"],
                                       "recompute_granularity='full' needs recompute_method"),
     "recompute method alone": (["--recompute-method", "uniform"], "only apply to recompute_granularity='full'"),
-    "save interval without save": (["--save-interval", "5"], "--save-interval needs --save DIR"),
+    "retain interval below 1": (["--save-retain-interval", "0"], "--save-retain-interval must be >= 1, got 0"),
     "min lr above lr": (["--min-lr", "1", "--lr", "0.1"], "--min-lr 1.0 is larger than --lr 0.1"),
     "warmup longer than decay": (["--lr-warmup-iters", "50", "--train-iters", "10"],
                                  "--lr-warmup-iters 50 is larger than --lr-decay-iters 10"),
