@@ -94,8 +94,9 @@ def shrink(argv: list[str], save_dir: str, *, iterations: int = 3) -> tuple[list
         tiny += ["--moe-ffn-hidden-size", str(8 * heads)]
         if "--moe-shared-expert-intermediate-size" in argv:
             tiny += ["--moe-shared-expert-intermediate-size", str(8 * heads)]
+    etp = int(value(argv, "--expert-tensor-parallel-size", tp)) if "--num-experts" in argv else 1
     dp = 1
-    while (tp * cp * dp) % sizes["ep"]:  # ep must divide tp x cp x dp: add data-parallel ranks
+    while (tp * cp * dp) % (sizes["ep"] * etp):  # ep x etp must divide tp x cp x dp: add data-parallel ranks
         dp += 1
     tiny += ["--global-batch-size", str(2 * pp * dp)]
     return [*_without(argv), *tiny], tp * pp * cp * dp

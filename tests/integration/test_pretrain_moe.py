@@ -48,14 +48,15 @@ LAYOUTS = {
     "ep2": (2, [*_ep(2), *A2A]),
     "ep4": (4, [*_ep(4), *A2A, "--moe-grouped-gemm"]),
     "ep2-allgather": (2, _ep(2)),
-    "ep2-tp2-sp": (2, [*_ep(2), *A2A, "--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    "ep2-tp2-sp": (2, [*_ep(2), *A2A, "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                       "--expert-tensor-parallel-size", "1"]),
     "ep2-pp2": (4, [*_ep(2), *A2A, "--pipeline-model-parallel-size", "2"]),
     "ep2-pp2-zero-bubble": (4, [*_ep(2), *A2A, "--pipeline-model-parallel-size", "2", "--enable-zero-bubble",
                                 "--zero-bubble-defer", "all"]),
     "ep2-edp2-distopt": (4, [*_ep(2), *A2A, "--use-distributed-optimizer"]),
     "ep2-cp2": (2, [*_ep(2), *A2A, "--context-parallel-size", "2"]),
     "ep2-cp2-tp2-sp": (4, [*_ep(2), "--context-parallel-size", "2", "--tensor-model-parallel-size", "2",
-                           "--sequence-parallel"]),
+                           "--sequence-parallel", "--expert-tensor-parallel-size", "1"]),
     "etp2-tp2-sp": (2, [*A2A, *TP2_SP, "--expert-tensor-parallel-size", "2"]),
     "ep2-etp2-tp2-sp-distopt": (4, [*_ep(2), *TP2_SP, "--expert-tensor-parallel-size", "2",
                                     "--use-distributed-optimizer"]),
@@ -115,6 +116,22 @@ def test_checkpoint_saved_at_etp2_continues_at_ep1_and_back(distributed, referen
     third = distributed(2, _train, [*etp, "--load", str(tmp_path)])[0]
     ref_losses, _ = reference
     torch.testing.assert_close(torch.tensor(first + second + third), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+
+
+SINKHORN = ["--moe-router-load-balancing-type", "sinkhorn", "--moe-aux-loss-coeff", "0"]
+
+
+def test_sinkhorn_routing_is_megatron_cores_and_layout_independent(distributed):
+    """--moe-router-load-balancing-type sinkhorn: the balancing is megatron-core's own function bit for bit;
+    training at ep 2 x tp 2 (sequence parallel: the balancing sees the whole micro-batch) equals one rank."""
+    moe_utils = pytest.importorskip("megatron.core.transformer.moe.moe_utils")
+    from megatron_core.transformer.moe.router import sinkhorn
+    logits = torch.randn(64, 8, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(sinkhorn(logits), moe_utils.sinkhorn(logits), rtol=0, atol=0)
+    reference = distributed(1, _train, SINKHORN)[0]
+    split = distributed(2, _train, [*SINKHORN, *_ep(2), *A2A, *TP2_SP, "--expert-tensor-parallel-size", "1"])[0]
+    assert len(reference) == 8 and reference[-1] < reference[0]
+    torch.testing.assert_close(torch.tensor(split), torch.tensor(reference), rtol=1e-5, atol=0)
 
 
 BIAS = ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",

@@ -11,7 +11,7 @@ from typing import Optional, Union
 
 import torch
 
-LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "none")
+LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "sinkhorn", "none")
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 DISPATCHERS = ("alltoall", "allgather")
 DROP_POLICIES = ("probs", "position")
@@ -79,6 +79,13 @@ class MoEConfig:
         if self.moe_router_enable_expert_bias and self.moe_router_score_function != "sigmoid":
             raise ValueError("moe_router_enable_expert_bias works with moe_router_score_function 'sigmoid' (as "
                              f"in Megatron-LM), got {self.moe_router_score_function!r}")
+        if self.moe_router_load_balancing_type == "sinkhorn" and (
+                self.moe_aux_loss_coeff > 0 or self.moe_router_score_function != "softmax"
+                or self.moe_router_enable_expert_bias):
+            raise ValueError("sinkhorn routing balances the experts itself (as in Megatron-LM): it takes no aux loss, "
+                             f"expert bias or other score function; got moe_aux_loss_coeff {self.moe_aux_loss_coeff}, "
+                             f"score function {self.moe_router_score_function!r}, expert bias "
+                             f"{self.moe_router_enable_expert_bias}")
         if self.moe_aux_loss_coeff < 0 or (self.moe_z_loss_coeff or 0.0) < 0:
             raise ValueError(f"moe_aux_loss_coeff {self.moe_aux_loss_coeff} and moe_z_loss_coeff "
                              f"{self.moe_z_loss_coeff} must be >= 0")
@@ -110,4 +117,4 @@ class MoEConfig:
 
     @property
     def has_aux_loss(self) -> bool:
-        return self.moe_router_load_balancing_type != "none" and self.moe_aux_loss_coeff > 0
+        return self.moe_router_load_balancing_type not in ("none", "sinkhorn") and self.moe_aux_loss_coeff > 0

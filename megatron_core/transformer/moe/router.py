@@ -13,6 +13,7 @@ Scores (Megatron-LM's ``topk_routing_with_score_function``):
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -46,6 +47,30 @@ def apply_capacity(probs: torch.Tensor, routing_map: torch.Tensor, *, capacity: 
         keep = torch.zeros_like(routing_map).scatter(0, index, True)
     final_map = keep if pad else routing_map & keep
     return probs * final_map, final_map
+
+
+def sinkhorn(cost: torch.Tensor, tol: float = 1e-4) -> torch.Tensor:
+    """Sinkhorn-Knopp balancing of ``exp(cost)`` ``[T, E]`` (fp32): rows and columns rescaled in turn until the
+    column scales move less than ``tol`` (Megatron-LM's ``moe_utils.sinkhorn``, step for step)."""
+    cost = torch.exp(cost)
+    d0 = torch.ones(cost.size(0), device=cost.device, dtype=cost.dtype)
+    d1 = torch.ones(cost.size(1), device=cost.device, dtype=cost.dtype)
+    eps, error, d1_old = 1e-8, 1e9, d1
+    while error > tol:
+        d0 = (1 / d0.size(0)) * 1 / (torch.sum(d1 * cost, 1) + eps)
+        d1 = (1 / d1.size(0)) * 1 / (torch.sum(d0.unsqueeze(1) * cost, 0) + eps)
+        error = torch.mean(torch.abs(d1_old - d1))
+        d1_old = d1
+    return d1 * cost * d0.unsqueeze(1)
+
+
+def _gather_rows(x: torch.Tensor, group) -> tuple[torch.Tensor, int]:
+    """``(rows of every rank of group, concatenated; this rank's first row)`` (no gradient)."""
+    if group is None:
+        return x, 0
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts), dist.get_group_rank(group, dist.get_rank()) * x.shape[0]
 
 
 def token_split_group(state: ParallelState, *, sequence_parallel: bool):
@@ -104,8 +129,25 @@ class TopKRouter(nn.Module):
         value = loss.detach().float() / coeff
         self.loss_sums[name] = self.loss_sums.get(name, 0.0) + value
 
+    def _sinkhorn_topk(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Megatron-LM's sinkhorn routing: in training the experts are chosen by top-k of the Sinkhorn-balanced
+        logits (no gradient), weighted by the softmax (sigmoid for top-1) of the raw ones; in eval by top-k of
+        those. The balancing runs over the micro-batch's tokens on every rank that splits them (all-gathered over
+        ``token_split_group``; Megatron balances each rank's chunk alone), so every layout routes alike."""
+        activated = torch.sigmoid(logits) if self.topk == 1 else torch.softmax(logits.float(), -1).type_as(logits)
+        if self.training:
+            with torch.no_grad():
+                every, first = _gather_rows(logits.float(), self.split_group)
+                balanced = sinkhorn(every)[first:first + logits.shape[0]]
+                index = torch.topk(balanced, self.topk, dim=-1).indices
+        else:
+            index = torch.topk(activated, self.topk, dim=-1).indices
+        return activated.gather(1, index), index, activated
+
     def _topk(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(topk_probs [T, k], topk_index [T, k], scores_for_aux [T, E])``."""
+        if self.moe.moe_router_load_balancing_type == "sinkhorn":
+            return self._sinkhorn_topk(logits)
         if self.moe.moe_router_score_function == "softmax":
             all_probs = torch.softmax(logits, dim=-1)
             if self.moe.moe_router_pre_softmax:
