@@ -57,6 +57,7 @@ setup(
         # their validation, uvicorn to serve them.
         "serve": ["fastapi", "uvicorn"],
         # bench_memory.py and benchmark.py also run DeepSpeed's ZeRO engines when deepspeed is installed
-        # (pure Python on CPU, gloo).
-        "bench": ["deepspeed"]},
+        # (pure Python on CPU, gloo); bench_engine.py and tests/engine compare megatron_core.engine with this
+        # release (install with DS_BUILD_OPS=0: nothing to compile).
+        "bench": ["deepspeed==0.19.8"]},
 )

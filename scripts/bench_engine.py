@@ -10,8 +10,8 @@ one engine of each backend from the same seed and feed them the same batches:
 
 * loss: the largest relative difference of the per-step losses (mean over micro-batches and ranks);
 * memory: each rank's peak-RSS growth (``VmHWM`` reset before the engine is built) over building it and its
-  first two steps (optimizer states allocated); the script re-executes itself with
-  ``MALLOC_MMAP_THRESHOLD_=65536`` so freed tensors leave the resident set;
+  first two steps (optimizer states allocated), after a warm-up step of each backend (one-time costs); the
+  script re-executes itself with ``MALLOC_MMAP_THRESHOLD_=65536`` so freed tensors leave the resident set;
 * time: one optimizer step (``accumulation`` micro-batches), the engines alternating step by step for
   ``rounds`` rounds (the order flips every round, so a busy machine slows both alike): median and range.
 """
@@ -72,15 +72,25 @@ def _batches(steps: int, *, micro: int, accumulation: int) -> list[list[torch.Te
     return out
 
 
+def _warm_up(batches: list[list[torch.Tensor]], *, micro: int, accumulation: int) -> None:
+    """One step of each backend at stages 0 and 3, so that neither measured engine pays the one-time costs
+    (lazy imports, DeepSpeed's op builds, gloo's buffers)."""
+    for backend in BACKENDS:
+        for stage in (0, 3):
+            _step(_build(backend, stage, micro=micro, accumulation=accumulation), batches[0])
+    gc.collect()
+
+
 def bench_rank(stages: list[int], rounds: int, micro: int, accumulation: int) -> dict:
     """Runs on every rank: for each stage, both engines side by side (see the module docstring)."""
     torch.set_num_threads(1)
     multiprocessing.current_process()._config["daemon"] = False
     batches = _batches(2 + rounds, micro=micro, accumulation=accumulation)
+    _warm_up(batches, micro=micro, accumulation=accumulation)
     results = {}
-    for stage in stages:
+    for index, stage in enumerate(stages):
         engines, rss, losses, times = {}, {}, {b: [] for b in BACKENDS}, {b: [] for b in BACKENDS}
-        for backend in BACKENDS:
+        for backend in BACKENDS if index % 2 == 0 else BACKENDS[::-1]:  # who is built first alternates too
             gc.collect()
             reset_peak_rss()
             baseline = current_rss_bytes()

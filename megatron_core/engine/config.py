@@ -113,6 +113,9 @@ class EngineConfig:
         train, micro, accumulation = resolve_batch_sizes(resolved["train_batch_size"],
                                                          resolved["train_micro_batch_size_per_gpu"],
                                                          resolved["gradient_accumulation_steps"], dp_size=dp_size)
+        if not resolved["managed_gradient_accumulation"]:
+            raise ValueError(f"{source}managed_gradient_accumulation=false is not supported: the engine counts "
+                             "micro-steps (every gradient_accumulation_steps-th step() updates); remove the key")
         if resolved["fp16"]["enabled"] and resolved["bf16"]["enabled"]:
             raise ValueError(f"{source}fp16.enabled and bf16.enabled are both true: choose one precision")
         zero = dict(resolved["zero_optimization"])

@@ -66,14 +66,12 @@ def alias_key(name: str) -> Key:
 
 
 _NO_ZERO3_TUNING = "ZeRO-3 here gathers one module (unit) at a time and prefetches the next one"
-_OFFLOAD_COMMON = {
-    "buffer_count": int_key(4, minimum=0, unused="offload buffers are sized by the NVMe chunk (3 chunks in a step)"),
-    "pin_memory": bool_key(True, unused="host buffers are pinned whenever the device is CUDA"),
-}
+_PIN = bool_key(True, unused="host buffers are pinned whenever the device is CUDA")
 OFFLOAD_OPTIMIZER = {
     "device": str_key("none", choices=("none", "cpu", "nvme")),
     "nvme_path": str_key(None),
-    **_OFFLOAD_COMMON,
+    "buffer_count": int_key(4, minimum=0, unused="the NVMe update streams through a ring of 3 chunk buffers"),
+    "pin_memory": _PIN,
     "pipeline_read": bool_key(unused="NVMe reads of the next chunk always overlap the update"),
     "pipeline_write": bool_key(unused="NVMe writes of the previous chunk always overlap the update"),
     "fast_init": bool_key(unused="the NVMe files are created and reserved once (posix_fallocate)"),
@@ -84,7 +82,8 @@ OFFLOAD_OPTIMIZER = {
 OFFLOAD_PARAM = {
     "device": str_key("none", choices=("none", "cpu", "nvme")),
     "nvme_path": str_key(None),
-    **_OFFLOAD_COMMON,
+    "buffer_count": int_key(5, minimum=0, unused="each shard is fetched into its own storage when gathered"),
+    "pin_memory": _PIN,
     "buffer_size": int_key(100_000_000, minimum=0, unused="each shard is fetched into its own storage"),
     "max_in_cpu": int_key(1_000_000_000, minimum=0, unused="every offloaded shard lives in its home"),
 }
@@ -143,7 +142,7 @@ ZERO = {
     "pipeline_loading_checkpoint": bool_key(unused="no pipeline engine"),
     "override_module_apply": bool_key(True, unused="module.apply is not patched"),
     "log_trace_cache_warnings": bool_key(unused="no trace cache"),
-    "enable_sanity_checks": bool_key(unused="ZeRO-3 invariants are always checked"),
+    "enable_sanity_checks": bool_key(unused="there are no optional ZeRO-3 checks to enable"),
     "save_muon_momentum_buffer_in_memory": bool_key(unused="no Muon optimizer"),
     "leaf_module": opaque_key("units are the modules that own parameters (see docs/engine.md)"),
 }
@@ -184,7 +183,7 @@ TOP = {
     "train_batch_size": int_key(None, minimum=1),
     "train_micro_batch_size_per_gpu": int_key(None, minimum=1),
     "gradient_accumulation_steps": int_key(None, minimum=1),
-    "managed_gradient_accumulation": bool_key(True, unused="the engine counts micro-steps (managed mode only)"),
+    "managed_gradient_accumulation": bool_key(True),
     "gradient_clipping": float_key(1.0, minimum=0.0),
     "optimizer": section_key(OPTIMIZER),
     "scheduler": section_key(SCHEDULER),
@@ -200,7 +199,7 @@ TOP = {
     "seq_parallel_communication_data_type": str_key("fp32", unused="no sequence parallelism in the engine"),
     "prescale_gradients": bool_key(unused="grads are always pre-scaled by 1/dp and summed (the same fp32 mean)"),
     "gradient_predivide_factor": float_key(1.0, unused="grads are pre-scaled by 1/dp"),
-    "gradient_allreduce_op": str_key("mean", choices=("mean", "sum"), unused="grads are always averaged over dp"),
+    "gradient_allreduce_op": str_key("mean", choices=("mean",), unused="grads are always averaged over dp"),
     "sparse_gradients": bool_key(unused="embedding grads are dense"),
     "zero_allow_untested_optimizer": bool_key(unused="only Adam, AdamW and SGD are supported (all tested)"),
     "zero_force_ds_cpu_optimizer": bool_key(True, unused="CPU offload uses torch's AdamW math"),
@@ -225,7 +224,7 @@ TOP = {
     "hybrid_engine": opaque_key("no hybrid (RLHF) engine"), "eigenvalue": opaque_key("no eigenvalue monitor"),
     "progressive_layer_drop": opaque_key("no progressive layer drop"),
     "quantize_training": opaque_key("no quantized training"), "weight_quantization": opaque_key("no quantization"),
-    "sequence_parallel_size": int_key(1, unused="no sequence parallelism in the engine"),
+    "sequence_parallel_size": int_key(1, choices=(1,), unused="no sequence parallelism in the engine"),
     "tensor_parallel": opaque_key("no tensor parallelism in the engine (use megatron_core's layers)"),
     "expert_parallel": opaque_key("no expert parallelism in the engine"),
     "use_data_before_expert_parallelism": bool_key(unused="no expert parallelism in the engine"),

@@ -14,6 +14,9 @@ import pytest
 from megatron_core.testing import DistributedPool
 from tests.engine import common  # noqa: F401  (its warm-up runs before the pools fork)
 
+if importlib.util.find_spec("deepspeed") is not None:  # imported before any rank pool forks (~4 s a process)
+    import deepspeed  # noqa: F401
+
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "scripts"))
 import engine_example  # noqa: E402
 

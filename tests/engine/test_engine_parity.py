@@ -158,3 +158,26 @@ def test_bf16_close_to_fp32_with_fp32_masters(distributed):
     assert counters["dtypes"] == {torch.bfloat16}
     assert bf16_losses == pytest.approx(losses, abs=3e-2)
     assert bf16_losses != pytest.approx(losses, abs=1e-6)  # it did run in bf16
+
+
+def _logged(config):
+    import logging
+    records = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logger = logging.getLogger("megatron_core.engine.engine")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        _run("sequential", config)
+    finally:
+        logger.removeHandler(handler)
+    return records
+
+
+def test_steps_per_print_and_wall_clock_breakdown(distributed):
+    records = distributed(2, _logged, {**ds_config(1), "steps_per_print": 2, "wall_clock_breakdown": True})
+    assert records[1] == []  # rank 0 reports
+    steps = [r for r in records[0] if r.startswith("step=")]
+    assert [s.split(",")[0] for s in steps] == ["step=2", "step=4"] and "lr=[0.01]" in steps[0]
+    assert sum(r.startswith("time (ms) | forward: ") for r in records[0]) == 2
