@@ -307,10 +307,13 @@ class Engine(nn.Module):
 
     def load_checkpoint(self, load_dir: str, tag: Optional[str] = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-                        load_module_only: bool = False) -> tuple[Optional[str], Optional[dict]]:
+                        load_module_only: bool = False, custom_load_fn: Any = None
+                        ) -> tuple[Optional[str], Optional[dict]]:
         """Loads ``load_dir/tag`` (default: the tag in ``load_dir/latest``), at any dp size and ZeRO stage.
         Returns ``(path, client_state)``, or ``(None, None)`` when there is no ``latest`` file. Collective."""
         from megatron_core.engine.checkpoint import load
+        if custom_load_fn is not None:
+            raise ValueError("custom_load_fn is not supported: the engine loads its own checkpoint format")
         return load(self, load_dir, tag=tag, strict=load_module_strict,
                     load_optimizer_states=load_optimizer_states and not load_module_only,
                     load_lr_scheduler_states=load_lr_scheduler_states and not load_module_only)

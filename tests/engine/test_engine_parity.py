@@ -14,8 +14,10 @@ from tests.engine.common import (
     MODELS,
     STEPS,
     WEIGHT_DECAY,
+    batch,
     ds_config,
     full_state,
+    loss_of,
     reference,
     train_steps,
 )
@@ -57,7 +59,11 @@ def _run(kind, config, *, groups=None, client_optimizer=None, client_scheduler=N
         model=model, model_parameters=params if optimizer is None else None, optimizer=optimizer,
         lr_scheduler=scheduler, config=config)
     losses = train_steps(engine, kind, range(steps))
-    counters = {"global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
+    engine.eval()
+    with torch.no_grad():  # an eval forward (ZeRO-3: gathered and freed without grad)
+        eval_loss = float(loss_of(kind, engine, batch(kind, 99)))
+    engine.train()
+    counters = {"eval_loss": eval_loss,"global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
                 "global_samples": engine.global_samples, "lr": engine.get_lr(),
                 "grad_norm": engine.get_global_grad_norm(), "dtypes": {p.dtype for p in engine.module.parameters()},
                 "optimizer_is_returned": engine_optimizer is engine.optimizer,
@@ -86,6 +92,11 @@ def test_gpt2_matches_plain_torch_at_every_stage(distributed, stage):
     assert counters["grad_norm"] == pytest.approx(norms[-1], rel=1e-5)  # the clipped step's unclipped norm
     assert counters["lr"] == [LR] and counters["optimizer_is_returned"]
     assert counters["released"] == (stage == 3)  # ZeRO-3: every parameter freed outside forward and backward
+    trained = MODELS["gpt2"]()
+    trained.load_state_dict(state)
+    trained.eval()
+    with torch.no_grad():
+        assert counters["eval_loss"] == pytest.approx(float(loss_of("gpt2", trained, batch("gpt2", 99))), abs=1e-5)
     assert torch.equal(results[0][1]["lm_head.weight"], results[0][1]["transformer.wte.weight"])  # still tied
 
 
