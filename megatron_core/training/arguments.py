@@ -102,6 +102,9 @@ def _parallel_flags(p: argparse.ArgumentParser) -> None:
                    choices=["no_shard", "optim", "optim_grads", "optim_grads_params"])
     g.add_argument("--use-megatron-fsdp", action="store_true",
                    help="ZeRO stage 3 (default --data-parallel-sharding-strategy optim_grads_params)")
+    g.add_argument("--use-torch-fsdp2", action="store_true",
+                   help="runs this framework's ZeRO-3 (parameters, gradients and optimizer states sharded over dp, "
+                        "as torch's fully_shard), not torch's FSDP2 itself")
     g.add_argument("--overlap-grad-reduce", action="store_true")
     g.add_argument("--overlap-param-gather", action="store_true",
                    help="ZeRO 1-2: overlap the all-gather of updated parameters with the next forward (each "
@@ -294,15 +297,16 @@ def _one_cp_comm_type(value) -> str:
 
 
 def zero_stage(args: argparse.Namespace) -> int:
-    """The ZeRO stage from --zero-stage, --data-parallel-sharding-strategy, --use-megatron-fsdp (stage 3
-    unless a strategy says otherwise) or --use-distributed-optimizer (stage 1)."""
+    """The ZeRO stage from --zero-stage, --data-parallel-sharding-strategy, --use-megatron-fsdp or
+    --use-torch-fsdp2 (stage 3 unless a strategy says otherwise: this framework's ZeRO-3, which shards
+    parameters, gradients and optimizer states over dp as both do) or --use-distributed-optimizer (stage 1)."""
     strategies = {"no_shard": 0, "optim": 1, "optim_grads": 2, "optim_grads_params": 3}
     stages = set()
     if args.zero_stage is not None:
         stages.add(args.zero_stage)
     if args.data_parallel_sharding_strategy is not None:
         stages.add(strategies[args.data_parallel_sharding_strategy])
-    if args.use_megatron_fsdp and not stages:
+    if (args.use_megatron_fsdp or args.use_torch_fsdp2) and not stages:
         stages.add(3)
     if args.use_distributed_optimizer and not stages:
         stages.add(1)

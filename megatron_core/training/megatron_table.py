@@ -82,6 +82,8 @@ RULES: tuple[tuple[str, str, str], ...] = (
     (r"--apply-query-key-layer-scaling", NO_OP, "it rescales the attention scores by the layer number and back "
      "inside the softmax to avoid fp16 overflow; our softmax computes in fp32, so the result is the same"),
     (r"--fp16-lm-cross-entropy", NO_OP, "the cross entropy always computes in fp32"),
+    (r"--test-mode", NO_OP, "Megatron's in-run self-checks of its own fused attention paths; ours are checked by "
+     "the test suite and do not change a run's results"),
     (r"--inference-.*|--no-inference-.*|--flash-decode|--enable-chunked-prefill|--num-speculative-tokens|"
      r"--mlp-chunks-for-prefill|--nccl-all-reduce-for-prefill|--use-legacy-static-engine|--decode-only-cuda-graphs|"
      r"--cache-mla-latents|--use-same-sampling-seed-across-dp-ranks", NO_OP, _INFER),

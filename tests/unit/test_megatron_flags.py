@@ -240,3 +240,10 @@ def test_megatron_lms_defaults_where_ours_used_to_differ():
     gqa = parse_args(["--group-query-attention"])
     assert gqa.num_query_groups == 1  # Megatron-LM's default: one group (multi-query attention)
     assert parse_args([]).num_query_groups is None  # (without --group-query-attention: every head its own)
+
+
+def test_use_torch_fsdp2_runs_our_zero3_and_test_mode_is_a_no_op():
+    from megatron_core.training.arguments import zero_stage
+    assert zero_stage(parse_args(["--use-torch-fsdp2"])) == 3
+    assert zero_stage(parse_args(["--use-torch-fsdp2", "--data-parallel-sharding-strategy", "optim_grads"])) == 2
+    parse_args(["--test-mode"])
