@@ -55,10 +55,7 @@ class EngineLoop:
         its ``RequestOutput``s arrive on, the last one with ``finished``. Raises ValueError (bad request),
         QueueFull, ShuttingDown."""
         request = self.engine.make_request(prompt_ids, params)
-        need = self.engine.scheduler.pool.blocks_for(request.positions_needed)
-        if need > self.engine.scheduler.pool.num_blocks:
-            raise ValueError(f"the request needs {need} cache blocks but the whole pool holds "
-                             f"{self.engine.scheduler.pool.num_blocks}; lower max_tokens or the prompt")
+        self.engine.scheduler.check_fits(request)  # (reads the pool's size only: safe from this thread)
         queue = asyncio.Queue() if queue is None else queue
         with self._wake:
             if self._stopping:

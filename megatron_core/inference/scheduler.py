@@ -149,14 +149,18 @@ class Scheduler:
         self.running: list[Request] = []
         self._finished_since_plan: list[str] = []
 
-    def add(self, request: Request) -> None:
-        """Queues ``request``. Raises ValueError when even the empty pool cannot hold it, QueueFull when
-        ``max_queued`` requests already wait."""
+    def check_fits(self, request: Request) -> None:
+        """Raises ValueError when even the empty pool cannot hold ``request``."""
         need = self.pool.blocks_for(request.positions_needed)
         if need > self.pool.num_blocks:
             raise ValueError(f"the request needs {need} cache blocks ({request.positions_needed} positions of "
                              f"{self.pool.block_size}) but the whole pool holds {self.pool.num_blocks}; lower "
                              "max_tokens or the prompt, or start the server with a larger --inference-max-memory")
+
+    def add(self, request: Request) -> None:
+        """Queues ``request``. Raises ValueError when even the empty pool cannot hold it, QueueFull when
+        ``max_queued`` requests already wait."""
+        self.check_fits(request)
         if len(self.waiting) >= self.max_queued:
             raise QueueFull(f"{len(self.waiting)} requests are already waiting (the server's limit); retry later")
         self.waiting.append(request)
