@@ -84,6 +84,14 @@ def _parallel_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
+                   help="transformer layers of the first pipeline stage (the other stages share the rest evenly)")
+    g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
+                   help="transformer layers of the last pipeline stage")
+    g.add_argument("--account-for-embedding-in-pipeline-split", action="store_true",
+                   help="count the input embedding as one layer of the first stage when splitting the layers")
+    g.add_argument("--account-for-loss-in-pipeline-split", action="store_true",
+                   help="count the output layer and loss as one layer of the last stage when splitting the layers")
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
     g.add_argument("--enable-zero-bubble", action="store_true",
                    help="the zero-bubble ZB-H1 pipeline schedule (input and weight gradients in separate passes): "
@@ -413,6 +421,25 @@ def validate_args(args: argparse.Namespace) -> None:
     validate_elastic_flags(args)
 
 
+def pipeline_split(args: argparse.Namespace) -> tuple[Optional[int], Optional[int]]:
+    """``(first, last)`` stage layer counts (None: an even share). ``--account-for-embedding/loss-in-pipeline-
+    split`` count the embedding / the loss as a layer: the stages then split ``num_layers`` plus those evenly
+    and the first / last one holds one transformer layer fewer (Megatron-LM's rule)."""
+    first, last = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
+    embedding, loss = args.account_for_embedding_in_pipeline_split, args.account_for_loss_in_pipeline_split
+    pp = args.pipeline_model_parallel_size
+    if not (embedding or loss) or pp == 1:
+        return first, last
+    if first is not None or last is not None:
+        raise ValueError("--account-for-embedding/loss-in-pipeline-split and --decoder-first/last-pipeline-num-layers "
+                         "are two ways to split the layers: give one of them")
+    total = args.num_layers + int(embedding) + int(loss)
+    if total % pp:
+        raise ValueError(f"--num-layers {args.num_layers} plus the embedding and loss counted as layers ({total}) is "
+                         f"not divisible by --pipeline-model-parallel-size {pp}")
+    return (total // pp - 1 if embedding else None), (total // pp - 1 if loss else None)
+
+
 def virtual_pipeline_size(args: argparse.Namespace) -> Optional[int]:
     per_stage = args.num_layers_per_virtual_pipeline_stage
     if per_stage is None:
@@ -452,6 +479,7 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
         recompute_modules=tuple(args.recompute_modules) if args.recompute_modules else ("core_attn",),
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        first_pipeline_num_layers=pipeline_split(args)[0], last_pipeline_num_layers=pipeline_split(args)[1],
         context_parallel_size=args.context_parallel_size, cp_comm_type=_one_cp_comm_type(args.cp_comm_type),
         virtual_pipeline_model_parallel_size=virtual_pipeline_size(args), sequence_parallel=args.sequence_parallel,
         tp_comm_overlap=args.tp_comm_overlap, params_dtype=dtype, bf16=args.bf16, fp16=args.fp16,

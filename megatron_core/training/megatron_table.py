@@ -40,7 +40,9 @@ _OPT = "this optimizer option is not built (adam and sgd with fp32 master weight
 _OFFLOAD = ("fine-grained activation/CPU offloading of modules is not built; --optimizer-cpu-offload and "
             "--param-offload are")
 _DATA = "this data option is not built (--data-path with --split, or --mock-data, and --per-split data paths are)"
-_PIPE = "this pipeline layout option is not built (even layers per stage, with --num-layers-per-virtual-pipeline-stage)"
+_PIPE = ("this pipeline layout option is not built (even stages with --num-layers-per-virtual-pipeline-stage, and "
+         "uneven first/last stages with --decoder-first/last-pipeline-num-layers or --account-for-*-in-pipeline-split "
+         "are)")
 _RERUN = "Megatron's rerun state machine (re-running steps to attribute faults) is not built"
 _DEBUG_DUMP = "saving activations, gradients or parameters for debugging is not built"
 _NOT_BUILT = "a Megatron-LM option this framework has not built"

@@ -41,6 +41,7 @@ LAYOUTS = {
     "dp2-zero3": (2, _layout(1, 1, 2, ["--zero-stage", "3"])),
     "tp2-pp2": (4, _layout(2, 2, 1)),
     "pp2-vpp2": (2, _layout(1, 2, 1, ["--num-layers-per-virtual-pipeline-stage", "1"])),
+    "pp2-uneven": (2, _layout(1, 2, 1, ["--decoder-first-pipeline-num-layers", "1"])),  # 1 + 3 layers
     "pp2-zero-bubble": (2, _layout(1, 2, 1, ["--enable-zero-bubble", "--zero-bubble-defer", "all"])),
     "pp2-dp2-zero1-zero-bubble": (4, _layout(1, 2, 2, ["--enable-zero-bubble", "--zero-stage", "1"])),
     "tp2-sp": (2, _layout(2, 1, 1, ["--sequence-parallel"])),

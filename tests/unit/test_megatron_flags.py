@@ -247,3 +247,18 @@ def test_use_torch_fsdp2_runs_our_zero3_and_test_mode_is_a_no_op():
     assert zero_stage(parse_args(["--use-torch-fsdp2"])) == 3
     assert zero_stage(parse_args(["--use-torch-fsdp2", "--data-parallel-sharding-strategy", "optim_grads"])) == 2
     parse_args(["--test-mode"])
+
+
+def test_uneven_pipeline_split_flags():
+    from megatron_core.training.arguments import transformer_config
+    pp2 = ["--pipeline-model-parallel-size", "2", "--num-layers", "3"]
+    config = transformer_config(parse_args([*pp2, "--account-for-embedding-in-pipeline-split"]))
+    assert [config.pipeline_layer_range(r) for r in range(2)] == [(0, 1), (1, 2)]  # (3 + 1) / 2 - 1 = 1 first
+    config = transformer_config(parse_args([*pp2, "--decoder-last-pipeline-num-layers", "1"]))
+    assert [config.pipeline_layer_range(r) for r in range(2)] == [(0, 2), (2, 1)]
+    four = ["--pipeline-model-parallel-size", "2", "--num-layers", "4"]
+    config = transformer_config(parse_args([*four, "--account-for-embedding-in-pipeline-split",
+                                            "--account-for-loss-in-pipeline-split"]))
+    assert [config.pipeline_layer_range(r) for r in range(2)] == [(0, 2), (2, 2)]
+    with pytest.raises(ValueError, match="plus the embedding and loss counted as layers \\(5\\)"):
+        transformer_config(parse_args([*four, "--account-for-embedding-in-pipeline-split"]))
