@@ -45,9 +45,17 @@ class _Recomputed(torch.nn.Module):
         return x
 
 
+def _frozen_positions(model):
+    model.transformer.wpe.weight.requires_grad_(False)
+    return model
+
+
 def _run(kind, config, *, groups=None, client_optimizer=None, client_scheduler=None, steps=STEPS,
-         recompute=False):
+         recompute=False, freeze=False):
     model = MODELS[kind]()
+    if freeze:
+        model = _frozen_positions(model)
+        groups = lambda m: [p for p in m.parameters() if p.requires_grad]  # noqa: E731 (DeepSpeed's idiom)
     if recompute and kind == "gpt2":  # transformers' own (torch.utils.checkpoint, not reentrant)
         model.gradient_checkpointing_enable()
     elif recompute:
@@ -122,6 +130,16 @@ def test_activation_checkpointing_at_stage_3(distributed, kind):
     if kind == "sequential":  # the wrapper's names
         results = [(losses_, {k.replace("layers.", "", 1): v for k, v in s.items()}, c) for losses_, s, c in results]
     _assert_equal(results, losses, state)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_frozen_parameters(distributed, stage):
+    """model_parameters=filter(requires_grad): the frozen position embedding stays as built."""
+    losses, state, _ = reference("gpt2", model=_frozen_positions(MODELS["gpt2"]()),
+                                 groups=lambda m: [p for p in m.parameters() if p.requires_grad])
+    results = distributed(2, _run, "gpt2", ds_config(stage), freeze=True)
+    _assert_equal(results, losses, state)
+    assert torch.equal(results[0][1]["transformer.wpe.weight"], MODELS["gpt2"]().transformer.wpe.weight)
 
 
 def test_sgd_with_momentum(distributed):
