@@ -7,7 +7,8 @@ A tiny Llama (transformers, random weights) is imported with tools/checkpoint_co
 ``load_gpt_from_checkpoint``. 64 requests (prompts of 8-32 tokens, 8-32 greedy new tokens) arrive over time
 (Poisson, ``--rate`` per second, the same schedule every round) at an ``InferenceEngine`` driven in this process
 (no HTTP): "batched" with up to 64 requests per step and a 256-token budget, "one by one" with one request per
-step. Each round runs both, in alternating order. Printed: generated tokens per second (arrival of the first
+step, and "generate": ``generate`` (the contiguous-cache path of tools/generate.py) called for one request after
+the other. Each round runs the three, in alternating order. Printed: generated tokens per second (arrival of the first
 request to the end of the last), time to first token p50 / p90, and the ratio, as the median of the rounds with
 their range. Asserted: the blocks in use never exceed the pool and the pool is full again after each run, and
 every request's tokens equal tools/generate.py's greedy tokens for its prompt.
@@ -32,7 +33,7 @@ import generate as generate_tool  # noqa: E402
 from checkpoint_convert import main as convert  # noqa: E402
 
 from megatron_core import initialize_model_parallel  # noqa: E402
-from megatron_core.inference import load_gpt_from_checkpoint  # noqa: E402
+from megatron_core.inference import generate, load_gpt_from_checkpoint  # noqa: E402
 from megatron_core.inference.engine import InferenceEngine  # noqa: E402
 from megatron_core.inference.scheduler import SamplingParams  # noqa: E402
 
@@ -92,6 +93,17 @@ def serve(engine: InferenceEngine, requests, *, ignore_eos: bool = True) -> dict
             "pool_blocks": pool.num_blocks}
 
 
+def serve_with_generate(model, state, requests) -> dict:
+    """The existing path, one request after the other in arrival order: ``generate`` (contiguous cache)."""
+    start, tokens = time.monotonic(), []
+    for arrival, prompt, new in requests:
+        time.sleep(max(0.0, arrival - (time.monotonic() - start)))
+        tokens.append(generate(model, state, prompt, max_new_tokens=new)["tokens"])
+    seconds = time.monotonic() - start
+    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": sum(map(len, tokens)) / seconds,
+            "ttft_p50": float("nan"), "ttft_p90": float("nan"), "peak_blocks": 0}
+
+
 def summary(values: list[float]) -> str:
     return f"{statistics.median(values):.3g} (range {min(values):.3g} - {max(values):.3g})"
 
@@ -112,10 +124,13 @@ def main(argv=None) -> int:
         model, _ = load_gpt_from_checkpoint(ckpt, state)
         requests = workload(args.requests, args.rate, seed=1)
         modes = {"batched": dict(max_batch_size=64, max_tokens_per_step=256),
-                 "one_by_one": dict(max_batch_size=1, max_tokens_per_step=256)}
+                 "one_by_one": dict(max_batch_size=1, max_tokens_per_step=256), "generate": None}
         runs = {mode: [] for mode in modes}
         for round_index in range(args.rounds):
-            for mode in (modes if round_index % 2 == 0 else list(modes)[::-1]):
+            for mode in (list(modes) if round_index % 2 == 0 else list(modes)[::-1]):
+                if modes[mode] is None:
+                    runs[mode].append(serve_with_generate(model, state, requests))
+                    continue
                 engine = InferenceEngine(model, state, num_blocks=args.num_blocks, block_size=16,
                                          max_sequence_length=POSITIONS, **modes[mode])
                 runs[mode].append(serve(engine, requests))
@@ -129,21 +144,25 @@ def main(argv=None) -> int:
             mismatched = [i for i, (a, b) in enumerate(zip(result["tokens"], reference)) if a != b]
             assert not mismatched, f"{mode}: requests {mismatched} differ from tools/generate.py's greedy tokens"
     ratio = [b["tokens_per_s"] / s["tokens_per_s"] for b, s in zip(runs["batched"], runs["one_by_one"])]
+    ratio_generate = [b["tokens_per_s"] / s["tokens_per_s"] for b, s in zip(runs["batched"], runs["generate"])]
     report = {"requests": args.requests, "rate_per_s": args.rate, "rounds": args.rounds,
               "generated_tokens": sum(len(t) for t in reference), "pool_blocks": args.num_blocks,
               "torch_threads": torch.get_num_threads(),
               **{mode: {key: [r[key] for r in results] for key in ("tokens_per_s", "ttft_p50", "ttft_p90",
                                                                      "seconds", "peak_blocks")}
-                 for mode, results in runs.items()}, "throughput_ratio": ratio}
+                 for mode, results in runs.items()}, "throughput_ratio": ratio,
+              "throughput_ratio_vs_generate": ratio_generate}
     print(f"{args.requests} requests, Poisson {args.rate:g}/s, {report['generated_tokens']} greedy tokens, "
           f"{args.rounds} alternating rounds, pool {args.num_blocks} blocks x 16 tokens, "
           f"{torch.get_num_threads()} torch threads")
     for mode, results in runs.items():
-        print(f"  {mode:>10}: {summary([r['tokens_per_s'] for r in results])} tokens/s, TTFT p50 "
-              f"{summary([r['ttft_p50'] * 1e3 for r in results])} ms, p90 "
-              f"{summary([r['ttft_p90'] * 1e3 for r in results])} ms, peak blocks "
-              f"{max(r['peak_blocks'] for r in results)}/{args.num_blocks}")
-    print(f"  throughput batched / one by one: {summary(ratio)}x")
+        ttft = "" if mode == "generate" else (
+            f", TTFT p50 {summary([r['ttft_p50'] * 1e3 for r in results])} ms, p90 "
+            f"{summary([r['ttft_p90'] * 1e3 for r in results])} ms, peak blocks "
+            f"{max(r['peak_blocks'] for r in results)}/{args.num_blocks}")
+        print(f"  {mode:>10}: {summary([r['tokens_per_s'] for r in results])} tokens/s{ttft}")
+    print(f"  throughput batched / engine one by one: {summary(ratio)}x; batched / generate() one by one: "
+          f"{summary(ratio_generate)}x")
     print("  asserted: blocks in use <= pool and the pool full again after every run; every request's tokens "
           "= tools/generate.py's greedy tokens")
     if args.output_json:

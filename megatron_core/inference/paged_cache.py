@@ -112,13 +112,10 @@ class PagedKVCache:
             self.key_value[layer_number] = (like.new_zeros(shape), like.new_zeros(shape))
         return self.key_value[layer_number]
 
-    def slots(self, block_table: Sequence[int], start: int, end: int) -> torch.Tensor:
-        """Slot indices ``[end - start]`` of positions ``start..end-1`` of a request with ``block_table``."""
-        positions = torch.arange(start, end)
-        table = torch.tensor(list(block_table), dtype=torch.long)
-        if end > len(block_table) * self.block_size:
-            raise ValueError(f"positions up to {end} do not fit {len(block_table)} blocks of {self.block_size}")
-        return table[positions // self.block_size] * self.block_size + positions % self.block_size
+    def slots(self, tables: torch.Tensor, requests: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Slot indices of ``positions`` of ``requests`` (same shape), whose block tables are the rows of
+        ``tables`` ``[R, max blocks]``."""
+        return tables[requests, positions // self.block_size] * self.block_size + positions % self.block_size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,24 +141,26 @@ class PagedStep:
     def __init__(self, cache: PagedKVCache, entries: Sequence[StepEntry], device: torch.device) -> None:
         if not entries:
             raise ValueError("a paged step needs at least one entry")
-        write, read, key_req, key_pos, query_req, query_pos, tokens = [], [], [], [], [], [], []
-        for index, entry in enumerate(entries):
-            end = entry.start + len(entry.tokens)
-            write.append(cache.slots(entry.block_table, entry.start, end))
-            read.append(cache.slots(entry.block_table, 0, end))
-            key_req.append(torch.full((end,), index))
-            key_pos.append(torch.arange(end))
-            query_req.append(torch.full((len(entry.tokens),), index))
-            query_pos.append(torch.arange(entry.start, end))
-            tokens.extend(entry.tokens)
-        q_req, q_pos, k_req, k_pos = (torch.cat(x) for x in (query_req, query_pos, key_req, key_pos))
+        ends = [e.start + len(e.tokens) for e in entries]
+        for entry, end in zip(entries, ends):
+            if end > len(entry.block_table) * cache.block_size:
+                raise ValueError(f"positions up to {end} do not fit {len(entry.block_table)} blocks of "
+                                 f"{cache.block_size} slots")
+        width = max(len(e.block_table) for e in entries)
+        tables = torch.tensor([list(e.block_table) + [0] * (width - len(e.block_table)) for e in entries])
+        new = torch.tensor([len(e.tokens) for e in entries])
+        ends_t, starts = torch.tensor(ends), torch.tensor([e.start for e in entries])
+        index = torch.arange(len(entries))
+        q_req, k_req = index.repeat_interleave(new), index.repeat_interleave(ends_t)  # [T], [K]
+        q_pos = starts.repeat_interleave(new) + torch.arange(len(q_req)) - (new.cumsum(0) - new).repeat_interleave(new)
+        k_pos = torch.arange(len(k_req)) - (ends_t.cumsum(0) - ends_t).repeat_interleave(ends_t)
         mask = (q_req[:, None] != k_req[None, :]) | (k_pos[None, :] > q_pos[:, None])  # [T, K], True = masked
         self.cache = cache
-        self.num_tokens = len(tokens)
-        self.write_slots = torch.cat(write).to(device)
-        self.read_slots = torch.cat(read).to(device)
+        self.num_tokens = len(q_req)
+        self.write_slots = cache.slots(tables, q_req, q_pos).to(device)
+        self.read_slots = cache.slots(tables, k_req, k_pos).to(device)
         self.mask = mask.view(1, 1, *mask.shape).to(device)
-        self.tokens = torch.tensor([tokens], dtype=torch.long, device=device)
+        self.tokens = torch.tensor([[t for e in entries for t in e.tokens]], dtype=torch.long, device=device)
         self.positions = q_pos.view(1, -1).to(device)
         self.offset = 0
 
