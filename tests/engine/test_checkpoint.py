@@ -40,7 +40,7 @@ def _save(stage, save_dir):
     return losses, full_state(engine)
 
 
-def _resume(stage, save_dir, *, tag=None):
+def _resume(stage, save_dir, *, tag=None, optimizer_states=True):
     engine = _engine(stage)
     real_loads, real_torch_load = pickle.loads, torch.load
 
@@ -48,7 +48,7 @@ def _resume(stage, save_dir, *, tag=None):
         raise AssertionError("a checkpoint load unpickled something")
     pickle.loads, torch.load = refuse, refuse
     try:
-        path, client = engine.load_checkpoint(save_dir, tag=tag)
+        path, client = engine.load_checkpoint(save_dir, tag=tag, load_optimizer_states=optimizer_states)
     finally:
         pickle.loads, torch.load = real_loads, real_torch_load
     loaded = full_state(engine)
@@ -74,6 +74,10 @@ def test_resume_at_another_dp_size_and_stage_equals_the_uninterrupted_run(distri
         assert counters[:2] == (SAVE_AT, 0) and counters[3] == SAVE_AT - 1
         assert client["epoch"] == 1 and client["best"] == [0.5, None] and client["note"] == "x"
         assert torch.equal(client["mask"], torch.arange(4)) and torch.equal(client["nested"]["t"], torch.ones(2))
+    # without the optimizer states: the same weights, fresh Adam moments, so the run continues differently
+    _, _, loaded, _, rest = distributed(2, _resume, 1, save_dir, tag="global_step3", optimizer_states=False)[0]
+    assert all(torch.equal(loaded[name], value) for name, value in saved_state.items())
+    assert rest != pytest.approx(expected[SAVE_AT:], abs=1e-4)
 
 
 def _save_twice_and_bad_inputs(save_dir):
