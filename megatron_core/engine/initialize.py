@@ -53,6 +53,9 @@ def init_distributed(dist_backend: Optional[str] = None, auto_mpi_discovery: boo
         rank, world_size = 0, 1
         init_method = init_method or f"tcp://127.0.0.1:{_free_port()}"
     elif rank < 0:
+        if "WORLD_SIZE" not in os.environ:
+            raise ValueError(f"RANK={os.environ['RANK']} is set but WORLD_SIZE is not: launch with torchrun (or "
+                             "deepspeed), or set both, or pass rank= and world_size=")
         rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if init_method is None:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
