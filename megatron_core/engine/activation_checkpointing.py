@@ -9,17 +9,18 @@ tensor parallelism to partition activations over, and keeps them where they are)
 """
 from __future__ import annotations
 
+from types import MappingProxyType
 from typing import Any, Callable
 
 import torch.utils.checkpoint
 
 from megatron_core.engine.schema import warn_unused
 
-_OPTIONS = {"partition_activations": "no tensor parallelism in the engine: nothing to partition over",
+_OPTIONS = MappingProxyType({"partition_activations": "no tensor parallelism in the engine: nothing to partition over",
             "contiguous_checkpointing": "recompute frees activations; no contiguous buffer",
             "num_checkpoints": "each checkpoint() call is one segment",
             "checkpoint_in_cpu": "checkpointed inputs stay where they are",
-            "synchronize": "no device synchronization is needed", "profile": "no recompute profiler"}
+            "synchronize": "no device synchronization is needed", "profile": "no recompute profiler"})
 
 
 def configure(mpu_: Any = None, deepspeed_config: Any = None, **options: Any) -> None:

@@ -34,8 +34,9 @@ _SGD_PARAMS = schema.params_schema({
     "foreach": Key("bool", None, nullable=True, unused="torch's SGD picks its implementation"),
     "differentiable": bool_key(False), "fused": Key("bool", None, nullable=True, unused="torch's SGD picks it"),
 })
-_WARMUP = {"warmup_min_lr": float_key(0.0), "warmup_max_lr": float_key(None), "warmup_num_steps": int_key(1000),
-           "warmup_type": str_key("log"), "last_batch_iteration": int_key(-1)}
+_WARMUP = MappingProxyType({"warmup_min_lr": float_key(0.0), "warmup_max_lr": float_key(None),
+                            "warmup_num_steps": int_key(1000), "warmup_type": str_key("log"),
+                            "last_batch_iteration": int_key(-1)})
 _REQUIRED = Key("int", None, nullable=True, minimum=1)
 SCHEDULER_PARAMS = MappingProxyType({
     "WarmupLR": schema.params_schema(_WARMUP),
@@ -54,8 +55,9 @@ SCHEDULER_PARAMS = MappingProxyType({
         "lr_range_test_step_rate": float_key(1.0), "lr_range_test_staircase": bool_key(False),
         "last_batch_iteration": int_key(-1)}),
 })
-_REQUIRED_SCHEDULER_PARAMS = {"WarmupDecayLR": ("total_num_steps",), "WarmupCosineLR": ("total_num_steps",),
-                              "OneCycle": ("cycle_min_lr", "cycle_max_lr")}
+_REQUIRED_SCHEDULER_PARAMS = MappingProxyType({"WarmupDecayLR": ("total_num_steps",),
+                                               "WarmupCosineLR": ("total_num_steps",),
+                                               "OneCycle": ("cycle_min_lr", "cycle_max_lr")})
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

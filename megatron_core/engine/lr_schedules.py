@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import math
+from types import MappingProxyType
 from typing import Any, Optional
 
 logger = logging.getLogger(__name__)
@@ -270,7 +271,7 @@ class LRRangeTest(_Schedule):
         return self.min_lr * (1 + self.step_rate * (math.floor(interval) if self.staircase else interval))
 
 
-SCHEDULES = {"WarmupLR": WarmupLR, "WarmupDecayLR": WarmupDecayLR, "WarmupCosineLR": WarmupCosineLR,
-             "OneCycle": OneCycle, "LRRangeTest": LRRangeTest}
+SCHEDULES = MappingProxyType({"WarmupLR": WarmupLR, "WarmupDecayLR": WarmupDecayLR, "WarmupCosineLR": WarmupCosineLR,
+             "OneCycle": OneCycle, "LRRangeTest": LRRangeTest})
 
 __all__ = ["SCHEDULES", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest"]

@@ -67,7 +67,7 @@ def alias_key(name: str) -> Key:
 
 _NO_ZERO3_TUNING = "ZeRO-3 here gathers one module (unit) at a time and prefetches the next one"
 _PIN = bool_key(True, unused="host buffers are pinned whenever the device is CUDA")
-OFFLOAD_OPTIMIZER = {
+OFFLOAD_OPTIMIZER = MappingProxyType({
     "device": str_key("none", choices=("none", "cpu", "nvme")),
     "nvme_path": str_key(None),
     "buffer_count": int_key(4, minimum=0, unused="the NVMe update streams through a ring of 3 chunk buffers"),
@@ -78,17 +78,17 @@ OFFLOAD_OPTIMIZER = {
     "ratio": float_key(1.0, minimum=0.0, unused="the whole optimizer state is offloaded"),
     "super_offload": bool_key(unused="SuperOffload is DeepSpeed's GH200 path"),
     "cpuadam_cores_perc": float_key(0.8, unused="the host Adam uses torch's threads"),
-}
-OFFLOAD_PARAM = {
+})
+OFFLOAD_PARAM = MappingProxyType({
     "device": str_key("none", choices=("none", "cpu", "nvme")),
     "nvme_path": str_key(None),
     "buffer_count": int_key(5, minimum=0, unused="each shard is fetched into its own storage when gathered"),
     "pin_memory": _PIN,
     "buffer_size": int_key(100_000_000, minimum=0, unused="each shard is fetched into its own storage"),
     "max_in_cpu": int_key(1_000_000_000, minimum=0, unused="every offloaded shard lives in its home"),
-}
+})
 
-ZERO = {
+ZERO = MappingProxyType({
     "stage": int_key(0, choices=(0, 1, 2, 3)),
     "overlap_comm": Key("bool", None, nullable=True),
     "contiguous_gradients": bool_key(True, unused="gradients always land in contiguous buffers"),
@@ -145,9 +145,9 @@ ZERO = {
     "enable_sanity_checks": bool_key(unused="there are no optional ZeRO-3 checks to enable"),
     "save_muon_momentum_buffer_in_memory": bool_key(unused="no Muon optimizer"),
     "leaf_module": opaque_key("units are the modules that own parameters (see docs/engine.md)"),
-}
+})
 
-FP16 = {
+FP16 = MappingProxyType({
     "enabled": bool_key(False),
     "auto_cast": bool_key(False),
     "loss_scale": float_key(0.0, minimum=0.0),
@@ -158,28 +158,28 @@ FP16 = {
     "min_loss_scale": float_key(1.0, minimum=0.0),
     "fp16_master_weights_and_grads": bool_key(unused="master weights are always fp32"),
     "type": str_key(None, unused="fp16 is torch.float16"),
-}
-BF16 = {
+})
+BF16 = MappingProxyType({
     "enabled": bool_key(False),
     "immediate_grad_update": bool_key(True, unused="grads accumulate in fp32 buffers and are reduced per bucket"),
     "check_grad_overflow": bool_key(unused="bf16 runs no overflow check (no loss scaling)"),
     "bf16_master_weights_and_grads": bool_key(unused="master weights are always fp32"),
     "bf16_optimizer_states": bool_key(unused="optimizer states are always fp32"),
-}
-ACTIVATION_CHECKPOINTING = {
+})
+ACTIVATION_CHECKPOINTING = MappingProxyType({
     "partition_activations": bool_key(unused="no tensor parallelism in the engine: nothing to partition over"),
     "contiguous_memory_optimization": bool_key(unused="recompute frees activations; no contiguous buffer"),
     "cpu_checkpointing": bool_key(unused="checkpointed inputs stay where they are"),
     "number_checkpoints": int_key(None, unused="each checkpoint() call is one segment"),
     "synchronize_checkpoint_boundary": bool_key(unused="no device synchronization is needed on CPU or CUDA here"),
     "profile": bool_key(unused="no recompute profiler"),
-}
-OPTIMIZER = {"type": str_key(None), "params": Key("opaque", None, nullable=True),
-             "legacy_fusion": bool_key(unused="no legacy fused optimizer")}
-SCHEDULER = {"type": str_key(None), "params": Key("opaque", None, nullable=True)}
+})
+OPTIMIZER = MappingProxyType({"type": str_key(None), "params": Key("opaque", None, nullable=True),
+             "legacy_fusion": bool_key(unused="no legacy fused optimizer")})
+SCHEDULER = MappingProxyType({"type": str_key(None), "params": Key("opaque", None, nullable=True)})
 
 _MONITOR = "monitoring backends are not wired in; use the engine's logger (steps_per_print)"
-TOP = {
+TOP = MappingProxyType({
     "train_batch_size": int_key(None, minimum=1),
     "train_micro_batch_size_per_gpu": int_key(None, minimum=1),
     "gradient_accumulation_steps": int_key(None, minimum=1),
@@ -229,10 +229,10 @@ TOP = {
     "expert_parallel": opaque_key("no expert parallelism in the engine"),
     "use_data_before_expert_parallelism": bool_key(unused="no expert parallelism in the engine"),
     "datastates": opaque_key("no DataStates checkpointing"),
-}
+})
 
-_TYPE_NAMES = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string",
-               "list": "a list", "section": "a JSON object", "opaque": "a JSON object"}
+_TYPE_NAMES = MappingProxyType({"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string",
+               "list": "a list", "section": "a JSON object", "opaque": "a JSON object"})
 
 
 def _fail(path: str, value: Any, expected: str, source: str) -> None:
@@ -267,14 +267,9 @@ def _check_scalar(value: Any, key: Key, path: str, source: str) -> Any:
     return value
 
 
-_WARNED: set[str] = set()  # the keys warned about in this process (each once)
-
-
 def warn_unused(path: str, reason: str) -> None:
-    """Warns, once per key and process, that ``path`` is accepted but does nothing here."""
-    if path in _WARNED:
-        return
-    _WARNED.add(path)
+    """Warns that ``path`` is accepted but does nothing here (a config is validated once: each key of it is
+    warned about once)."""
     warnings.warn(f"DeepSpeed config key {path} is accepted but has no effect here: {reason}",
                   UnusedConfigWarning, stacklevel=4)
 

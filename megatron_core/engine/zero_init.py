@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import sys
+from types import MappingProxyType
 from typing import Any, Callable, Optional
 
 import torch
@@ -34,7 +35,7 @@ _ROW_SEED_STRIDE = 2 ** 32
 # nn.init functions that do not dispatch to torch-function modes (and return at once on meta tensors):
 # patched inside Init (also in transformers' table of them, when it is imported)
 _UNDISPATCHED = ("trunc_normal_", "orthogonal_", "sparse_", "dirac_", "eye_")
-_TORCH_INIT = {name: getattr(nn.init, name) for name in _UNDISPATCHED}
+_TORCH_INIT = MappingProxyType({name: getattr(nn.init, name) for name in _UNDISPATCHED})
 
 
 class ElementwiseRecipe:

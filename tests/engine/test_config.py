@@ -6,7 +6,6 @@ import warnings
 import pytest
 
 from megatron_core.engine import UnusedConfigWarning
-from megatron_core.engine import schema as engine_schema
 from megatron_core.engine.config import EngineConfig, resolve_batch_sizes
 
 
@@ -126,8 +125,6 @@ def test_bad_values_say_what_to_fix(overrides, match):
 
 
 def test_accepted_keys_without_effect_warn_once():
-    engine_schema._WARNED.discard("zero_optimization.stage3_max_live_parameters")
-    engine_schema._WARNED.discard("tensorboard")
     overrides = {"zero_optimization": {"stage": 3, "stage3_max_live_parameters": 1000}, "tensorboard": {
         "enabled": True}}
     with pytest.warns(UnusedConfigWarning) as records:
@@ -135,9 +132,7 @@ def test_accepted_keys_without_effect_warn_once():
     messages = [str(r.message) for r in records]
     assert any("zero_optimization.stage3_max_live_parameters" in m and "at most two units" in m for m in messages)
     assert any(m.startswith("DeepSpeed config key tensorboard ") for m in messages)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", UnusedConfigWarning)
-        _config(**overrides)  # the second time: no warning
+    assert sum("stage3_max_live_parameters" in m for m in messages) == 1  # once per key of the config
     with warnings.catch_warnings():  # mapped keys do not warn
         warnings.simplefilter("error", UnusedConfigWarning)
         _config(zero_optimization={"stage": 3, "overlap_comm": True}, gradient_clipping=0.5, steps_per_print=10)
