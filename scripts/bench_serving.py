@@ -113,7 +113,7 @@ def main(argv=None) -> int:
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--rate", type=float, default=160.0, help="arrivals per second (Poisson)")
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--num-blocks", type=int, default=64, help="cache blocks of 16 tokens (64: ~20 requests at once)")
+    p.add_argument("--num-blocks", type=int, default=128, help="cache blocks of 16 tokens (128: ~40 requests at once)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--output-json", default=None)
     args = p.parse_args(argv)
