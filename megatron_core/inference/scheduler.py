@@ -1,9 +1,10 @@
 """Continuous batching: which tokens of which requests run in the next forward (rank 0 only, no tensors).
 
 Every step packs up to ``max_tokens_per_step`` new tokens: first one token of each running request that is
-decoding, then the next chunk of each running request still reading its prompt (chunked prefill), then the
-prompts of waiting requests, oldest first, while the budget, the batch size and the block pool allow. A
-request joins the running batch at any step and leaves it at the step it ends, when its blocks return to the pool.
+decoding (all of them fit: the budget is at least the batch size), then the next chunk of each running request
+still reading its prompt (chunked prefill), then the prompts of waiting requests, oldest first, while the budget,
+the batch size and the block pool allow. A request joins the running batch at any step and leaves it at the step
+it ends, when its blocks return to the pool.
 
 Admission reserves the blocks of the request's whole budget (prompt + max_tokens - 1 positions: the last
 token is never fed back), so a running request never runs out of cache and nothing is ever preempted; a
@@ -172,7 +173,9 @@ class Scheduler:
         """The next step's plan ("idle" when there is nothing to run). Admits waiting requests (allocating
         their blocks) as the token budget, batch size and free blocks allow."""
         budget, entries = self.max_tokens_per_step, []
-        for request in self.running:
+        decoding = [r for r in self.running if r.num_computed >= len(r.prompt)]
+        prefilling = [r for r in self.running if r.num_computed < len(r.prompt)]
+        for request in decoding + prefilling:  # decodes first: every one fits (budget >= max_batch_size)
             if budget == 0:
                 break
             entries.append(self._entry(request, budget))
