@@ -14,6 +14,7 @@ import re
 import pytest
 
 from tests.integration.test_reliability import run_main
+from tests.recipe import RECIPE
 
 CORPUS = ["The quick brown fox jumps over the lazy dog. " * 4, "Megatron users switch without edits. " * 5,
           "Pipeline, tensor and data parallelism on a CPU with gloo. " * 3] * 20
@@ -275,7 +276,7 @@ def _losses(argv):
 def test_per_token_loss_is_layout_independent(distributed, tmp_path):
     """--calculate-per-token-loss: the loss of the global batch's tokens, the same at dp 1 and dp 2 (and, with
     every token counted as here, the same as the per-micro-batch mean)."""
-    base = [*_tiny_model("llama"), "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "200",
+    base = [*RECIPE, *_tiny_model("llama"), "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "200",
             "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "3", "--eval-iters", "0",
             "--lr", "1e-3", "--min-lr", "1e-4", "--seed", "5", "--qk-layernorm"]
     per_token = [*base, "--calculate-per-token-loss"]
