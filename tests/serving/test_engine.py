@@ -219,3 +219,33 @@ def test_engine_at_tp2_pp2_gives_generates_tokens(distributed):
     assert tokens == reference and free == total
     single = initialize_model_parallel()
     assert reference == [generate(tiny_model(single), single, p, max_new_tokens=10)["tokens"] for p in prompts()]
+
+
+def test_text_stream_holds_back_a_possible_stop_string_and_cuts_before_it():
+    from megatron_core.inference.text import TextStream
+    letters = {1: "ab", 2: "c", 3: "de", 4: "\ufffd"}
+    stream = TextStream(lambda ids: "".join(letters[i] for i in ids), stop=("cd",), hidden_ids=(9,))
+    assert stream.push([1]) == ("ab", False)
+    assert stream.push([1, 2]) == ("", False)  # "c" could start "cd"
+    assert stream.push([1, 2, 9, 3]) == ("", True)  # "abcde" holds "cd": the text ends at "ab"
+    other = TextStream(lambda ids: "".join(letters[i] for i in ids))
+    assert other.push([1, 4]) == ("ab", False)  # an unfinished character waits
+    assert other.finish([1, 4, 2]) == "\ufffdc"
+
+
+def test_a_step_that_fails_fails_its_requests_only(monkeypatch):
+    state = initialize_model_parallel()
+    engine = InferenceEngine(tiny_model(state), state, num_blocks=32, block_size=4)
+    failing = engine.add_request(prompts()[0], SamplingParams(max_tokens=4))
+    original = engine._execute
+
+    def broken(plan):
+        monkeypatch.setattr(engine, "_execute", original)  # only the first step breaks
+        raise RuntimeError("injected")
+    monkeypatch.setattr(engine, "_execute", broken)
+    outputs = engine.step()
+    assert [o.request for o in outputs] == [failing] and failing.finish_reason == "error"
+    assert engine.scheduler.pool.num_free == 32
+    later = engine.add_request(prompts()[0], SamplingParams(max_tokens=4))
+    engine.run_until_done()
+    assert later.finish_reason == "length" and len(later.generated) == 4
