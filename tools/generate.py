@@ -50,6 +50,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-json", default=None)
+    add_checkpoint_flags(p)
+    p.add_argument("--debug", action="store_true", help="show the traceback of a handled error")
+    return p
+
+
+def add_checkpoint_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of a tool that runs a checkpoint (generate.py, run_text_generation_server.py): the layout
+    (default: the checkpoint's own), the tokenizer (default: the checkpoint's) and --allow-missing-checksums."""
     p.add_argument("--tensor-model-parallel-size", type=int, default=None,
                    help="default: the checkpoint's tp when the launch has its tp x pp processes, else 1")
     p.add_argument("--pipeline-model-parallel-size", type=int, default=None,
@@ -62,12 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(flag, default=None, help="default: the checkpoint's")
     p.add_argument("--vocab-size", type=int, default=None, help="default: the checkpoint's")
     p.add_argument("--allow-missing-checksums", action="store_true",
-                     help="load a checkpoint whose metadata.json lacks the sha256 of some file")
-    p.add_argument("--debug", action="store_true", help="show the traceback of a handled error")
-    return p
+                   help="load a checkpoint whose metadata.json lacks the sha256 of some file")
 
 
-def _tokenizer(args: argparse.Namespace, flags: dict):
+def checkpoint_tokenizer(args: argparse.Namespace, flags: dict):
+    """The tokenizer the flags name, each unset flag taken from the checkpoint's recorded ``flags``."""
     def pick(key: str):
         value = getattr(args, key)
         return value if value is not None else flags.get(key)
@@ -82,10 +89,10 @@ def _prompt_ids(args: argparse.Namespace, flags: dict) -> tuple[list[int], Optio
         except ValueError as error:
             raise ValueError(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}") from error
         try:
-            return ids, _tokenizer(args, flags)
+            return ids, checkpoint_tokenizer(args, flags)
         except (ValueError, OSError):
             return ids, None  # ids need no tokenizer; the text is then printed as ids
-    tokenizer = _tokenizer(args, flags)
+    tokenizer = checkpoint_tokenizer(args, flags)
     return tokenizer.encode(args.prompt), tokenizer
 
 

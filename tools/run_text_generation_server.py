@@ -68,14 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests waiting at most; past it HTTP 429")
     p.add_argument("--drain-timeout", type=float, default=10.0,
                    help="seconds running requests may take to finish after SIGTERM before they are cancelled")
-    for flag in generate_tool.LAYOUT_FLAGS:
-        p.add_argument("--" + flag.replace("_", "-"), type=int, default=None,
-                       help="default: the checkpoint's own layout when the launch has its processes, else 1")
-    for flag in ("--tokenizer-type", "--tokenizer-model", "--vocab-file", "--merge-file"):
-        p.add_argument(flag, default=None, help="default: the checkpoint's")
-    p.add_argument("--vocab-size", type=int, default=None, help="default: the checkpoint's")
-    p.add_argument("--allow-missing-checksums", action="store_true",
-                   help="load a checkpoint whose metadata.json lacks the sha256 of some file")
+    generate_tool.add_checkpoint_flags(p)
     p.add_argument("--debug", action="store_true", help="show the traceback of a handled error")
     return p
 
@@ -93,7 +86,7 @@ def build_engine(args: argparse.Namespace) -> InferenceEngine:
     state = initialize_model_parallel(tp, pp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
     model, _ = load_gpt_from_checkpoint(args.load, state, parallel_output=False,
                                         require_checksums=not args.allow_missing_checksums)
-    tokenizer = generate_tool._tokenizer(args, flags)
+    tokenizer = generate_tool.checkpoint_tokenizer(args, flags)
     max_sequence_length = int(flags.get("seq_length") or 0) or model.config.max_position_embeddings
     num_blocks = args.inference_max_blocks
     if num_blocks is None and args.inference_max_memory is None:
