@@ -52,6 +52,8 @@ setup(
         "uvicorn",
         # tests/serving call that server with the official OpenAI client (completions, chat, streaming).
         "openai",
+        # ... and with plain HTTP for Megatron's PUT /api and the bad inputs (openai 3 depends on httpx2, not it).
+        "httpx",
     ],
         # tools/run_text_generation_server.py (imported lazily, only by the server): FastAPI for the routes and
         # their validation, uvicorn to serve them.
