@@ -74,12 +74,13 @@ def _without(argv: list[str]) -> list[str]:
 
 
 def shrink(argv: list[str], save_dir: str, *, iterations: int = 3) -> tuple[list[str], int]:
-    """``(argv, world size)``: the config's flags and parallel sizes (data-parallel size 1), a model of 2 layers
-    per (virtual) pipeline stage, hidden 32 x tp, sequence 32 x cp, ``iterations`` steps on the mock data."""
+    """``(argv, world size)``: the config's flags and parallel sizes (data-parallel size 1, or what ep needs), a
+    model of one layer per (virtual) pipeline stage (at least 2), hidden 32 x tp, sequence 32 x cp, ``iterations``
+    steps on the mock data."""
     sizes = layout(argv)
     tp, pp, cp, vpp = sizes["tp"], sizes["pp"], sizes["cp"], sizes["vpp"]
     heads = 4 * tp
-    tiny = ["--num-layers", str(2 * pp * vpp), "--hidden-size", str(8 * heads), "--num-attention-heads", str(heads),
+    tiny = ["--num-layers", str(max(2, pp * vpp)), "--hidden-size", str(8 * heads), "--num-attention-heads", str(heads),
             "--ffn-hidden-size", str(16 * heads), "--seq-length", str(32 * cp), "--max-position-embeddings",
             str(32 * cp), "--micro-batch-size", "1", "--train-iters",
             str(iterations), "--eval-iters", "1", "--eval-interval", "1000", "--lr-warmup-iters", "1",
@@ -89,7 +90,7 @@ def shrink(argv: list[str], save_dir: str, *, iterations: int = 3) -> tuple[list
     if "--group-query-attention" in argv:
         tiny += ["--num-query-groups", str(tp)]
     if vpp > 1:
-        tiny += ["--num-layers-per-virtual-pipeline-stage", "2"]
+        tiny += ["--num-layers-per-virtual-pipeline-stage", "1"]
     if "--num-experts" in argv:
         tiny += ["--moe-ffn-hidden-size", str(8 * heads)]
         if "--moe-shared-expert-intermediate-size" in argv:
