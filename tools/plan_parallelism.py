@@ -82,14 +82,15 @@ def _model_argv(model_argv: list[str]) -> list[str]:
     return kept
 
 
-def _layout_flags(plan: Plan) -> list[str]:
+def _layout_flags(plan: Plan, *, moe: bool = False) -> list[str]:
+    """The layout's flags; for an MoE model at tp > 1 the expert tensor parallel size always (its default is tp)."""
     layout = plan.layout
     flags = ["--tensor-model-parallel-size", str(layout.tp), "--pipeline-model-parallel-size", str(layout.pp)]
     if layout.cp > 1:
         flags += ["--context-parallel-size", str(layout.cp)]
     if layout.ep > 1:
         flags += ["--expert-model-parallel-size", str(layout.ep)]
-    if layout.etp > 1:
+    if layout.etp > 1 or (moe and layout.tp > 1):
         flags += ["--expert-tensor-parallel-size", str(layout.etp)]
     if layout.vpp:
         flags += ["--num-layers-per-virtual-pipeline-stage", "LAYERS_PER_CHUNK"]
@@ -109,7 +110,7 @@ def torchrun_command(plan: Plan, model_argv: list[str], *, num_devices: int, dev
     """The launch line of ``plan`` (run on every node; multi-node needs --rdzv-endpoint as usual)."""
     per_node = min(num_devices, devices_per_node)
     nodes = -(-num_devices // per_node)
-    flags = _layout_flags(plan)
+    flags = _layout_flags(plan, moe="--num-experts" in model_argv)
     if plan.layout.vpp:
         flags[flags.index("LAYERS_PER_CHUNK")] = str(num_layers // (plan.layout.pp * plan.layout.vpp))
     launcher = ["torchrun", "--nnodes", str(nodes), "--nproc-per-node", str(per_node)]

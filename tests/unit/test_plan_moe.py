@@ -76,3 +76,14 @@ def test_tool_prints_the_ep_column_and_flag():
     assert code == 0 and "| ep |" in text.splitlines()[2]
     best = text.strip().splitlines()[-1]
     assert "--num-experts 8" in best and best.count("--expert-model-parallel-size") <= 1
+
+
+def test_the_launch_line_names_etp_1_at_tp_2_since_etp_defaults_to_tp():
+    from megatron_core.planning.planner import Layout
+    from tests.data.conftest import load_tool
+    tool = load_tool("plan_parallelism")
+    plan = type("P", (), {"layout": Layout(2, 1, 2, None, 0, True, None, 1, 2, 1)})()
+    line = tool.torchrun_command(plan, ["--num-experts", "4"], num_devices=4, devices_per_node=4, num_layers=2)
+    assert "--expert-tensor-parallel-size 1" in line and "--expert-model-parallel-size 2" in line
+    dense = tool.torchrun_command(plan, [], num_devices=4, devices_per_node=4, num_layers=2)
+    assert "--expert-tensor-parallel-size" not in dense
