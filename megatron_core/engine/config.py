@@ -226,11 +226,16 @@ def _resolve_offload(zero: dict, source: str) -> None:
                          "(DeepSpeed's ZeRO-Offload), got stage 0")
 
 
+def _section_type(section: dict, what: str, source: str) -> Optional[str]:
+    """``section["type"]``; ValueError when ``params`` are given without it."""
+    if section["type"] is None and section["params"]:
+        raise ValueError(f"{source}{what}.params is set but {what}.type is not")
+    return section["type"]
+
+
 def _optimizer_spec(section: dict, source: str) -> Optional[OptimizerSpec]:
-    name = section["type"]
+    name = _section_type(section, "optimizer", source)
     if name is None:
-        if section["params"]:
-            raise ValueError(f"{source}optimizer.params is set but optimizer.type is not")
         return None
     params = section["params"] or {}
     if name.lower() in ("adam", "adamw"):
@@ -267,10 +272,8 @@ def _betas(value: Any, source: str) -> tuple[float, float]:
 
 
 def _scheduler_spec(section: dict, source: str) -> Optional[SchedulerSpec]:
-    name = section["type"]
+    name = _section_type(section, "scheduler", source)
     if name is None:
-        if section["params"]:
-            raise ValueError(f"{source}scheduler.params is set but scheduler.type is not")
         return None
     if name not in SCHEDULER_PARAMS:
         raise ValueError(f"{source}scheduler.type {name!r} is not supported here: use one of "

@@ -64,7 +64,7 @@ def init_distributed(dist_backend: Optional[str] = None, auto_mpi_discovery: boo
     if verbose:
         logger.info("initializing torch.distributed: backend %s, rank %d of %d", backend, rank, world_size)
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout)
-    if backend == "nccl":
+    if backend == "nccl":  # CUDA-only path
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % max(1, torch.cuda.device_count()))))
 
 

@@ -454,6 +454,7 @@ def virtual_pipeline_size(args: argparse.Namespace) -> Optional[int]:
 def transformer_config(args: argparse.Namespace) -> TransformerConfig:
     """The model config the flags describe (raises ValueError naming invalid values)."""
     dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+    first_stage_layers, last_stage_layers = pipeline_split(args)
     return TransformerConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
         num_attention_heads=args.num_attention_heads, kv_channels=args.kv_channels,
@@ -479,7 +480,7 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
         recompute_modules=tuple(args.recompute_modules) if args.recompute_modules else ("core_attn",),
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        first_pipeline_num_layers=pipeline_split(args)[0], last_pipeline_num_layers=pipeline_split(args)[1],
+        first_pipeline_num_layers=first_stage_layers, last_pipeline_num_layers=last_stage_layers,
         context_parallel_size=args.context_parallel_size, cp_comm_type=_one_cp_comm_type(args.cp_comm_type),
         virtual_pipeline_model_parallel_size=virtual_pipeline_size(args), sequence_parallel=args.sequence_parallel,
         tp_comm_overlap=args.tp_comm_overlap, params_dtype=dtype, bf16=args.bf16, fp16=args.fp16,

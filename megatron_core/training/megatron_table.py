@@ -168,10 +168,10 @@ def add_no_op_flags(parser: argparse.ArgumentParser) -> None:
     known = {option for action in parser._actions for option in action.option_strings}
     group = parser.add_argument_group("accepted for Megatron-LM compatibility, no effect here")
     for option, spec in sorted(megatron_lm_flags().items()):
-        if option in known or classify(option)[0] != NO_OP:
+        kind, reason = classify(option)
+        if option in known or kind != NO_OP:
             continue
-        _add_like_megatron(group, option, spec, dest=_no_op_dest(option), default=argparse.SUPPRESS,
-                           help=classify(option)[1])
+        _add_like_megatron(group, option, spec, dest=_no_op_dest(option), default=argparse.SUPPRESS, help=reason)
 
 
 def given_no_ops(args: argparse.Namespace) -> list[str]:
