@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
+from megatron_core.config_variants import ArchitectureVariants
+
 CP_COMM_TYPES = ("p2p", "a2a", "allgather")
 """Context-parallel attention schemes (Megatron's ``--cp-comm-type``): ring attention, all-to-all (Ulysses),
 all-gather of K/V."""
@@ -79,10 +81,10 @@ class ModelParallelConfig:
         return dataclasses.replace(self, **sizes)
 
 
-RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm")
+RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm", "mla_up_proj", "moe")
 _CHOICES = MappingProxyType({
     "normalization": ("LayerNorm", "RMSNorm"),
-    "activation": ("gelu", "swiglu", "squared_relu"),
+    "activation": ("gelu", "swiglu", "squared_relu", "quick_geglu"),
     "position_embedding_type": ("learned_absolute", "rope", "none"),
     "recompute_granularity": (None, "full", "selective"),
     "recompute_method": (None, "uniform", "block"),
@@ -90,8 +92,9 @@ _CHOICES = MappingProxyType({
 
 
 @dataclasses.dataclass(kw_only=True)
-class TransformerConfig(ModelParallelConfig):
-    """Architecture of a GPT-style decoder (Megatron-LM's names)."""
+class TransformerConfig(ArchitectureVariants, ModelParallelConfig):
+    """Architecture of a GPT-style decoder (Megatron-LM's names); the fields of MLA, YaRN, gpt-oss's layers and
+    multi-token prediction are in ``config_variants.ArchitectureVariants``."""
 
     num_layers: int
     hidden_size: int
@@ -143,7 +146,8 @@ class TransformerConfig(ModelParallelConfig):
     (checkpoint the first recompute_num_layers layers of each pipeline stage)."""
     recompute_num_layers: Optional[int] = None
     recompute_modules: tuple[str, ...] = ("core_attn",)
-    """With selective recompute: which parts run again in backward: "core_attn", "mlp", "layernorm"."""
+    """With selective recompute: which parts run again in backward: "core_attn", "mlp", "layernorm",
+    "mla_up_proj" (MLA's up projections and rope), "moe" (the MoE layer, as "mlp" does for dense MLPs)."""
     compile: bool = False
     """``torch.compile`` each transformer layer's forward (regional compilation, see
     ``megatron_core.transformer.compile``); the model's structure, state dict and hooks stay eager."""
@@ -163,6 +167,7 @@ class TransformerConfig(ModelParallelConfig):
         self._validate_activation()
         self._validate_recompute()
         self._validate_pipeline_split()
+        self._validate_variants()
 
     def _fill_defaults(self) -> None:
         if self.num_query_groups is None:
@@ -321,7 +326,10 @@ class TransformerConfig(ModelParallelConfig):
 
     @property
     def rotary_dim(self) -> int:
-        """Channels of each head that rope rotates: ``int(kv_channels * rotary_percent)``."""
+        """Channels of each head that rope rotates: ``int(kv_channels * rotary_percent)``; with multi-latent
+        attention its ``qk_pos_emb_head_dim``."""
+        if self.multi_latent_attention:
+            return self.qk_pos_emb_head_dim
         return int(self.kv_channels * self.rotary_percent)
 
     def recomputes(self, module: str) -> bool:

@@ -16,7 +16,7 @@ from megatron_core.config import TransformerConfig
 from megatron_core.models import GPTModel
 from megatron_core.parallel_state import ParallelState
 from megatron_core.training.arguments import build_parser, transformer_config
-from megatron_core.transformer.moe import moe_layer_spec
+from megatron_core.transformer.specs import layer_spec_for
 
 
 def run_flags(flags: dict, **overrides) -> argparse.Namespace:
@@ -65,7 +65,7 @@ def load_gpt_from_checkpoint(load_dir: str, state: ParallelState, *, parallel_ou
                      max_sequence_length=args.seq_length, pre_process=state.is_pipeline_first_stage,
                      post_process=state.is_pipeline_last_stage, parallel_output=parallel_output,
                      make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-                     **({"layer_spec": moe_layer_spec()} if config.moe is not None else {}))
+                     layer_spec=layer_spec_for(config))
     load_model_weights(folder, metadata, model_chunks=[model], config=config, state=state,
                        require_checksums=require_checksums)
     return model.eval(), metadata

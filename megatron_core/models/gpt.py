@@ -20,7 +20,8 @@ from megatron_core.tensor_parallel import (
 from megatron_core.transformer.block import TransformerBlock, seeded_init
 from megatron_core.transformer.inference_cache import InferenceCache
 from megatron_core.transformer.rope import RotaryEmbedding
-from megatron_core.transformer.spec import TransformerLayerSpec, gpt_layer_spec
+from megatron_core.transformer.spec import TransformerLayerSpec
+from megatron_core.transformer.specs import layer_spec_for
 
 OUTPUT_LAYER_SEED_OFFSET = 2
 
@@ -41,7 +42,8 @@ class GPTModel(nn.Module):
             copy, initialized identically; ``finalize_model_grads`` sums the two grads over the embedding group.
         parallel_output: return logits split over tp ``[b, s, V_padded/tp]``; otherwise gathered and cut to
             the true vocab ``[b, s, vocab_size]``.
-        layer_spec: the submodule classes of each layer (default ``gpt_layer_spec()``).
+        layer_spec: the submodule classes of each layer (default ``layer_spec_for(config)``: GPT's, with MLA
+            and MoE layers where the config has them).
         vp_stage: the model chunk index with interleaved pipelining.
 
     Initialization is layout-independent: one number drawn from the default generator seeds every module
@@ -72,9 +74,11 @@ class GPTModel(nn.Module):
         self.rotary_pos_emb = (RotaryEmbedding(config.rotary_dim, rotary_base=config.rotary_base,
                                                seq_len_interpolation_factor=config.rotary_seq_len_interpolation_factor,
                                                rope_scaling=config.llama3_rope_scaling,
-                                               interleaved=config.rotary_interleaved)
+                                               interleaved=config.rotary_interleaved,
+                                               yarn=config.yarn_rope_scaling)
                                if config.position_embedding_type == "rope" else None)
-        self.decoder = TransformerBlock(config, parallel_state=parallel_state, spec=layer_spec or gpt_layer_spec(),
+        self.decoder = TransformerBlock(config, parallel_state=parallel_state,
+                                        spec=layer_spec or layer_spec_for(config),
                                         base_seed=base_seed, pre_process=pre_process, post_process=post_process,
                                         vp_stage=vp_stage)
         if post_process:

@@ -26,7 +26,7 @@ from megatron_core.optimizer import OptimizerConfig, get_optimizer, memory_repor
 from megatron_core.optimizer.memory import memory_categories
 from megatron_core.pipeline_parallel import get_forward_backward_func
 from megatron_core.tensor_parallel import model_parallel_seed
-from megatron_core.transformer.moe import moe_layer_spec
+from megatron_core.transformer.specs import layer_spec_for
 from megatron_core.utils.live_memory import LiveMemoryTracker
 
 
@@ -135,7 +135,7 @@ class LayoutMeasurement:
 
 def _chunks(config: TransformerConfig, state, vocab_size: int, seq_length: int) -> list[GPTModel]:
     vpp = state.vpp_size
-    spec = {"layer_spec": moe_layer_spec()} if config.moe is not None else {}
+    spec = {"layer_spec": layer_spec_for(config)}
     chunks = []
     for vp in range(vpp or 1):
         torch.manual_seed(0)

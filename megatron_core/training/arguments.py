@@ -20,6 +20,7 @@ from megatron_core.config import TransformerConfig
 from megatron_core.training import arguments_megatron as megatron_flags
 from megatron_core.training import megatron_table
 from megatron_core.training.arguments_moe import add_moe_flags, moe_config, validate_moe_flags
+from megatron_core.training.arguments_variants import add_variant_flags, variant_config_kwargs
 from megatron_core.training.elastic import add_elastic_flags, validate_elastic_flags
 from megatron_core.training.schedule import validate_schedule_flags
 
@@ -77,7 +78,7 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--recompute-method", choices=["uniform", "block"], default=None)
     g.add_argument("--recompute-num-layers", type=int, default=None)
     g.add_argument("--recompute-modules", nargs="*", default=None,
-                   help="selective recompute of: core_attn (default), mlp, layernorm")
+                   help="selective recompute of: core_attn (default), mlp, layernorm, mla_up_proj, moe")
 
 
 def _parallel_flags(p: argparse.ArgumentParser) -> None:
@@ -259,6 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
         add(parser)
     megatron_flags.add_megatron_flags(parser)
     add_moe_flags(parser)
+    add_variant_flags(parser)
     add_elastic_flags(parser)
     megatron_table.add_no_op_flags(parser)
     parser.widened_choices = megatron_table.widen_choices(parser)
@@ -293,9 +295,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 
 def _activation(args: argparse.Namespace) -> str:
-    if args.swiglu and args.squared_relu:
-        raise ValueError("--swiglu and --squared-relu are two MLP activations: give one of them")
-    return "swiglu" if args.swiglu else "squared_relu" if args.squared_relu else "gelu"
+    given = [flag for flag in ("swiglu", "squared_relu", "quick_geglu") if getattr(args, flag, False)]
+    if len(given) > 1:
+        raise ValueError(f"{' and '.join('--' + g.replace('_', '-') for g in given)} are MLP activations: give one "
+                         "of them")
+    return given[0] if given else "gelu"
 
 
 def _one_cp_comm_type(value) -> str:
@@ -484,7 +488,7 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
         context_parallel_size=args.context_parallel_size, cp_comm_type=_one_cp_comm_type(args.cp_comm_type),
         virtual_pipeline_model_parallel_size=virtual_pipeline_size(args), sequence_parallel=args.sequence_parallel,
         tp_comm_overlap=args.tp_comm_overlap, params_dtype=dtype, bf16=args.bf16, fp16=args.fp16,
-        moe=moe_config(args), compile=args.compile)
+        moe=moe_config(args), compile=args.compile, **variant_config_kwargs(args))
 
 
 def exit_with_config_error(error: object, status: int = 2) -> NoReturn:

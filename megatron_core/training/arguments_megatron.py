@@ -61,28 +61,20 @@ _MOE = ("this mixture-of-experts option is not built (the --moe-* flags of pretr
         "it")
 _FP8 = ("fp8/fp4 training needs Transformer Engine on an fp8-capable GPU, which this framework does not use; drop "
         "these flags (--bf16 is the closest supported precision)")
-_MLA = "multi-latent attention (DeepSeek) is not built; drop these flags to use grouped-query attention"
-_MTP = "multi-token prediction is not built; drop these flags"
-_GPT_OSS = ("gpt-oss's layer variants (windowed attention, learnable softmax, clamped GeGLU) are not built; "
-            "drop these flags")
+_MTP = "this multi-token prediction option is not built (--mtp-num-layers and --mtp-loss-scaling-factor are); drop it"
 _CUDA_GRAPH = "CUDA graphs are not built; drop these flags"
 _MODELOPT = ("Model Optimizer's export and distillation flags (its own extra arguments of pretrain_gpt.py) are not "
              "built; drop them")
 REFUSED_PREFIXES: dict[str, str] = MappingProxyType({"--moe-": _MOE, "--fp8": _FP8, "--fp4": _FP8, "--mtp-": _MTP,
                                                      "--cuda-graph": _CUDA_GRAPH, "--export-": _MODELOPT})
 REFUSED_FLAGS: dict[str, str] = MappingProxyType({
-    "--multi-latent-attention": _MLA, "--q-lora-rank": _MLA, "--kv-lora-rank": _MLA, "--qk-head-dim": _MLA,
-    "--qk-pos-emb-head-dim": _MLA, "--v-head-dim": _MLA, "--mscale": _MLA, "--mscale-all-dim": _MLA,
-    "--rope-type yarn": "YaRN rotary scaling (used with multi-latent attention) is not built; use --rope-type rope",
-    "--quick-geglu": _GPT_OSS, "--glu-linear-offset": _GPT_OSS, "--softmax-type": _GPT_OSS, "--window-size": _GPT_OSS,
-    "--window-attn-skip-freq": _GPT_OSS, "--activation-func-clamp-value": _GPT_OSS, "--enable-gpt-oss": _GPT_OSS,
     "--enable-cuda-graph": _CUDA_GRAPH, "--external-cuda-graph": _CUDA_GRAPH,
     "--cp-comm-type a2a+p2p": "hierarchical context parallelism (a2a inside, p2p across groups) is not built; use "
     "--cp-comm-type p2p, a2a or allgather",
-    "--recompute-modules": "selective recompute of MoE or MLA modules needs those modules; use core_attn, mlp, "
-    "layernorm",
+    "--recompute-modules": "selective recompute of these modules is not built; use core_attn, mlp, layernorm, "
+    "mla_up_proj, moe",
 })
-_SELECTIVE_MODULES = ("core_attn", "mlp", "layernorm")
+_SELECTIVE_MODULES = ("core_attn", "mlp", "layernorm", "mla_up_proj", "moe")
 
 
 def add_megatron_flags(parser: argparse.ArgumentParser) -> None:
@@ -116,14 +108,11 @@ def add_megatron_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--wandb-entity", default=None)
     g.add_argument("--tiktoken-pattern", default=None, help="TikTokenizer: v1 or v2")
     g.add_argument("--tiktoken-num-special-tokens", type=int, default=1000)
-    g.add_argument("--rope-type", choices=["rope", "yarn"], default=None)
-    g.add_argument("--rotary-scaling-factor", type=float, default=1.0, help="YaRN only (not built)")
     g.add_argument("--context-parallel-size", type=int, default=1,
                    help="split each sequence over this many ranks (load-balanced causal split)")
     g.add_argument("--cp-comm-type", nargs="+", default=["p2p"], metavar="{p2p,a2a,allgather}",
                    help="context-parallel attention: p2p (ring attention, default), a2a (Ulysses all-to-all) or "
                         "allgather (K/V all-gathered); one value for every layer")
-    g.add_argument("--softmax-type", default="vanilla")
     g = parser.add_argument_group("accepted for Megatron-LM compatibility, no effect here (see README)")
     for flag, why in ACCEPTED_NO_OPS.items():
         kind = _VALUE_NO_OPS.get(flag)
@@ -160,10 +149,6 @@ def _refused_on_known(args: argparse.Namespace) -> list[tuple[str, str]]:
     given = []
     if "a2a+p2p" in args.cp_comm_type:
         given.append((f"--cp-comm-type {' '.join(args.cp_comm_type)}", "--cp-comm-type a2a+p2p"))
-    if args.rope_type == "yarn":
-        given.append(("--rope-type yarn", "--rope-type yarn"))
-    if args.softmax_type != "vanilla":
-        given.append((f"--softmax-type {args.softmax_type}", "--softmax-type"))
     extra = sorted(set(args.recompute_modules or ()) - set(_SELECTIVE_MODULES))
     if extra:
         given.append((f"--recompute-modules {' '.join(extra)}", "--recompute-modules"))
@@ -248,7 +233,8 @@ def validate_megatron_flags(args: argparse.Namespace) -> None:
     _validate_context_parallel(args)
     if args.manual_gc_interval < 0:
         raise ValueError(f"--manual-gc-interval must be >= 0, got {args.manual_gc_interval}")
-    if args.rotary_scaling_factor != 1.0:
+    if args.rotary_scaling_factor != 1.0 and (args.rope_type or ("yarn" if args.multi_latent_attention else
+                                                                 "rope")) != "yarn":
         warn_rank_0(f"--rotary-scaling-factor {args.rotary_scaling_factor} has no effect without YaRN "
                     "(--rope-type yarn), as in Megatron-LM")
     if args.rampup_batch_size is not None:

@@ -31,6 +31,11 @@ def add_moe_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--moe-router-enable-expert-bias", action="store_true",
                    help="aux-loss-free balancing (sigmoid scores): a per-expert selection bias updated each step")
     g.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3)
+    g.add_argument("--moe-router-num-groups", type=int, default=None,
+                   help="group-limited routing (DeepSeek): experts in this many groups of consecutive ids")
+    g.add_argument("--moe-router-group-topk", type=int, default=None, help="groups each token may route to")
+    g.add_argument("--moe-router-topk-scaling-factor", type=float, default=None,
+                   help="multiply the chosen experts' weights (DeepSeek's routed_scaling_factor)")
     g.add_argument("--moe-router-dtype", choices=["fp32", "fp64"], default=None)
     g.add_argument("--moe-token-dispatcher-type", choices=DISPATCHERS, default="allgather")
     g.add_argument("--moe-grouped-gemm", action="store_true", help="local experts as one batched GEMM")
@@ -77,6 +82,8 @@ def moe_config(args: argparse.Namespace) -> Optional[MoEConfig]:
         moe_router_pre_softmax=args.moe_router_pre_softmax,
         moe_router_enable_expert_bias=args.moe_router_enable_expert_bias,
         moe_router_bias_update_rate=args.moe_router_bias_update_rate, moe_router_dtype=args.moe_router_dtype,
+        moe_router_num_groups=args.moe_router_num_groups, moe_router_group_topk=args.moe_router_group_topk,
+        moe_router_topk_scaling_factor=args.moe_router_topk_scaling_factor,
         moe_token_dispatcher_type=args.moe_token_dispatcher_type, moe_grouped_gemm=args.moe_grouped_gemm,
         moe_expert_capacity_factor=args.moe_expert_capacity_factor,
         moe_pad_expert_input_to_capacity=args.moe_pad_expert_input_to_capacity,

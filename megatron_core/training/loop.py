@@ -42,8 +42,8 @@ from megatron_core.training.resume import load, tokenizer_identity
 from megatron_core.training.runtime import RuntimeHooks, WandbSink
 from megatron_core.training.schedule import build_lr_scheduler, check_batch_schedule, resolve_train_iters
 from megatron_core.training.state import Run, reduce_losses, step_record
-from megatron_core.transformer.moe import moe_layer_spec
 from megatron_core.transformer.moe.tracking import moe_loss_report, set_aux_loss_scale, update_expert_bias
+from megatron_core.transformer.specs import layer_spec_for
 from megatron_core.utils.affinity import bind_cores_to_rank
 from megatron_core.utils.progress import progress_bar
 
@@ -136,7 +136,7 @@ def _build_chunk(args, config, state, vocab_size: int, vp: int) -> GPTModel:
     return GPTModel(config, parallel_state=state, vocab_size=vocab_size, max_sequence_length=args.seq_length,
                     pre_process=first, post_process=last, vp_stage=vp if vpp else None,
                     make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-                    **({"layer_spec": moe_layer_spec()} if config.moe is not None else {}))
+                    layer_spec=layer_spec_for(config))
 
 
 def forward_step(data_iterator, model, *, tokens_scale: Optional[float] = None, cp_group=None):

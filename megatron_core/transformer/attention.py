@@ -8,7 +8,6 @@ chunks of whole groups (``num_query_groups % tp == 0``), so each rank holds the 
 from __future__ import annotations
 
 import contextlib
-import math
 from typing import Optional
 
 import torch
@@ -56,7 +55,7 @@ class DotProductAttention(nn.Module):
     def __init__(self, config: TransformerConfig, *, layer_number: int, parallel_state: ParallelState) -> None:
         super().__init__()
         self.layer_number = layer_number
-        self.scale = 1.0 / math.sqrt(config.kv_channels)
+        self.scale = config.attention_softmax_scale  # 1 / sqrt(head dim) unless the config says otherwise
         self.attention_dropout = config.attention_dropout
         self.parallel_state, self.cp_comm_type = parallel_state, config.cp_comm_type
 
@@ -181,8 +180,9 @@ class SelfAttention(nn.Module):
         if self.q_layernorm is not None:
             query, key = self.q_layernorm(query), self.k_layernorm(key)
         if rotary_pos_emb is not None:
-            query = apply_rotary_pos_emb(query, rotary_pos_emb, interleaved=self.config.rotary_interleaved)
-            key = apply_rotary_pos_emb(key, rotary_pos_emb, interleaved=self.config.rotary_interleaved)
+            rope = dict(interleaved=self.config.rotary_interleaved, mscale=self.config.rope_attention_factor)
+            query = apply_rotary_pos_emb(query, rotary_pos_emb, **rope)
+            key = apply_rotary_pos_emb(key, rotary_pos_emb, **rope)
         if inference_cache is not None:
             if attention_mask is not None or self.config.sequence_parallel or self.cp_size > 1:
                 raise ValueError("an inference cache works with the causal mask (attention_mask=None) and "

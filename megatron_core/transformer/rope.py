@@ -35,6 +35,44 @@ class Llama3RopeScaling:
         return torch.where(is_medium, smoothed, scaled)
 
 
+@dataclasses.dataclass(frozen=True)
+class YarnRopeScaling:
+    """YaRN (Peng et al. 2023, arXiv 2309.00071; Megatron's ``--rope-type yarn``, transformers' rope type "yarn"):
+    frequencies whose wavelength fits the original context more than ``beta_fast`` times are kept, fewer than
+    ``beta_slow`` times divided by ``factor``, with a linear ramp between; cos and sin are multiplied by
+    ``attention_factor``."""
+
+    factor: float
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+    round_to_int: bool = True
+
+    @property
+    def attention_factor(self) -> float:
+        """``get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)`` (1 when factor <= 1)."""
+        from megatron_core.config_variants import yarn_get_mscale
+        return yarn_get_mscale(self.factor, self.mscale) / yarn_get_mscale(self.factor, self.mscale_all_dim)
+
+    def _correction_dim(self, rotations: float, dim: int, base: float) -> float:
+        return dim * math.log(self.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    def apply(self, inv_freq: torch.Tensor, *, dim: int, base: float) -> torch.Tensor:
+        """The scaled inverse frequencies ``[dim/2]`` (transformers' ``_compute_yarn_parameters``, op for op)."""
+        low = self._correction_dim(self.beta_fast, dim, base)
+        high = self._correction_dim(self.beta_slow, dim, base)
+        if self.round_to_int:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        if low == high:
+            high += 0.001  # no division by zero
+        ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+        extrapolation_share = 1 - ramp
+        return inv_freq / self.factor * (1 - extrapolation_share) + inv_freq * extrapolation_share
+
+
 class RotaryEmbedding(nn.Module):
     """Angles ``position * base^(-2i/d)`` for the first ``d`` channels of every head (``d = rotary_dim``:
     ``kv_channels * rotary_percent``; the remaining channels are not rotated).
@@ -47,13 +85,17 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, rotary_dim: int, *, rotary_base: float = 10000.0,
                  seq_len_interpolation_factor: Optional[float] = None,
-                 rope_scaling: Optional[Llama3RopeScaling] = None, interleaved: bool = False) -> None:
+                 rope_scaling: Optional[Llama3RopeScaling] = None, interleaved: bool = False,
+                 yarn: Optional[YarnRopeScaling] = None) -> None:
         super().__init__()
         self.interleaved = interleaved
         exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim
         inv_freq = 1.0 / (rotary_base ** exponents)
-        self.register_buffer("inv_freq", inv_freq if rope_scaling is None else rope_scaling.apply(inv_freq),
-                             persistent=False)
+        if rope_scaling is not None:
+            inv_freq = rope_scaling.apply(inv_freq)
+        if yarn is not None:
+            inv_freq = yarn.apply(inv_freq, dim=rotary_dim, base=rotary_base)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.seq_len_interpolation_factor = seq_len_interpolation_factor
 
     def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
@@ -73,12 +115,17 @@ def _rotate_half(x: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
     return torch.cat([-second, first], dim=-1)
 
 
-def apply_rotary_pos_emb(x: torch.Tensor, angles: torch.Tensor, *, interleaved: bool = False) -> torch.Tensor:
+def apply_rotary_pos_emb(x: torch.Tensor, angles: torch.Tensor, *, interleaved: bool = False,
+                         mscale: float = 1.0) -> torch.Tensor:
     """Rotates the first ``r`` channels of ``x`` ``[s, b, heads, d]`` by ``angles`` ``[s, b, 1, r]``, ``r <= d``
     (computed in fp32, returned in x's dtype); channels ``r:`` pass through unchanged. ``interleaved``: the
-    channel pairs are (2i, 2i + 1), with angles from ``RotaryEmbedding(interleaved=True)``."""
+    channel pairs are (2i, 2i + 1), with angles from ``RotaryEmbedding(interleaved=True)``. ``mscale``
+    multiplies cos and sin (YaRN's ``attention_factor``; ``config.rope_attention_factor``)."""
     rotary_dim = angles.shape[-1]
     rotated, passed = x[..., :rotary_dim], x[..., rotary_dim:]
     x32 = rotated.float()
-    out = (x32 * angles.cos() + _rotate_half(x32, interleaved) * angles.sin()).to(x.dtype)
+    cos, sin = angles.cos(), angles.sin()
+    if mscale != 1.0:
+        cos, sin = cos * mscale, sin * mscale
+    out = (x32 * cos + _rotate_half(x32, interleaved) * sin).to(x.dtype)
     return out if passed.shape[-1] == 0 else torch.cat([out, passed], dim=-1)

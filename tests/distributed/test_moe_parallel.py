@@ -121,7 +121,7 @@ def _tp_body(ep, options):
         torch.testing.assert_close(out, ref_out[mine], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(dx, ref_dx[mine], rtol=1e-5, atol=1e-6)
         for name, grad in grads.items():  # the same names on both ranks when ep 1; different experts at ep 2
-            group = state.tp_group if name == "router.weight" else state.expert_dp_group
+            group = state.tp_group if name in ("router.weight", "router.bias") else state.expert_dp_group
             summed = _sum_over(grad, group)  # router: partial per tp rank; experts: reduced over expert-dp
             torch.testing.assert_close(summed, ref_grads[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
         for key, value in ref_losses.items():

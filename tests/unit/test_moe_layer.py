@@ -51,7 +51,7 @@ def reference(layer, x, swiglu=False):
     """``(output [s, b, h], aux_loss, z_loss)`` computed token by token."""
     moe = layer.moe
     tokens = x.reshape(-1, H)
-    logits = tokens @ layer.router.weight.t()
+    logits = tokens @ layer.router.weight.t() + (0 if layer.router.bias is None else layer.router.bias)
     bias = layer.router.expert_bias if layer.router.expert_bias is not None else torch.zeros(E)
     routes = [_route(logits[t], moe, bias) for t in range(len(tokens))]
     assigned = [{int(e): w for e, w in zip(ex, ws)} for ex, ws, _ in routes]

@@ -38,6 +38,13 @@ class MoEConfig:
     """Aux-loss-free balancing (DeepSeek-V3): a per-expert bias, not trained, added to the scores for the
     selection only and nudged by ``moe_router_bias_update_rate`` towards balance after every step."""
     moe_router_bias_update_rate: float = 1e-3
+    moe_router_num_groups: Optional[int] = None
+    """Group-limited (device/node-limited) routing, DeepSeek-V2/V3: the experts form this many groups of
+    consecutive ids; each token picks ``moe_router_group_topk`` groups (by the sum of each group's top
+    ``topk // group_topk`` scores) and its experts among theirs only."""
+    moe_router_group_topk: Optional[int] = None
+    moe_router_topk_scaling_factor: Optional[float] = None
+    """The chosen experts' weights are multiplied by this (DeepSeek's ``routed_scaling_factor``)."""
     moe_router_dtype: Optional[str] = None
     """``fp32`` / ``fp64``: compute the router logits, scores and aux losses in that dtype."""
     moe_token_dispatcher_type: str = "allgather"
@@ -89,9 +96,31 @@ class MoEConfig:
         if self.moe_aux_loss_coeff < 0 or (self.moe_z_loss_coeff or 0.0) < 0:
             raise ValueError(f"moe_aux_loss_coeff {self.moe_aux_loss_coeff} and moe_z_loss_coeff "
                              f"{self.moe_z_loss_coeff} must be >= 0")
+        self._validate_groups()
         for name in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1 or None, got {getattr(self, name)}")
+
+    def _validate_groups(self) -> None:
+        groups, group_topk = self.moe_router_num_groups, self.moe_router_group_topk
+        factor = self.moe_router_topk_scaling_factor
+        if factor is not None and factor <= 0:
+            raise ValueError(f"moe_router_topk_scaling_factor must be > 0 (or None), got {factor}")
+        if groups is None and group_topk is None:
+            return
+        values = (f"moe_router_num_groups {groups}, moe_router_group_topk {group_topk}, num_moe_experts "
+                  f"{self.num_moe_experts}, moe_router_topk {self.moe_router_topk}")
+        if groups is None or group_topk is None or groups < 1 or not 1 <= group_topk <= groups:
+            raise ValueError(f"group-limited routing needs both --moe-router-num-groups and --moe-router-group-topk, "
+                             f"with 1 <= group_topk <= num_groups ({values})")
+        if self.num_moe_experts % groups or self.moe_router_topk % group_topk:
+            raise ValueError(f"group-limited routing needs num_moe_experts divisible by num_groups and topk by "
+                             f"group_topk ({values})")
+        if self.moe_router_topk // group_topk > self.num_moe_experts // groups:
+            raise ValueError(f"each chosen group scores its top topk/group_topk experts, more than a group holds "
+                             f"({values})")
+        if self.moe_router_load_balancing_type == "sinkhorn":
+            raise ValueError("group-limited routing does not combine with sinkhorn routing (Megatron-LM neither)")
 
     def is_moe_layer(self, layer_number: int, num_layers: int) -> bool:
         """Whether global layer ``layer_number`` (1-based) is an MoE layer under ``moe_layer_freq``."""

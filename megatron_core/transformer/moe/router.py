@@ -20,7 +20,7 @@ from torch import nn
 from megatron_core.config import TransformerConfig
 from megatron_core.parallel_state import ParallelState
 from megatron_core.tensor_parallel import init_method_normal, set_tensor_model_parallel_attributes
-from megatron_core.tensor_parallel.initialization import init_param_
+from megatron_core.tensor_parallel.initialization import InitRecipe, init_method_constant, init_param_
 from megatron_core.transformer.moe.config import MoEConfig
 from megatron_core.transformer.moe.losses import attach_loss, sequence_aux_loss, switch_aux_loss, z_loss
 
@@ -62,6 +62,21 @@ def sinkhorn(cost: torch.Tensor, tol: float = 1e-4) -> torch.Tensor:
         error = torch.mean(torch.abs(d1_old - d1))
         d1_old = d1
     return d1 * cost * d0.unsqueeze(1)
+
+
+def group_limited_topk(scores: torch.Tensor, topk: int, *, num_groups: int,
+                       group_topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k of ``scores`` ``[T, E]`` among the experts of each token's ``group_topk`` best groups (E split into
+    ``num_groups`` groups of consecutive ids, a group scored by the sum of its top ``topk // group_topk``
+    scores; Megatron-LM's ``group_limited_topk``, DeepSeek-V3's node-limited routing). Returns
+    ``(values [T, k], index [T, k])``; the other groups' experts are masked with -inf."""
+    tokens, experts = scores.shape
+    grouped = scores.view(tokens, num_groups, experts // num_groups)
+    group_scores = grouped.topk(topk // group_topk, dim=-1).values.sum(dim=-1)        # [T, groups]
+    chosen_groups = torch.topk(group_scores, k=group_topk, dim=-1, sorted=False).indices
+    group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter(1, chosen_groups, True)
+    expert_mask = group_mask.unsqueeze(-1).expand_as(grouped).reshape(tokens, experts)
+    return torch.topk(scores.masked_fill(~expert_mask, float("-inf")), k=topk, dim=-1)
 
 
 def _gather_rows(x: torch.Tensor, group) -> tuple[torch.Tensor, int]:
@@ -113,6 +128,13 @@ class TopKRouter(nn.Module):
                     init_method=init_method_normal(config.init_method_std))
         set_tensor_model_parallel_attributes(self.weight, is_parallel=False, dim=-1, stride=1)
         self.weight.sequence_parallel = config.sequence_parallel
+        self.bias = None
+        if config.add_bias_linear:  # Megatron-LM's router bias (gpt-oss has one); zero-initialized like our biases
+            self.bias = nn.Parameter(torch.zeros(self.num_experts, dtype=config.params_dtype,
+                                                 device=parallel_state.device))
+            self.bias.init_recipe = InitRecipe(0, init_method_constant(0.0), (self.num_experts,), -1, 1, 0, 1)
+            set_tensor_model_parallel_attributes(self.bias, is_parallel=False, dim=-1, stride=1)
+            self.bias.sequence_parallel = config.sequence_parallel
         self.split_group = token_split_group(parallel_state, sequence_parallel=config.sequence_parallel)
         self.aux_loss_scale = 1.0
         self.loss_sums: dict[str, torch.Tensor] = {}
@@ -144,24 +166,37 @@ class TopKRouter(nn.Module):
             index = torch.topk(activated, self.topk, dim=-1).indices
         return activated.gather(1, index), index, activated
 
+    def _select(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(values, index)`` of the top-k of ``scores`` ``[T, E]``, group-limited when configured."""
+        if self.moe.moe_router_num_groups:
+            return group_limited_topk(scores, self.topk, num_groups=self.moe.moe_router_num_groups,
+                                      group_topk=self.moe.moe_router_group_topk)
+        return torch.topk(scores, self.topk, dim=-1)
+
     def _topk(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(topk_probs [T, k], topk_index [T, k], scores_for_aux [T, E])``."""
         if self.moe.moe_router_load_balancing_type == "sinkhorn":
             return self._sinkhorn_topk(logits)
+        chosen, index, for_aux = self._score_and_select(logits)
+        if self.moe.moe_router_topk_scaling_factor:
+            chosen = chosen * self.moe.moe_router_topk_scaling_factor
+        return chosen, index, for_aux
+
+    def _score_and_select(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if self.moe.moe_router_score_function == "softmax":
             all_probs = torch.softmax(logits, dim=-1)
             if self.moe.moe_router_pre_softmax:
-                chosen, index = torch.topk(all_probs, self.topk, dim=-1)
+                chosen, index = self._select(all_probs)
             else:
-                chosen, index = torch.topk(logits, self.topk, dim=-1)
+                chosen, index = self._select(logits)
                 chosen = torch.softmax(chosen, dim=-1)
             return chosen, index, all_probs
         scores = torch.sigmoid(logits)
         if self.expert_bias is not None:
-            index = torch.topk(scores.detach() + self.expert_bias.to(scores.dtype), self.topk, dim=-1).indices
+            index = self._select(scores.detach() + self.expert_bias.to(scores.dtype))[1]
             chosen = scores.gather(1, index)
         else:
-            chosen, index = torch.topk(scores, self.topk, dim=-1)
+            chosen, index = self._select(scores)
         if self.topk > 1:
             chosen = chosen / (chosen.sum(dim=-1, keepdim=True) + 1e-20)
         return chosen, index, scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
@@ -176,7 +211,8 @@ class TopKRouter(nn.Module):
     def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         seq, batch, width = hidden.shape
         dtype = self.moe.router_dtype or hidden.dtype
-        logits = F.linear(hidden.reshape(seq * batch, width).to(dtype), self.weight.to(dtype))  # [T, E]
+        bias = None if self.bias is None else self.bias.to(dtype)
+        logits = F.linear(hidden.reshape(seq * batch, width).to(dtype), self.weight.to(dtype), bias)  # [T, E]
         training = self.training and torch.is_grad_enabled()
         z_coeff = self.moe.moe_z_loss_coeff or 0.0
         if z_coeff > 0:
