@@ -94,6 +94,15 @@ def model_parallel_seed(seed: int, *, tp_rank: int, device: torch.device | str =
     return tracker
 
 
+_recompute_depth = 0
+
+
+def is_recomputing() -> bool:
+    """Whether a ``checkpoint`` (with an rng tracker) is re-running its function in backward: counters that a
+    forward updates once per step (MoE loss sums, expert-bias token counts) skip the second pass."""
+    return _recompute_depth > 0
+
+
 class _ReplayTrackerStates:
     """Snapshots the tracker's states at forward time and replays them while the checkpoint recomputes."""
 
@@ -108,11 +117,14 @@ class _ReplayTrackerStates:
 
     @contextlib.contextmanager
     def recompute(self) -> Iterator[None]:
+        global _recompute_depth
         current = self.tracker.get_states()
         self.tracker.set_states(self.saved)
+        _recompute_depth += 1
         try:
             yield
         finally:
+            _recompute_depth -= 1
             self.tracker.set_states(current)
 
 

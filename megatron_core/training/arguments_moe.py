@@ -37,7 +37,14 @@ def add_moe_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--moe-router-topk-scaling-factor", type=float, default=None,
                    help="multiply the chosen experts' weights (DeepSeek's routed_scaling_factor)")
     g.add_argument("--moe-router-dtype", choices=["fp32", "fp64"], default=None)
-    g.add_argument("--moe-token-dispatcher-type", choices=DISPATCHERS, default="allgather")
+    g.add_argument("--moe-token-dispatcher-type", choices=[*DISPATCHERS, "flex"], default="allgather",
+                   help="flex (Megatron's DeepEP/HybridEP fused all-to-all) runs our alltoall: the same tokens reach "
+                        "the same experts")
+    g.add_argument("--moe-flex-dispatcher-backend", choices=["deepep", "hybridep", "ncclep"], default=None,
+                   help="accepted: the backend of flex, which runs as alltoall here")
+    g.add_argument("--moe-router-force-load-balancing", action="store_true",
+                   help="benchmarking only (as Megatron-LM): random router logits, so every expert gets a fair "
+                        "share; gradients pass straight through")
     g.add_argument("--moe-grouped-gemm", action="store_true", help="local experts as one batched GEMM")
     g.add_argument("--moe-expert-capacity-factor", type=float, default=None, help="default: dropless")
     g.add_argument("--moe-pad-expert-input-to-capacity", action="store_true")
@@ -84,7 +91,9 @@ def moe_config(args: argparse.Namespace) -> Optional[MoEConfig]:
         moe_router_bias_update_rate=args.moe_router_bias_update_rate, moe_router_dtype=args.moe_router_dtype,
         moe_router_num_groups=args.moe_router_num_groups, moe_router_group_topk=args.moe_router_group_topk,
         moe_router_topk_scaling_factor=args.moe_router_topk_scaling_factor,
-        moe_token_dispatcher_type=args.moe_token_dispatcher_type, moe_grouped_gemm=args.moe_grouped_gemm,
+        moe_token_dispatcher_type="alltoall" if args.moe_token_dispatcher_type == "flex" else
+        args.moe_token_dispatcher_type, moe_grouped_gemm=args.moe_grouped_gemm,
+        moe_router_force_load_balancing=args.moe_router_force_load_balancing,
         moe_expert_capacity_factor=args.moe_expert_capacity_factor,
         moe_pad_expert_input_to_capacity=args.moe_pad_expert_input_to_capacity,
         moe_token_drop_policy=args.moe_token_drop_policy, moe_ffn_hidden_size=args.moe_ffn_hidden_size,

@@ -52,11 +52,13 @@ class TransformerLayer(nn.Module):
         normed = self._run("layernorm", self.input_layernorm, hidden)
         output, bias = self.self_attention(normed, attention_mask, rotary_pos_emb, **cache)
         hidden = self.bias_dropout_add(output, bias, hidden)
-        output, bias = self._run("mlp", self.mlp, self._run("layernorm", self.pre_mlp_layernorm, hidden))
+        mlp_module = getattr(self.mlp, "recompute_module", "mlp")  # "moe" for an MoE layer (Megatron's names)
+        output, bias = self._run(mlp_module, self.mlp, self._run("layernorm", self.pre_mlp_layernorm, hidden))
         return self.bias_dropout_add(output, bias, hidden)
 
     def _run(self, module: str, function, hidden: torch.Tensor):
-        """``function(hidden)``, checkpointed when selective recompute covers ``module`` ("mlp", "layernorm")."""
+        """``function(hidden)``, checkpointed when selective recompute covers ``module`` ("mlp", "moe",
+        "layernorm")."""
         if self.training and self.config.recomputes(module) and torch.is_grad_enabled():
             return checkpoint(function, hidden, rng_tracker=self.rng_tracker)
         return function(hidden)

@@ -45,6 +45,9 @@ class MoEConfig:
     moe_router_group_topk: Optional[int] = None
     moe_router_topk_scaling_factor: Optional[float] = None
     """The chosen experts' weights are multiplied by this (DeepSeek's ``routed_scaling_factor``)."""
+    moe_router_force_load_balancing: bool = False
+    """Benchmarking only (Megatron-LM's flag): the router's logits are replaced by random normal values (drawn
+    from the model-parallel RNG state), gradients pass straight through."""
     moe_router_dtype: Optional[str] = None
     """``fp32`` / ``fp64``: compute the router logits, scores and aux losses in that dtype."""
     moe_token_dispatcher_type: str = "allgather"

@@ -68,6 +68,8 @@ class MoELayer(nn.Module):
     on every rank), then the shared experts, all from the layer's seeded generator.
     """
 
+    recompute_module = "moe"  # selective recompute: --recompute-modules moe (Megatron-LM), "mlp" is the dense MLP
+
     def __init__(self, config: TransformerConfig, *, layer_number: int, parallel_state: ParallelState) -> None:
         super().__init__()
         check_moe_layout(config, parallel_state)

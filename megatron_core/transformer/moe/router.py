@@ -21,6 +21,7 @@ from megatron_core.config import TransformerConfig
 from megatron_core.parallel_state import ParallelState
 from megatron_core.tensor_parallel import init_method_normal, set_tensor_model_parallel_attributes
 from megatron_core.tensor_parallel.initialization import InitRecipe, init_method_constant, init_param_
+from megatron_core.tensor_parallel.random import is_recomputing
 from megatron_core.transformer.moe.config import MoEConfig
 from megatron_core.transformer.moe.losses import attach_loss, sequence_aux_loss, switch_aux_loss, z_loss
 
@@ -62,6 +63,18 @@ def sinkhorn(cost: torch.Tensor, tol: float = 1e-4) -> torch.Tensor:
         error = torch.mean(torch.abs(d1_old - d1))
         d1_old = d1
     return d1 * cost * d0.unsqueeze(1)
+
+
+class _RandomLogits(torch.autograd.Function):
+    """Random normal logits of the input's shape; backward passes the gradient through (Megatron's RandomSTE)."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor) -> torch.Tensor:
+        return torch.randn_like(logits)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad
 
 
 def group_limited_topk(scores: torch.Tensor, topk: int, *, num_groups: int,
@@ -135,6 +148,7 @@ class TopKRouter(nn.Module):
             self.bias.init_recipe = InitRecipe(0, init_method_constant(0.0), (self.num_experts,), -1, 1, 0, 1)
             set_tensor_model_parallel_attributes(self.bias, is_parallel=False, dim=-1, stride=1)
             self.bias.sequence_parallel = config.sequence_parallel
+        self.rng_tracker = parallel_state.rng_tracker
         self.split_group = token_split_group(parallel_state, sequence_parallel=config.sequence_parallel)
         self.aux_loss_scale = 1.0
         self.loss_sums: dict[str, torch.Tensor] = {}
@@ -213,7 +227,10 @@ class TopKRouter(nn.Module):
         dtype = self.moe.router_dtype or hidden.dtype
         bias = None if self.bias is None else self.bias.to(dtype)
         logits = F.linear(hidden.reshape(seq * batch, width).to(dtype), self.weight.to(dtype), bias)  # [T, E]
-        training = self.training and torch.is_grad_enabled()
+        if self.moe.moe_router_force_load_balancing:
+            with self.rng_tracker.fork():
+                logits = _RandomLogits.apply(logits)
+        training = self.training and torch.is_grad_enabled() and not is_recomputing()  # count each step once
         z_coeff = self.moe.moe_z_loss_coeff or 0.0
         if z_coeff > 0:
             loss = z_loss(logits, coeff=z_coeff, split_group=self.split_group)
