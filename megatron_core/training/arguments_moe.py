@@ -40,7 +40,7 @@ def add_moe_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--moe-token-dispatcher-type", choices=[*DISPATCHERS, "flex"], default="allgather",
                    help="flex (Megatron's DeepEP/HybridEP fused all-to-all) runs our alltoall: the same tokens reach "
                         "the same experts")
-    g.add_argument("--moe-flex-dispatcher-backend", choices=["deepep", "hybridep", "ncclep"], default=None,
+    g.add_argument("--moe-flex-dispatcher-backend", choices=["deepep", "hybridep", "ncclep"], default="deepep",
                    help="accepted: the backend of flex, which runs as alltoall here")
     g.add_argument("--moe-router-force-load-balancing", action="store_true",
                    help="benchmarking only (as Megatron-LM): random router logits, so every expert gets a fair "
