@@ -127,13 +127,13 @@ def test_bad_folders_exit_2_naming_the_problem(folders, tmp_path, capsys):
         return target
     out = tmp_path / "out"
     folder = copy("mistral")
-    _edit_config(folder, model_type="deepseek_v3")
+    _edit_config(folder, model_type="qwen2_moe")
     err = _refused(capsys, folder, out)
-    assert "model_type 'deepseek_v3' is not supported yet" in err
-    assert "supported: gpt2, llama, mistral, qwen2, qwen3, mixtral, qwen3_moe" in err
+    assert "model_type 'qwen2_moe' is not supported yet (gated shared experts)" in err
+    assert "supported: gpt2, llama, mistral, qwen2, qwen3, mixtral, qwen3_moe, deepseek_v3, gpt_oss" in err
     folder = copy("mistral")
-    _edit_config(folder, sliding_window=4096)
-    assert "sliding_window=4096" in _refused(capsys, folder, out)
+    _edit_config(folder, sliding_window=0)
+    assert "sliding_window=0" in _refused(capsys, folder, out)
     folder = copy("llama")
     _edit_config(folder, rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0})
     assert "rope_parameters.rope_type='yarn'" in _refused(capsys, folder, out)

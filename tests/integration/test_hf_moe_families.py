@@ -217,8 +217,8 @@ def test_bad_moe_folders_and_layouts_exit_2_naming_the_problem(folders, tmp_path
     err = _refused(capsys, folders["mixtral"][0], out, "--target-expert-parallel-size", "3")
     assert "expert_model_parallel_size 3" in err and "4" in err, err
     folder = copy("mixtral")
-    _edit_config(folder, sliding_window=4096)
-    assert "sliding_window=4096" in _refused(capsys, folder, out)
+    _edit_config(folder, sliding_window=-3)
+    assert "sliding_window=-3" in _refused(capsys, folder, out)
     folder = copy("mixtral")
     _edit_config(folder, router_jitter_noise=0.1)
     assert "router_jitter_noise=0.1" in _refused(capsys, folder, out)

@@ -122,11 +122,54 @@ def expected_shape(name: str, flags: dict, vocab: int) -> Optional[tuple[int, ..
         expert_ffn = flags.get("moe_ffn_hidden_size") or ffn
         suffixes.update({"linear_fc1.weight": (2 * expert_ffn if flags.get("swiglu") else expert_ffn, h),
                          "linear_fc2.weight": (h, expert_ffn)})
-    suffixes["mlp.router.weight"] = (flags.get("num_experts") or 0, h)
+    experts = flags.get("num_experts") or 0
+    suffixes.update({"mlp.router.weight": (experts, h), "mlp.router.bias": (experts,),
+                     "mlp.router.expert_bias": (experts,), "core_attention.softmax_offset": (heads,)})
+    if ".mlp.experts.local_experts." in name:
+        suffixes.update({"linear_fc1.bias": (suffixes["linear_fc1.weight"][0],), "linear_fc2.bias": (h,)})
+    if ".mlp.shared_experts." in name:
+        shared = flags.get("moe_shared_expert_intermediate_size") or 0
+        suffixes.update({"linear_fc1.weight": (2 * shared if flags.get("swiglu") else shared, h),
+                         "linear_fc2.weight": (h, shared)})
+    if flags.get("multi_latent_attention"):
+        suffixes.update(_mla_shapes(flags))
+    if name.startswith("mtp."):
+        suffixes.update({"enorm.weight": (h,), "hnorm.weight": (h,), "eh_proj.weight": (h, 2 * h)})
     for suffix in sorted(suffixes, key=len, reverse=True):  # q_layernorm before layernorm
         if name.endswith(suffix):
             return tuple(suffixes[suffix])
     return None
+
+
+def _mla_shapes(flags: dict) -> dict[str, tuple[int, ...]]:
+    """Multi-latent attention's tensors (Megatron's names and layouts)."""
+    h, heads = flags["hidden_size"], flags["num_attention_heads"]
+    qk, pe, v = flags.get("qk_head_dim", 128), flags.get("qk_pos_emb_head_dim", 64), flags.get("v_head_dim", 128)
+    kv_rank, q_rank = flags.get("kv_lora_rank", 32), flags.get("q_lora_rank")
+    return {"linear_q_proj.weight": (heads * (qk + pe), h), "linear_q_down_proj.weight": (q_rank, h),
+            "q_layernorm.weight": (q_rank,), "linear_q_up_proj.weight": (heads * (qk + pe), q_rank),
+            "linear_kv_down_proj.weight": (kv_rank + pe, h), "kv_layernorm.weight": (kv_rank,),
+            "linear_kv_up_proj.weight": (heads * (qk + v), kv_rank), "linear_proj.weight": (h, heads * v)}
+
+
+def _deinterleave(t: torch.Tensor) -> torch.Tensor:
+    """Rows (dim 0) ``g0 u0 g1 u1 ...`` -> ``[g0 g1 ...; u0 u1 ...]`` (gpt-oss's gate/up -> ours)."""
+    return torch.cat([t[0::2], t[1::2]]).contiguous()
+
+
+def _interleave(t: torch.Tensor) -> torch.Tensor:
+    gate, up = t.chunk(2)
+    return torch.stack([gate, up], dim=1).reshape(t.shape).contiguous()
+
+
+TRANSPOSE = Transform("transpose", lambda parts, dims: parts[0].t().contiguous(), lambda t, dims: [t.t().contiguous()],
+                      lambda shape, dims: [tuple(reversed(shape))])
+INTERLEAVED_GATE_UP = Transform(
+    "interleaved_gate_up", lambda parts, dims: _deinterleave(parts[0].t() if parts[0].dim() == 2 else parts[0]),
+    lambda t, dims: [_interleave(t).t().contiguous() if t.dim() == 2 else _interleave(t)],
+    lambda shape, dims: [tuple(reversed(shape))])
+"""transformers' GptOssExperts ``gate_up_proj`` ``[h, 2f]`` (columns gate/up interleaved) and its bias ``[2f]``
+<-> our fc1 ``[2f, h]`` (``[gate; up]``) and bias."""
 
 
 def dims_of(flags: dict) -> Dims:
@@ -174,5 +217,6 @@ def refuse(path: str, key: str, value, why: str) -> ValueError:
     return ValueError(f"{path}: {key}={value!r} is not supported: {why}")
 
 
-__all__ = ["Dims", "Transform", "Rule", "Adapter", "COPY", "CONV1D", "QKV", "GATE_UP", "GPT2_QKV", "expand_rules",
+__all__ = ["Dims", "Transform", "Rule", "Adapter", "COPY", "CONV1D", "QKV", "GATE_UP", "GPT2_QKV", "TRANSPOSE",
+           "INTERLEAVED_GATE_UP", "expand_rules",
            "expected_shape", "dims_of", "refuse"]

@@ -10,6 +10,7 @@ Writing: the adapter's rules turn our tensors into HF ones, packed into ``model.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -240,22 +241,52 @@ def parse_size(text: str) -> int:
     raise ValueError(f"--max-shard-size {text!r} is not a size (e.g. 5GB, 500MB, 2GiB or a byte count)")
 
 
-def _plan_export(source: SourceCheckpoint, rules: list[Rule]) -> list[tuple[Rule, SourceTensor, list[tuple]]]:
+@dataclasses.dataclass
+class _ExportItem:
+    """HF tensors written together: one rule's, or (``stacked``) every expert's slice of one ``[E, ...]`` tensor
+    (rules with ``hf_index``, transformers' fused experts), in expert order."""
+
+    rules: list
+    tensors: list
+    hf_shapes: list
+    stacked: bool = False
+
+    def pieces(self, dims) -> list[torch.Tensor]:
+        if not self.stacked:
+            return self.rules[0].transform.to_hf(self.tensors[0].load(), dims)
+        per_expert = [rule.transform.to_hf(tensor.load(), dims) for rule, tensor in zip(self.rules, self.tensors)]
+        return [torch.stack([parts[j] for parts in per_expert]) for j in range(len(self.rules[0].theirs))]
+
+
+def _plan_export(source: SourceCheckpoint, rules: list[Rule]) -> list[_ExportItem]:
     by_name = {t.name: t for t in source.tensors if parameter_name(t.name) == t.name}
     missing = [r.ours for r in rules if r.ours not in by_name]
     if missing:
         raise ValueError(f"{source.description} has no tensor {missing[0]!r} (and {len(missing) - 1} more)")
     dims = dims_of(source.flags)
-    return [(r, by_name[r.ours], r.transform.hf_shapes(tuple(by_name[r.ours].shape), dims)) for r in rules]
+    plan, stacks = [], {}
+    for rule in sorted(rules, key=lambda r: -1 if r.hf_index is None else r.hf_index):
+        tensor = by_name[rule.ours]
+        shapes = rule.transform.hf_shapes(tuple(tensor.shape), dims)
+        if rule.hf_index is None:
+            plan.append(_ExportItem([rule], [tensor], shapes))
+            continue
+        if rule.theirs not in stacks:
+            stacks[rule.theirs] = _ExportItem([], [], [], stacked=True)
+            plan.append(stacks[rule.theirs])
+        item = stacks[rule.theirs]
+        item.rules.append(rule)
+        item.tensors.append(tensor)
+        item.hf_shapes = [(len(item.rules), *shape) for shape in shapes]
+    return plan
 
 
-def _shards(plan: list, max_bytes: int) -> list[list]:
+def _shards(plan: list[_ExportItem], max_bytes: int) -> list[list[_ExportItem]]:
     """Consecutive groups of the plan (a rule's HF tensors stay together), each under ``max_bytes`` unless
     one rule alone is larger (save_pretrained's rule)."""
     shards, size = [[]], 0
     for item in plan:
-        rule, tensor, hf_shapes = item
-        nbytes = sum(int(torch.Size(s).numel()) for s in hf_shapes) * tensor.dtype.itemsize
+        nbytes = sum(int(torch.Size(s).numel()) for s in item.hf_shapes) * item.tensors[0].dtype.itemsize
         if shards[-1] and size + nbytes > max_bytes:
             shards.append([])
             size = 0
@@ -282,12 +313,12 @@ def write_hf(source: SourceCheckpoint, save_dir: str, *, max_shard_size: str = "
     weight_map, total, dims = {}, 0, dims_of(flags)
     bar = progress_bar(total=len(plan), desc="exporting", unit=" tensors", enabled=progress)
     for file, shard in zip(names, shards):
-        declared = [(theirs, tensor.dtype, shape) for rule, tensor, shapes in shard
-                    for theirs, shape in zip(rule.theirs, shapes)]
+        declared = [(theirs, item.tensors[0].dtype, shape) for item in shard
+                    for theirs, shape in zip(item.rules[0].theirs, item.hf_shapes)]
         writer = StreamingSafetensorsWriter(os.path.join(save_dir, file), declared)
-        for rule, tensor, _ in shard:
-            for theirs, piece in zip(rule.theirs, rule.transform.to_hf(tensor.load(), dims)):
-                writer.write(theirs, piece.to(tensor.dtype))
+        for item in shard:
+            for theirs, piece in zip(item.rules[0].theirs, item.pieces(dims)):
+                writer.write(theirs, piece.to(item.tensors[0].dtype))
                 weight_map[theirs] = file
                 total += piece.numel() * piece.element_size()
             bar.update(1)

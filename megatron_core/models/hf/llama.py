@@ -132,11 +132,19 @@ def _llama_flags(config: dict, path: str) -> dict:
     return dense_flags(config, path)
 
 
+def window_flags(config: dict, path: str) -> dict:
+    """Mistral's ``sliding_window: W`` on every layer (a token sees itself and the W - 1 before it): our
+    ``--window-size W-1,0``; None when absent."""
+    window = config.get("sliding_window")
+    if window is None:
+        return {"window_size": None, "window_attn_skip_freq": None}
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise refuse(path, "sliding_window", window, "it must be a positive number of tokens or null")
+    return {"window_size": [window - 1, 0], "window_attn_skip_freq": None}
+
+
 def _mistral_flags(config: dict, path: str) -> dict:
-    if config.get("sliding_window") is not None:
-        raise refuse(path, "sliding_window", config["sliding_window"], "windowed attention is not built yet; a "
-                     "model whose context fits the window converts with \"sliding_window\": null")
-    return dense_flags(config, path)
+    return {**dense_flags(config, path), **window_flags(config, path)}
 
 
 def _llama_config(flags: dict, vocab: int) -> dict:
@@ -145,10 +153,21 @@ def _llama_config(flags: dict, vocab: int) -> dict:
             "attention_bias": False, "mlp_bias": False}
 
 
+def hf_sliding_window(flags: dict, model_type: str):
+    """config.json's ``sliding_window`` of the run flags: W for ``--window-size W-1,0`` on every layer."""
+    window = flags.get("window_size")
+    if not window:
+        return None
+    if flags.get("window_attn_skip_freq") is not None or window[1] != 0:
+        raise ValueError(f"run flags window_size={window}, window_attn_skip_freq={flags.get('window_attn_skip_freq')} "
+                         f"cannot be exported as Hugging Face {model_type!r} (one window on every layer)")
+    return window[0] + 1
+
+
 def _mistral_config(flags: dict, vocab: int) -> dict:
     check_exportable(flags, "mistral")
     return {**dense_hf_config(flags, vocab, model_type="mistral", architecture="MistralForCausalLM"),
-            "sliding_window": None}
+            "sliding_window": hf_sliding_window(flags, "mistral")}
 
 
 ADAPTERS = MappingProxyType({

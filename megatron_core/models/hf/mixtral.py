@@ -28,7 +28,9 @@ from megatron_core.models.hf.llama import (
     check_exportable,
     dense_flags,
     dense_hf_config,
+    hf_sliding_window,
     refuse_biases,
+    window_flags,
 )
 
 ATTENTION = tuple(rule for rule in LAYER if not rule.ours.startswith("mlp."))
@@ -112,9 +114,6 @@ def check_moe_exportable(flags: dict, model_type: str, *, qk_norm: bool) -> None
 
 
 def _flags(config: dict, path: str) -> dict:
-    if config.get("sliding_window") is not None:
-        raise refuse(path, "sliding_window", config["sliding_window"], "windowed attention is not built yet; a "
-                     "model whose context fits the window converts with \"sliding_window\": null")
     if config.get("router_jitter_noise"):
         raise refuse(path, "router_jitter_noise", config["router_jitter_noise"], "our router multiplies no "
                      "noise into the hidden states")
@@ -122,7 +121,7 @@ def _flags(config: dict, path: str) -> dict:
         if config.get(key):
             raise refuse(path, key, config[key], "Mixtral has no shared experts")
     refuse_biases(config, path, ("attention_bias", "mlp_bias"))
-    flags = dense_flags(config, path)
+    flags = {**dense_flags(config, path), **window_flags(config, path)}
     return {**flags, **moe_flags(experts=config["num_local_experts"], topk=config["num_experts_per_tok"],
                                  expert_ffn=config["intermediate_size"], pattern=[True] * flags["num_layers"],
                                  normalize_topk=True, aux_loss_coeff=config.get("router_aux_loss_coef", 0.001))}
@@ -138,7 +137,8 @@ def _config(flags: dict, vocab: int) -> dict:
                          "renormalizes the top-k probabilities; qwen3_moe with norm_topk_prob false does not)")
     expert_ffn = flags.get("moe_ffn_hidden_size") or flags.get("ffn_hidden_size") or 4 * flags["hidden_size"]
     config = dense_hf_config(flags, vocab, model_type="mixtral", architecture="MixtralForCausalLM")
-    return {**config, "intermediate_size": expert_ffn, "sliding_window": None, "num_local_experts":
+    return {**config, "intermediate_size": expert_ffn, "sliding_window": hf_sliding_window(flags, "mixtral"),
+            "num_local_experts":
             flags["num_experts"], "num_experts_per_tok": flags.get("moe_router_topk", 2),
             "router_aux_loss_coef": flags.get("moe_aux_loss_coeff", 0.0), "router_jitter_noise": 0.0,
             "output_router_logits": False}

@@ -8,10 +8,10 @@ from types import MappingProxyType
 from megatron_core.models.hf.base import Adapter
 
 _MODULES = MappingProxyType({"gpt2": "gpt2", "llama": "llama", "mistral": "llama", "qwen2": "qwen2",
-                             "qwen3": "qwen3", "mixtral": "mixtral", "qwen3_moe": "qwen3_moe"})
+                             "qwen3": "qwen3", "mixtral": "mixtral", "qwen3_moe": "qwen3_moe",
+                             "deepseek_v3": "deepseek_v3", "gpt_oss": "gpt_oss"})
 SUPPORTED = tuple(_MODULES)
-_NOT_YET = MappingProxyType({"qwen2_moe": "shared experts", "deepseek_v3": "multi-latent attention and experts",
-                             "gpt_oss": "windowed attention, sinks and experts"})
+_NOT_YET = MappingProxyType({"qwen2_moe": "gated shared experts"})
 
 
 def get_adapter(model_type) -> Adapter:
@@ -29,6 +29,10 @@ def adapter_for_flags(flags: dict, description: str) -> Adapter:
     qkv bias only, else llama; with experts: qwen3_moe with qk-norm, else mixtral)."""
     if flags.get("hf_model_type"):
         return get_adapter(flags["hf_model_type"])
+    if flags.get("multi_latent_attention"):
+        return get_adapter("deepseek_v3")
+    if flags.get("quick_geglu") or flags.get("softmax_type", "vanilla") != "vanilla":
+        return get_adapter("gpt_oss")
     shape = (flags.get("normalization", "LayerNorm"), bool(flags.get("swiglu")),
              flags.get("position_embedding_type", "learned_absolute"))
     if flags.get("num_experts") and shape != ("RMSNorm", True, "rope"):
