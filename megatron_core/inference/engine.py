@@ -79,6 +79,11 @@ class InferenceEngine:
                  max_memory_bytes: Optional[int] = None, block_size: int = 16, max_tokens_per_step: int = 512,
                  max_batch_size: int = 64, max_queued: int = 1024, max_sequence_length: Optional[int] = None,
                  tokenizer=None, eos_id: Optional[int] = None) -> None:
+        if model.config.multi_latent_attention:
+            raise ValueError("the paged engine (and the server over it) caches per-head keys and values; a model "
+                             "with multi_latent_attention caches its compressed latents instead, which the paged "
+                             "cache does not hold: generate with the static path (megatron_core.inference.generate, "
+                             "tools/generate.py), whose InferenceCache stores them")
         if (num_blocks is None) == (max_memory_bytes is None):
             raise ValueError("give the cache size as exactly one of num_blocks and max_memory_bytes")
         self.model, self.state, self.tokenizer = model, state, tokenizer

@@ -1,5 +1,6 @@
 """Key/value cache for incremental decoding: each layer keeps the keys and values of the tokens seen so far,
-so a generation step runs only the new tokens through the model."""
+so a generation step runs only the new tokens through the model. Multi-latent attention keeps its compressed
+latents instead (``update_latent``)."""
 from __future__ import annotations
 
 import dataclasses
@@ -19,12 +20,16 @@ class InferenceCache:
             advances it by the number of tokens it ran.
         key_value: ``{layer_number: (key, value)}``, buffers ``[max_sequence_length, b, groups/tp, d]``
             allocated on the layer's first call; rows ``[:offset]`` are valid.
+        latents: ``{layer_number: (latent, k_pe)}`` of multi-latent attention layers, buffers
+            ``[max_sequence_length, b, kv_lora_rank]`` and ``[max_sequence_length, b, qk_pos_emb_head_dim]``
+            (the same on every tp rank), allocated on the layer's first call; rows ``[:offset]`` are valid.
     """
 
     max_sequence_length: int
     batch_size: int
     offset: int = 0
     key_value: dict[int, tuple[torch.Tensor, torch.Tensor]] = dataclasses.field(default_factory=dict)
+    latents: dict[int, tuple[torch.Tensor, torch.Tensor]] = dataclasses.field(default_factory=dict)
 
     def check_room(self, s_new: int, batch_size: int) -> None:
         """Raises ValueError unless ``s_new`` more tokens of ``batch_size`` sequences fit."""
@@ -39,21 +44,54 @@ class InferenceCache:
         self.check_room(key.shape[0], key.shape[1])
         end = self.offset + key.shape[0]
         if layer_number not in self.key_value:
-            shape = (self.max_sequence_length, *key.shape[1:])
-            self.key_value[layer_number] = (key.new_empty(shape), value.new_empty(shape))
-        key_buffer, value_buffer = self.key_value[layer_number]
-        key_buffer[self.offset:end] = key
-        value_buffer[self.offset:end] = value
-        return key_buffer[:end], value_buffer[:end]
+            self.key_value[layer_number] = (key.new_empty((self.max_sequence_length, *key.shape[1:])),
+                                            value.new_empty((self.max_sequence_length, *value.shape[1:])))
+        return self._append(self.key_value[layer_number], key, value, end)
 
-    def attention_mask(self, s_new: int, device: torch.device) -> Optional[torch.Tensor]:
-        """None (plain causal) when nothing is cached yet; else a boolean ``[1, 1, s_new, offset + s_new]``
-        mask (True = masked) letting new token i see every cached token and new tokens ``<= i``."""
+    def update_latent(self, layer_number: int, latent: torch.Tensor,
+                      k_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Multi-latent attention: stores the new tokens' normed key/value latent ``[s_new, b, kv_lora_rank]``
+        and rotated shared key ``[s_new, b, qk_pos_emb_head_dim]`` at ``offset``; returns every token's so far
+        ``[offset + s_new, b, ...]``."""
+        self.check_room(latent.shape[0], latent.shape[1])
+        end = self.offset + latent.shape[0]
+        if layer_number not in self.latents:
+            self.latents[layer_number] = (latent.new_empty((self.max_sequence_length, *latent.shape[1:])),
+                                          k_pe.new_empty((self.max_sequence_length, *k_pe.shape[1:])))
+        return self._append(self.latents[layer_number], latent, k_pe, end)
+
+    def _append(self, buffers: tuple[torch.Tensor, torch.Tensor], first: torch.Tensor, second: torch.Tensor,
+                end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        first_buffer, second_buffer = buffers
+        first_buffer[self.offset:end] = first
+        second_buffer[self.offset:end] = second
+        return first_buffer[:end], second_buffer[:end]
+
+    def allocated_bytes(self) -> int:
+        """Bytes of every buffer allocated so far (keys, values and latents of this rank's layers)."""
+        buffers = [t for pair in (*self.key_value.values(), *self.latents.values()) for t in pair]
+        return sum(t.numel() * t.element_size() for t in buffers)
+
+    def bytes_per_token(self) -> float:
+        """``allocated_bytes`` per token slot (``max_sequence_length * batch_size``): with multi-latent attention
+        ``(kv_lora_rank + qk_pos_emb_head_dim) * layers * dtype size``; with self-attention
+        ``2 * groups/tp * kv_channels * layers * dtype size``."""
+        return self.allocated_bytes() / (self.max_sequence_length * self.batch_size)
+
+    def attention_mask(self, s_new: int, device: torch.device,
+                       window: Optional[tuple[int, int]] = None) -> Optional[torch.Tensor]:
+        """None (plain causal: the core attention applies any window itself) when nothing is cached yet; else
+        a boolean ``[1, 1, s_new, offset + s_new]`` mask (True = masked) letting the new token at global
+        position p see the cached and new tokens at positions ``<= p``, and with a sliding ``window`` ``(left,
+        right)`` (left -1: unbounded) only those ``>= p - left``."""
         if self.offset == 0:
             return None
         query_pos = torch.arange(self.offset, self.offset + s_new, device=device).unsqueeze(1)
         key_pos = torch.arange(self.offset + s_new, device=device).unsqueeze(0)
-        return (key_pos > query_pos).view(1, 1, s_new, self.offset + s_new)
+        masked = key_pos > query_pos
+        if window is not None and window[0] >= 0:
+            masked = masked | (key_pos < query_pos - window[0])
+        return masked.view(1, 1, s_new, self.offset + s_new)
 
 
 __all__ = ["InferenceCache"]
