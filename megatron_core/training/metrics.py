@@ -22,25 +22,47 @@ def gpt_flops_per_iteration(config: TransformerConfig, *, batch_size: int, seq_l
     """Model FLOPs of one training iteration (forward + backward) of a GPT, Megatron-LM's formula:
     ``12 B s L h^2 (q/h (1 + g/a + s/h) + f/h * (3/2 if SwiGLU) + V / (2 L h))`` with q = a * kv_channels."""
     h, layers = config.hidden_size, config.num_layers
-    query_ratio = config.kv_channels * config.num_attention_heads / h
-    attention = (1 + config.num_query_groups / config.num_attention_heads + seq_length / h) * query_ratio
+    attention = attention_flops_ratio(config, seq_length)
     mlp = mlp_flops_ratio(config)
-    logits = padded_vocab_size / (2 * layers * h)
-    return 12.0 * batch_size * seq_length * layers * h * h * (attention + mlp + logits)
+    depths = config.mtp_num_layers or 0  # multi-token prediction: per depth eh_proj, one layer and the logits
+    logits = padded_vocab_size * (1 + depths) / (2 * layers * h)
+    mtp = depths * (attention + mlp_flops_ratio(config, moe_layer=True) + 1.0) / layers  # eh_proj 2h -> h: 1
+    return 12.0 * batch_size * seq_length * layers * h * h * (attention + mlp + logits + mtp)
 
 
-def mlp_flops_ratio(config: TransformerConfig) -> float:
-    """The formula's MLP term ``f/h (x 3/2 with SwiGLU)``, averaged over the layers. An MoE layer counts its
-    *active* parameters, as Megatron-LM: ``topk x moe_ffn / h`` plus the shared expert's ``f_shared / h``
-    (the router's ``E/h`` share is left out, as there)."""
-    gated = 1.5 if config.activation == "swiglu" else 1.0
+def attention_flops_ratio(config: TransformerConfig, seq_length: int) -> float:
+    """The formula's attention term: per token and layer, forward matmul FLOPs / ``4 h^2`` (so that x ``12 h^2``
+    counts forward + backward). Standard attention: ``q/h (1 + g/a + s/h)``. Multi-latent attention
+    (DeepSeek): the q path (``h -> q_lora_rank -> a (d_qk + d_pe)``, or ``h -> a (d_qk + d_pe)``), the kv
+    down and up projections (``h -> kv_lora + d_pe -> a (d_qk + d_v)``), the output projection ``a d_v -> h``,
+    and the scores and values over s keys (``s a (d_qk + d_pe)``, ``s a d_v``)."""
+    h, heads = config.hidden_size, config.num_attention_heads
+    if not config.multi_latent_attention:
+        query_ratio = config.kv_channels * heads / h
+        return (1 + config.num_query_groups / heads + seq_length / h) * query_ratio
+    q_dim, v_dim = heads * (config.qk_head_dim + config.qk_pos_emb_head_dim), heads * config.v_head_dim
+    rank = config.q_lora_rank
+    q = h * q_dim if rank is None else rank * (h + q_dim)
+    kv = h * (config.kv_lora_rank + config.qk_pos_emb_head_dim) + config.kv_lora_rank * heads * (
+        config.qk_head_dim + config.v_head_dim)
+    macs = q + kv + v_dim * h + seq_length * (q_dim + v_dim)  # multiply-adds per token
+    return 2.0 * macs / (4.0 * h * h)
+
+
+def mlp_flops_ratio(config: TransformerConfig, *, moe_layer: Optional[bool] = None) -> float:
+    """The formula's MLP term ``f/h (x 3/2 when gated)``, averaged over the layers (or of one MoE / dense layer
+    with ``moe_layer``). An MoE layer counts its *active* parameters, as Megatron-LM: ``topk x moe_ffn / h``
+    plus the shared expert's ``f_shared / h`` (the router's ``E/h`` share is left out, as there)."""
+    gated = 1.5 if config.activation in ("swiglu", "quick_geglu") else 1.0
     dense = config.ffn_hidden_size / config.hidden_size * gated
     moe = config.moe
-    if moe is None:
+    if moe is None or moe_layer is False:
         return dense
     expert_ffn = moe.moe_ffn_hidden_size or config.ffn_hidden_size
     active = moe.moe_router_topk * expert_ffn + (moe.moe_shared_expert_intermediate_size or 0)
     sparse = active / config.hidden_size * gated
+    if moe_layer:
+        return sparse
     moe_layers = sum(moe.is_moe_layer(n, config.num_layers) for n in range(1, config.num_layers + 1))
     return (moe_layers * sparse + (config.num_layers - moe_layers) * dense) / config.num_layers
 
@@ -48,11 +70,15 @@ def mlp_flops_ratio(config: TransformerConfig) -> float:
 def _layer_forward_flops(config: TransformerConfig, *, batch_size: int, seq_length: int) -> tuple[float, float]:
     """(whole layer, core attention) forward FLOPs of one layer: a third of the formula's per-layer terms."""
     h = config.hidden_size
-    query_ratio = config.kv_channels * config.num_attention_heads / h
-    attention = (1 + config.num_query_groups / config.num_attention_heads + seq_length / h) * query_ratio
+    attention = attention_flops_ratio(config, seq_length)
     mlp = mlp_flops_ratio(config)
     per_token = 4.0 * batch_size * seq_length * h * h
-    return per_token * (attention + mlp), per_token * seq_length / h * query_ratio
+    if config.multi_latent_attention:
+        core = seq_length * config.num_attention_heads * (config.qk_head_dim + config.qk_pos_emb_head_dim
+                                                          + config.v_head_dim) / (2.0 * h * h)
+    else:
+        core = seq_length / h * config.kv_channels * config.num_attention_heads / h
+    return per_token * (attention + mlp), per_token * core
 
 
 def recomputed_layers_per_chunk(config: TransformerConfig, layers_per_chunk: int) -> int:
