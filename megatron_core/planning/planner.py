@@ -134,16 +134,36 @@ def layout_config(base: TransformerConfig, layout: Layout) -> TransformerConfig:
                                sequence_parallel=layout.sequence_parallel, **recompute)
 
 
+def _mla_params(config: TransformerConfig) -> tuple[float, float]:
+    """(partitioned over heads, replicated) parameters of multi-latent attention: the up projections and
+    ``linear_proj`` are split over tp, the down projections and their norms are on every rank."""
+    h, heads, rank = config.hidden_size, config.num_attention_heads, config.q_lora_rank
+    q_dim = heads * (config.qk_head_dim + config.qk_pos_emb_head_dim)
+    norms = config.qk_layernorm
+    partitioned = (h * q_dim if rank is None else rank * q_dim) + config.kv_lora_rank * heads * (
+        config.qk_head_dim + config.v_head_dim) + heads * config.v_head_dim * h
+    replicated = h * (config.kv_lora_rank + config.qk_pos_emb_head_dim) + (config.kv_lora_rank if norms else 0)
+    if rank is not None:
+        replicated += h * rank + (rank if norms else 0)
+    return partitioned, replicated
+
+
 def _layer_params(config: TransformerConfig, tp: int) -> tuple[float, float]:
     """(tp-partitioned, replicated) parameters of one transformer layer on one tp rank."""
-    h, ffn = config.hidden_size, config.ffn_hidden_size * (2 if config.activation == "swiglu" else 1)
-    qkv = config.kv_channels * (config.num_attention_heads + 2 * config.num_query_groups)
-    q_dim = config.kv_channels * config.num_attention_heads
+    gated = config.activation in ("swiglu", "quick_geglu")
+    h, ffn = config.hidden_size, config.ffn_hidden_size * (2 if gated else 1)
     norm = h * (2 if config.normalization == "LayerNorm" else 1)
-    partitioned = qkv * h + h * q_dim + ffn * h + h * config.ffn_hidden_size
-    partitioned += qkv if config.add_qkv_bias else 0
-    partitioned += ffn if config.add_bias_linear else 0
     replicated = 2 * norm + (2 * h if config.add_bias_linear else 0)
+    if config.multi_latent_attention:
+        partitioned, mla_replicated = _mla_params(config)
+        replicated += mla_replicated
+    else:
+        qkv = config.kv_channels * (config.num_attention_heads + 2 * config.num_query_groups)
+        q_dim = config.kv_channels * config.num_attention_heads
+        partitioned = qkv * h + h * q_dim + (qkv if config.add_qkv_bias else 0)
+    partitioned += ffn * h + h * config.ffn_hidden_size + (ffn if config.add_bias_linear else 0)
+    if config.softmax_type == "learnable":
+        partitioned += config.num_attention_heads
     return partitioned / tp, replicated
 
 

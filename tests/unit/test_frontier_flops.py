@@ -38,3 +38,17 @@ def test_mla_flops_match_the_counted_forward():
 def test_mtp_flops_match_the_counted_forward():
     counted, formula = _counted_forward_flops(q_lora_rank=24, mtp_num_layers=1)
     assert abs(formula - counted) / counted < 1e-9, (counted, formula)
+
+
+def test_planner_counts_mla_parameters_like_the_model():
+    from megatron_core.planning.planner import Workload, stage_parameters
+    for q_lora_rank in (None, 24):
+        config = TransformerConfig(num_layers=2, hidden_size=48, num_attention_heads=4, ffn_hidden_size=96,
+                                   untie_embeddings_and_output_weights=True, q_lora_rank=q_lora_rank, **MLA)
+        model = GPTModel(config, parallel_state=initialize_model_parallel(), vocab_size=V, max_sequence_length=S,
+                         make_vocab_size_divisible_by=V)
+        bound = config.bind_layout(initialize_model_parallel())
+        predicted, _ = stage_parameters(bound, Workload(vocab_size=V, seq_length=S, micro_batch_size=1,
+                                                        global_batch_size=1, make_vocab_size_divisible_by=V),
+                                        pp_rank=0)
+        assert predicted == sum(p.numel() for p in model.parameters()), q_lora_rank
