@@ -1,7 +1,9 @@
 """All-gather context parallelism (the simple baseline): every cp rank gathers the keys and values of the
 whole sequence and attends with its own two query chunks, each over the keys it can see (chunk g of c
-tokens over keys ``[0, (g + 1) c)``). K/V memory is that of the full sequence; the scores are computed in
-bounded tiles and recomputed in backward (``blocks``), so no ``[s/cp, s]`` probabilities are stored.
+tokens over keys ``[0, (g + 1) c)``; with a sliding window of ``left`` keys only ``[g c - left, (g + 1) c)``).
+K/V memory is that of the full sequence; the scores are computed in bounded tiles and recomputed in backward
+(``blocks``), so no ``[s/cp, s]`` probabilities are stored. Attention sinks join each query row's softmax
+once (``sinks``).
 """
 from __future__ import annotations
 
@@ -9,34 +11,16 @@ from typing import Optional
 
 import torch
 
-from megatron_core.context_parallel.blocks import block_backward, block_forward
+from megatron_core.context_parallel.band import Band, normalize_window
+from megatron_core.context_parallel.sinks import block_attention
 from megatron_core.context_parallel.split import chunk_ids, to_natural_order
 from megatron_core.tensor_parallel import gather_from_sequence_parallel_region
 
 
-class _ChunkAttention(torch.autograd.Function):
-    """q ``[b, hq, c, d]`` at positions ``[offset, offset + c)`` over k, v ``[b, hk, offset + c, d]``, causal."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, mask, offset: int, scale: float, dropout_p: float, seed: Optional[int]):
-        ctx.options = dict(scale=scale, causal=True, causal_offset=offset, dropout_p=dropout_p, dropout_seed=seed)
-        out, lse = block_forward(q, k, v, mask=mask, **ctx.options)
-        out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, mask, out, lse)
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, mask, out, lse = ctx.saved_tensors
-        dout = dout.to(lse.dtype)
-        delta = (dout * out.to(lse.dtype)).sum(dim=-1)
-        dq, dk, dv = block_backward(q, k, v, dout, delta=delta, lse=lse, mask=mask, out=out, **ctx.options)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
-
-
 def allgather_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                         attention_mask: Optional[torch.Tensor], *, cp_group, cp_size: int, cp_rank: int,
-                        scale: float, dropout_p: float = 0.0, rng_tracker=None) -> torch.Tensor:
+                        scale: float, dropout_p: float = 0.0, rng_tracker=None,
+                        window: Optional[tuple[int, int]] = None, sink: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Causal attention of this rank's queries over the all-gathered keys and values.
 
     Args:
@@ -48,6 +32,10 @@ def allgather_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
         scale: multiplies the scores. dropout_p: attention dropout (0 in eval), masks drawn per tile from
             a seed taken from the RNG tracker's model-parallel state (mixed with the cp rank). rng_tracker:
             the layout's ``RNGStatesTracker`` (needed when dropout_p > 0).
+        window: ``(left, right)`` sliding window over global positions (query p sees keys ``p - left ..
+            p + right``, -1 unbounded), or None.
+        sink: ``[hq]`` sink logits (attention sinks, in every query row's softmax once), or None. Its grad
+            covers this rank's rows only: summed over cp with the other replicated parameters' grads.
 
     Returns:
         ``[s/cp, b, hq * d]`` in local order.
@@ -64,14 +52,20 @@ def allgather_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     kv = gather_from_sequence_parallel_region(torch.stack([key, value], dim=1), cp_group)  # [s, 2, b, hk, d]
     kv = to_natural_order(kv, dim=0, cp_size=cp_size).permute(1, 2, 3, 0, 4)  # [2, b, hk, s, d]
     q = query.permute(1, 2, 0, 3)  # [b, hq, s/cp, d]
+    window = normalize_window(window)
     outputs = []
     for place, index in enumerate(chunk_ids(cp_size, cp_rank)):
         start, end = index * chunk, (index + 1) * chunk  # this query chunk's global positions; keys [0, end)
-        mask = None if attention_mask is None else attention_mask[:, :, start:end, :end]
-        outputs.append(_ChunkAttention.apply(q[:, :, place * chunk:(place + 1) * chunk], kv[0][:, :, :end],
-                                             kv[1][:, :, :end], mask, start, scale, dropout_p,
-                                             None if seed is None else seed + place))
-    return torch.cat(outputs, dim=2).permute(2, 0, 1, 3).reshape(s_local, b, hq * d)
+        first = max(0, start - window[0]) if window is not None and window[0] >= 0 else 0  # the window's start
+        mask = None if attention_mask is None else attention_mask[:, :, start:end, first:end]
+        band = None if window is None else Band.of(torch.arange(start, end), torch.arange(first, end), window,
+                                                   q.device)
+        outputs.append(block_attention(q[:, :, place * chunk:(place + 1) * chunk], kv[0][:, :, first:end],
+                                       kv[1][:, :, first:end], mask, sink, scale=scale, causal=True,
+                                       causal_offset=start - first, band=band, dropout_p=dropout_p,
+                                       dropout_seed=None if seed is None else seed + place))
+    context = torch.cat(outputs, dim=2)  # [b, hq, s/cp, dv]
+    return context.permute(2, 0, 1, 3).reshape(s_local, b, hq * context.shape[-1])
 
 
 __all__ = ["allgather_attention"]

@@ -39,7 +39,8 @@ def _check_inputs(query: torch.Tensor, key: torch.Tensor, attention_mask: Option
 def context_parallel_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                attention_mask: Optional[torch.Tensor], *, parallel_state: ParallelState,
                                cp_comm_type: str, scale: float, dropout_p: float,
-                               local_attention: Callable[..., torch.Tensor]) -> torch.Tensor:
+                               local_attention: Callable[..., torch.Tensor], window: Optional[tuple[int, int]] = None,
+                               sink: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Causal attention of this cp rank's tokens (load-balanced split) over the whole sequence.
 
     Args:
@@ -48,7 +49,10 @@ def context_parallel_attention(query: torch.Tensor, key: torch.Tensor, value: to
         parallel_state: its cp group, ranks and rank.
         cp_comm_type: "p2p" (ring attention), "a2a" (Ulysses) or "allgather".
         scale: multiplies the scores; dropout_p: attention dropout probability (0 in eval).
-        local_attention: the single-rank core attention that "a2a" runs over the whole sequence.
+        local_attention: the single-rank core attention that "a2a" runs over the whole sequence (for its
+            ``heads/cp`` heads: the caller's local_attention applies their window and sinks itself).
+        window: the layer's sliding window ``(left, right)`` over global positions (-1 unbounded), or None.
+        sink: ``[hq]`` attention-sink logits of this rank's heads ("p2p", "allgather"), or None.
 
     Returns:
         ``[s/cp, b, hq * d]``. The collectives of each scheme are listed in its module.
@@ -58,13 +62,14 @@ def context_parallel_attention(query: torch.Tensor, key: torch.Tensor, value: to
     _check_inputs(query, key, attention_mask, state.cp_size)
     if cp_comm_type == "p2p":
         return ring_attention(query, key, value, attention_mask, cp_group=state.cp_group, cp_ranks=state.cp_ranks,
-                              cp_rank=state.cp_rank, scale=scale, dropout_p=dropout_p, rng_tracker=state.rng_tracker)
+                              cp_rank=state.cp_rank, scale=scale, dropout_p=dropout_p, rng_tracker=state.rng_tracker,
+                              window=window, sink=sink)
     if cp_comm_type == "a2a":
         return ulysses_attention(query, key, value, attention_mask, cp_group=state.cp_group, cp_size=state.cp_size,
                                  local_attention=local_attention)
     return allgather_attention(query, key, value, attention_mask, cp_group=state.cp_group, cp_size=state.cp_size,
                                cp_rank=state.cp_rank, scale=scale, dropout_p=dropout_p,
-                               rng_tracker=state.rng_tracker)
+                               rng_tracker=state.rng_tracker, window=window, sink=sink)
 
 
 __all__ = ["CP_COMM_TYPES", "check_cp_comm_type", "context_parallel_attention"]

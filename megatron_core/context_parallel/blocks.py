@@ -13,8 +13,9 @@ return / take the log-sum-exp (``fused``: torch's CPU flash attention; on CUDA, 
 SDPA, untested here), as torch's own ring attention does; a causal block with ``causal_offset > 0`` is cut
 into the keys every query sees (no mask) and the diagonal (causal, square), merged with the log-sum-exp
 rule. One piece (the common case: every ring block) is returned as the kernel gives it, without copies.
-Everything else (masks, dropout, devices or dtypes without a kernel, ``FUSED = False``) runs the tiled torch
-math below.
+Everything else (masks, dropout, sliding windows, devices or dtypes without a kernel, ``FUSED = False``)
+runs the tiled torch math below. A sliding window (``band.Band``) restricts each tile to the key columns its
+rows can see.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from typing import Optional
 import torch
 
 from megatron_core.context_parallel import fused
+from megatron_core.context_parallel.band import Band, band_tiles
 
 TILE_ELEMENTS = 1 << 20
 """Scores per tile (``b * hq * rows * sk``): about two such fp32 buffers (8 MiB) live at once in backward."""
@@ -124,6 +126,27 @@ def _row_tiles(q: torch.Tensor, sk: int, tile_elements: int) -> list[tuple[int, 
     return [(start, min(sq, start + rows)) for start in range(0, sq, rows)]
 
 
+def _tiles(q: torch.Tensor, sk: int, tile_elements: int, *, band: Optional[Band], causal: bool,
+           causal_offset: int) -> list[tuple[int, int, int, int]]:
+    """``(row start, row end, key lo, key hi)``: every key per tile without a band, else ``band_tiles``."""
+    if band is None:
+        return [(start, end, 0, sk) for start, end in _row_tiles(q, sk, tile_elements)]
+    return band_tiles(band, sq=q.shape[2], row_cost=q.shape[0] * q.shape[1], tile_elements=tile_elements,
+                      causal=causal, causal_offset=causal_offset)
+
+
+def _tile_mask(mask: Optional[torch.Tensor], band: Optional[Band], rows: tuple[int, int],
+               cols: tuple[int, int]) -> Optional[torch.Tensor]:
+    """The user mask cut to the tile (its broadcast dims of size 1 kept), or'ed with the band's."""
+    if mask is not None:
+        row_cut = slice(*rows) if mask.shape[-2] != 1 else slice(None)
+        mask = mask[..., row_cut, slice(*cols) if mask.shape[-1] != 1 else slice(None)]
+    if band is None:
+        return mask
+    outside = band.mask(*rows, *cols)
+    return outside if mask is None else mask | outside
+
+
 def _tile_probs(q: torch.Tensor, k: torch.Tensor, *, scale: float, causal: bool, first_row: int,
                 mask: Optional[torch.Tensor], lse: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """``(probs, lse)`` of query rows ``[first_row, first_row + tile)``: scores ``scale * q k^T`` with masked
@@ -148,8 +171,8 @@ def _tile_probs(q: torch.Tensor, k: torch.Tensor, *, scale: float, causal: bool,
 
 def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, causal: bool,
                   causal_offset: int = 0, mask: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
-                  dropout_seed: Optional[int] = None,
-                  tile_elements: int = TILE_ELEMENTS) -> tuple[torch.Tensor, torch.Tensor]:
+                  dropout_seed: Optional[int] = None, tile_elements: int = TILE_ELEMENTS,
+                  band: Optional[Band] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of ``q`` over this block's keys only.
 
     Args:
@@ -161,27 +184,33 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: f
         dropout_p, dropout_seed: attention dropout (kept entries scaled by 1/(1-p)) with masks drawn per tile
             from ``dropout_seed``; no dropout when the seed is None or p is 0.
         tile_elements: bound on the scores computed at once.
+        band: a sliding window over the rows' and columns' global positions (``band.Band``), or None.
 
     Returns:
         ``(out, lse)``: ``[b, hq, sq, d]`` normalized over this block, and ``[b, hq, sq]`` its log-sum-exp
         (-inf, with out 0, for rows this block fully masks), both in the accumulation dtype.
     """
     acc, heads_per_group = accumulation_dtype(q.dtype), q.shape[1] // k.shape[1]
-    plan = _fused_plan(q, k, causal=causal, causal_offset=causal_offset, mask=mask, dropout_p=dropout_p,
-                       dropout_seed=dropout_seed)
+    plan = None if band is not None else _fused_plan(q, k, causal=causal, causal_offset=causal_offset, mask=mask,
+                                                     dropout_p=dropout_p, dropout_seed=dropout_seed)
     if plan is not None:
         return _fused_forward(plan[0], q, expand_kv(k, heads_per_group), expand_kv(v, heads_per_group), plan[1],
                               scale=scale)
     k, v = expand_kv(k, heads_per_group).to(acc), expand_kv(v, heads_per_group).to(acc)
     outs, lses = [], []
-    for start, end in _row_tiles(q, k.shape[2], tile_elements):
-        probs, lse = _tile_probs(q[:, :, start:end].to(acc), k, scale=scale, causal=causal,
-                                 first_row=start + causal_offset,
-                                 mask=None if mask is None else mask[..., start:end, :], lse=None)
+    for start, end, lo, hi in _tiles(q, k.shape[2], tile_elements, band=band, causal=causal,
+                                     causal_offset=causal_offset):
+        if hi <= lo:  # the window hides every key of this block from these rows
+            outs.append(v.new_zeros(*v.shape[:2], end - start, v.shape[3]))
+            lses.append(v.new_full((*q.shape[:2], end - start), float("-inf")))
+            continue
+        probs, lse = _tile_probs(q[:, :, start:end].to(acc), k[:, :, lo:hi], scale=scale, causal=causal,
+                                 first_row=start + causal_offset - lo,
+                                 mask=_tile_mask(mask, band, (start, end), (lo, hi)), lse=None)
         if dropout_p > 0.0 and dropout_seed is not None:
             keep = tile_keep_mask(probs.shape, p=dropout_p, seed=dropout_seed, first_row=start, device=q.device)
             probs.mul_(keep).div_(1.0 - dropout_p)
-        outs.append(torch.matmul(probs, v))
+        outs.append(torch.matmul(probs, v[:, :, lo:hi]))
         lses.append(lse)
     return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
 
@@ -203,12 +232,12 @@ def block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torc
                    lse: torch.Tensor, scale: float, causal: bool, causal_offset: int = 0,
                    mask: Optional[torch.Tensor] = None,
                    dropout_p: float = 0.0, dropout_seed: Optional[int] = None,
-                   tile_elements: int = TILE_ELEMENTS,
-                   out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   tile_elements: int = TILE_ELEMENTS, out: Optional[torch.Tensor] = None,
+                   band: Optional[Band] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of this block's share of the attention output, from the final (merged) statistics.
 
     Args:
-        q, k, v, scale, causal, causal_offset, mask, dropout_p, dropout_seed, tile_elements: as in
+        q, k, v, scale, causal, causal_offset, mask, dropout_p, dropout_seed, tile_elements, band: as in
             ``block_forward`` (the same tiles, so the same dropout masks).
         dout: ``[b, hq, sq, d]`` gradient of the final attention output (for this block's query rows).
         delta: ``[b, hq, sq]``, ``rowsum(dout * out)`` of the final output.
@@ -220,30 +249,34 @@ def block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torc
         ``(dq [b, hq, sq, d], dk [b, hk, sk, d], dv [b, hk, sk, d])`` in the accumulation dtype.
     """
     acc, heads_per_group = accumulation_dtype(q.dtype), q.shape[1] // k.shape[1]
-    plan = None if out is None else _fused_plan(q, k, causal=causal, causal_offset=causal_offset, mask=mask,
-                                                dropout_p=dropout_p, dropout_seed=dropout_seed)
+    plan = None if out is None or band is not None else _fused_plan(
+        q, k, causal=causal, causal_offset=causal_offset, mask=mask, dropout_p=dropout_p, dropout_seed=dropout_seed)
     if plan is not None:
         dq, dk, dv = _fused_backward(plan[0], q, expand_kv(k, heads_per_group), expand_kv(v, heads_per_group), dout,
                                      out, lse, plan[1], scale=scale)
         return dq, fold_kv(dk, heads_per_group), fold_kv(dv, heads_per_group)
     k, v = expand_kv(k, heads_per_group).to(acc), expand_kv(v, heads_per_group).to(acc)
     dq_tiles, dk, dv = [], torch.zeros_like(k), torch.zeros_like(v)
-    for start, end in _row_tiles(q, k.shape[2], tile_elements):
+    for start, end, lo, hi in _tiles(q, k.shape[2], tile_elements, band=band, causal=causal,
+                                     causal_offset=causal_offset):
+        if hi <= lo:  # no key of this block reaches these rows
+            dq_tiles.append(q.new_zeros(*q.shape[:2], end - start, q.shape[3], dtype=acc))
+            continue
         q_tile, dout_tile = q[:, :, start:end].to(acc), dout[:, :, start:end].to(acc)
-        probs, _ = _tile_probs(q_tile, k, scale=scale, causal=causal,
-                               first_row=start + causal_offset,
-                               mask=None if mask is None else mask[..., start:end, :], lse=lse[:, :, start:end])
-        dprobs = torch.matmul(dout_tile, v.transpose(-1, -2))
+        k_tile, v_tile = k[:, :, lo:hi], v[:, :, lo:hi]
+        probs, _ = _tile_probs(q_tile, k_tile, scale=scale, causal=causal, first_row=start + causal_offset - lo,
+                               mask=_tile_mask(mask, band, (start, end), (lo, hi)), lse=lse[:, :, start:end])
+        dprobs = torch.matmul(dout_tile, v_tile.transpose(-1, -2))
         if dropout_p > 0.0 and dropout_seed is not None:
             keep = tile_keep_mask(probs.shape, p=dropout_p, seed=dropout_seed, first_row=start, device=q.device)
-            dv += torch.matmul((probs * keep).transpose(-1, -2), dout_tile).div_(1.0 - dropout_p)
+            dv[:, :, lo:hi] += torch.matmul((probs * keep).transpose(-1, -2), dout_tile).div_(1.0 - dropout_p)
             dprobs.mul_(keep).div_(1.0 - dropout_p)
         else:
-            dv += torch.matmul(probs.transpose(-1, -2), dout_tile)
+            dv[:, :, lo:hi] += torch.matmul(probs.transpose(-1, -2), dout_tile)
         dscores = dprobs.sub_(delta[:, :, start:end].unsqueeze(-1)).mul_(probs).mul_(scale)  # in dprobs' buffer
         del probs
-        dq_tiles.append(torch.matmul(dscores, k))
-        dk += torch.matmul(dscores.transpose(-1, -2), q_tile)
+        dq_tiles.append(torch.matmul(dscores, k_tile))
+        dk[:, :, lo:hi] += torch.matmul(dscores.transpose(-1, -2), q_tile)
     return torch.cat(dq_tiles, dim=2), fold_kv(dk, heads_per_group), fold_kv(dv, heads_per_group)
 
 

@@ -11,6 +11,10 @@ of step i, whose keys come from rank ``src = (r - i) mod N``, is exactly one of 
     src > r       the last c queries (chunk 2N-1-r) over all 2c keys (c x 2c, no mask)
 
 so every rank does the same work per step, and fully masked blocks are never computed.
+
+A sliding window (``band``) masks each block by the global positions of its rows and columns; the tiles of a
+block compute only the columns their rows can see (none for a block wholly outside the window, whose K/V
+still travel the ring). Attention sinks join the merged softmax once, after the last step (``sinks``).
 """
 from __future__ import annotations
 
@@ -20,7 +24,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megatron_core.context_parallel.band import Band, normalize_window
 from megatron_core.context_parallel.blocks import accumulation_dtype, block_backward, block_forward, merge_
+from megatron_core.context_parallel.sinks import add_sink_, sink_grad
 from megatron_core.context_parallel.split import local_positions
 
 
@@ -34,6 +40,7 @@ class RingSpec:
     scale: float
     dropout_p: float
     seed: int  # dropout masks of step i are drawn from seed + step (0 when there is no dropout)
+    window: Optional[tuple[int, int]] = None  # (left, right) over global positions, -1 unbounded; None: none
 
     @property
     def cp_size(self) -> int:
@@ -83,6 +90,17 @@ def _block_mask(mask: Optional[torch.Tensor], spec: RingSpec, step: int, rows: s
     return mask.index_select(2, q_pos).index_select(3, k_pos)
 
 
+def _block_band(spec: RingSpec, step: int, rows: slice, cols: slice, seq_length: int,
+                device: torch.device) -> Optional[Band]:
+    """The sliding window of this block: its query rows' and key columns' global positions."""
+    if spec.window is None:
+        return None
+    src = (spec.cp_rank - step) % spec.cp_size
+    q_pos = local_positions(seq_length, cp_size=spec.cp_size, cp_rank=spec.cp_rank)[rows]
+    k_pos = local_positions(seq_length, cp_size=spec.cp_size, cp_rank=src)[cols]
+    return Band.of(q_pos, k_pos, spec.window, device)
+
+
 def _dropout_seed(spec: RingSpec, step: int) -> Optional[int]:
     return spec.seed + step if spec.dropout_p > 0.0 else None
 
@@ -95,7 +113,7 @@ class _RingAttention(torch.autograd.Function):
     dK/dV accumulators use two fp32 buffers in turn the same way."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, spec: RingSpec):
+    def forward(ctx, q, k, v, mask, sink, spec: RingSpec):
         local = q.shape[2]
         kv = torch.stack([k, v])  # [2, b, hk, s/cp, d]: only the kv heads travel
         spare = torch.empty_like(kv) if spec.cp_size > 1 else None
@@ -108,7 +126,8 @@ class _RingAttention(torch.autograd.Function):
             block_out, block_lse = block_forward(
                 q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], scale=spec.scale, causal=causal,
                 mask=_block_mask(mask, spec, step, rows, cols, local * spec.cp_size), dropout_p=spec.dropout_p,
-                dropout_seed=_dropout_seed(spec, step))
+                dropout_seed=_dropout_seed(spec, step),
+                band=_block_band(spec, step, rows, cols, local * spec.cp_size, q.device))
             if out is None:  # step 0, the diagonal block, covers every query row: its result is the start
                 out, lse = block_out, block_lse
             else:
@@ -116,22 +135,25 @@ class _RingAttention(torch.autograd.Function):
             _wait(requests)
             if not last:
                 kv, spare = spare, kv
+        if sink is not None:
+            add_sink_(out, lse, sink)
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, mask, out, lse)
+        ctx.save_for_backward(q, k, v, mask, sink, out, lse)
         ctx.spec = spec
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, mask, out, lse = ctx.saved_tensors
+        q, k, v, mask, sink, out, lse = ctx.saved_tensors
         spec: RingSpec = ctx.spec
         acc = accumulation_dtype(q.dtype)
         dout = dout.to(acc)
         delta = (dout * out.to(acc)).sum(dim=-1)  # [b, hq, s/cp]
+        dsink = sink_grad(sink, lse, delta) if sink is not None and ctx.needs_input_grad[4] else None
         kv = torch.stack([k, v])
         if spec.cp_size == 1:  # one rank: its own grads, no ring
             dq, dk, dv = _backward_block(q, kv, dout, out, delta, lse, mask, spec, 0)[1:]
-            return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+            return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, dsink, None
         spare = torch.empty_like(kv)
         dkv_buffers = [torch.empty(kv.shape, dtype=acc, device=q.device) for _ in range(2)]
         dq, sending = None, []
@@ -158,7 +180,7 @@ class _RingAttention(torch.autograd.Function):
         own = dkv_buffers[spec.cp_size % 2]  # the buffer not sent last
         _wait(_post([("recv", own, spec.prev_rank)], spec.cp_group))
         _wait(sending)
-        return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None, None
+        return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None, dsink, None
 
 
 def _add_rows(total: Optional[torch.Tensor], block: torch.Tensor, rows: slice) -> torch.Tensor:
@@ -179,13 +201,15 @@ def _backward_block(q, kv, dout, out, delta, lse, mask, spec: RingSpec,
         q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], dout[:, :, rows], delta=delta[:, :, rows],
         lse=lse[:, :, rows], scale=spec.scale, causal=causal,
         mask=_block_mask(mask, spec, step, rows, cols, local * spec.cp_size), dropout_p=spec.dropout_p,
-        dropout_seed=_dropout_seed(spec, step), out=out[:, :, rows])
+        dropout_seed=_dropout_seed(spec, step), out=out[:, :, rows],
+        band=_block_band(spec, step, rows, cols, local * spec.cp_size, q.device))
     return cols, block_dq, block_dk, block_dv
 
 
 def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                    attention_mask: Optional[torch.Tensor], *, cp_group, cp_ranks: tuple[int, ...], cp_rank: int,
-                   scale: float, dropout_p: float = 0.0, rng_tracker=None) -> torch.Tensor:
+                   scale: float, dropout_p: float = 0.0, rng_tracker=None, window: Optional[tuple[int, int]] = None,
+                   sink: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Causal ring attention of this rank's two chunks (load-balanced split).
 
     Args:
@@ -196,6 +220,9 @@ def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             per-step generators seeded from the RNG tracker's model-parallel state (different per tp and
             cp rank) and drawn again identically in backward. rng_tracker: the layout's ``RNGStatesTracker``
             (needed when dropout_p > 0).
+        window: ``(left, right)`` sliding window over global positions (-1 unbounded), or None.
+        sink: ``[hq]`` sink logits joining every query row's softmax once, or None (its grad covers this
+            rank's rows: summed over cp with the other replicated parameters' grads).
 
     Returns:
         ``[s/cp, b, hq * d]`` in local order.
@@ -210,12 +237,12 @@ def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             base = int(torch.randint(0, 2**40, (1,)).item())
         seed = base + (cp_rank << 41)  # distinct masks on each cp rank and step
     spec = RingSpec(cp_group=cp_group, cp_ranks=tuple(cp_ranks), cp_rank=cp_rank, scale=scale,
-                    dropout_p=dropout_p, seed=seed)
+                    dropout_p=dropout_p, seed=seed, window=normalize_window(window))
     # [b, heads, s/cp, d] views: the kernels take strided inputs, and K/V are copied once, into the ring buffer
     q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
-    out = _RingAttention.apply(q, k, v, attention_mask, spec)
-    s_local, b, hq, d = query.shape
-    return out.permute(2, 0, 1, 3).reshape(s_local, b, hq * d)
+    out = _RingAttention.apply(q, k, v, attention_mask, sink, spec)
+    s_local, b, hq, _ = query.shape
+    return out.permute(2, 0, 1, 3).reshape(s_local, b, hq * out.shape[-1])
 
 
 __all__ = ["RingSpec", "ring_attention"]

@@ -50,7 +50,10 @@ def ulysses_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         attention_mask: None (causal) or boolean ``[b|1, 1, s, s]`` over global positions, passed through.
         cp_group, cp_size: the context-parallel group and its size.
         local_attention: ``(q [s, b, hq/cp, d], k, v [s, b, hk/cp, d], mask) -> [s, b, hq/cp * d]``, the
-            single-rank core attention (natural order, causal when mask is None).
+            single-rank core attention (natural order, causal when mask is None). cp rank r holds heads
+            ``[r hq/cp, (r + 1) hq/cp)`` of this tp rank's: a sliding window applies as it is (the positions
+            are the global ones), per-head sink logits must be those heads' (``DotProductAttention`` passes
+            them).
 
     Returns:
         ``[s/cp, b, hq * d]`` in local order.
@@ -62,9 +65,9 @@ def ulysses_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     check_heads_divisible(heads_per_rank=hq, groups_per_rank=key.shape[2], cp_size=cp_size)
     q, k, v = (to_natural_order(_seq_to_heads(x, cp_size, cp_group), dim=0, cp_size=cp_size)
                for x in (query, key, value))  # [s, b, heads/cp, d]
-    context = local_attention(q, k, v, attention_mask)  # [s, b, hq/cp * d]
-    context = to_rank_chunk_order(context.view(s_local * cp_size, b, hq // cp_size, d), dim=0, cp_size=cp_size)
-    return _heads_to_seq(context, cp_size, cp_group).reshape(s_local, b, hq * d)
+    context = local_attention(q, k, v, attention_mask)  # [s, b, hq/cp * dv]
+    context = to_rank_chunk_order(context.view(s_local * cp_size, b, hq // cp_size, -1), dim=0, cp_size=cp_size)
+    return _heads_to_seq(context, cp_size, cp_group).reshape(s_local, b, -1)
 
 
 __all__ = ["check_heads_divisible", "ulysses_attention"]

@@ -8,6 +8,7 @@ chunks of whole groups (``num_query_groups % tp == 0``), so each rank holds the 
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Optional
 
 import torch
@@ -18,6 +19,7 @@ from torch import nn
 import kernels
 from megatron_core.config import TransformerConfig
 from megatron_core.context_parallel import context_parallel_attention
+from megatron_core.context_parallel.band import normalize_window
 from megatron_core.parallel_state import ParallelState
 from megatron_core.tensor_parallel import (
     ColumnParallelLinear,
@@ -25,6 +27,12 @@ from megatron_core.tensor_parallel import (
     checkpoint,
     init_method_normal,
     scaled_init_method_normal,
+)
+from megatron_core.transformer.attention_variants import (
+    cache_attention_mask,
+    sink_logits,
+    softmax_offset_parameter,
+    variant_attention,
 )
 from megatron_core.transformer.inference_cache import InferenceCache
 from megatron_core.transformer.norms import Norm
@@ -50,6 +58,11 @@ class DotProductAttention(nn.Module):
     load-balanced split, ``[s/cp, b, ...]``) and ``megatron_core.context_parallel`` attends over the whole
     sequence with ``config.cp_comm_type``; attention_mask is then None or the whole sequence's boolean
     ``[b|1, 1, s, s]`` over global positions. The communication is that of the chosen scheme.
+
+    gpt-oss's variants (``attention_variants``): the layer's sliding window ``config.window_for(layer_number)``
+    (``window``, ``(left, right)`` or None) and attention sinks (``softmax_type`` "learnable": the parameter
+    ``softmax_offset`` ``[heads/tp]``, tp-split along dim 0, zero-initialized; "off-by-one": a fixed 0 logit).
+    Every cp scheme supports both.
     """
 
     def __init__(self, config: TransformerConfig, *, layer_number: int, parallel_state: ParallelState) -> None:
@@ -58,6 +71,16 @@ class DotProductAttention(nn.Module):
         self.scale = config.attention_softmax_scale  # 1 / sqrt(head dim) unless the config says otherwise
         self.attention_dropout = config.attention_dropout
         self.parallel_state, self.cp_comm_type = parallel_state, config.cp_comm_type
+        self.window = normalize_window(config.window_for(layer_number))
+        self.softmax_type = config.softmax_type
+        self.heads_per_rank = config.num_attention_heads // parallel_state.tp_size
+        self.softmax_offset = (softmax_offset_parameter(config, parallel_state) if self.softmax_type == "learnable"
+                               else None)
+
+    def sink(self, head_slice: Optional[slice] = None) -> Optional[torch.Tensor]:
+        """The sink logits ``[heads/tp]`` of this rank's heads (or of their ``head_slice``), None when vanilla."""
+        return sink_logits(self.softmax_type, self.softmax_offset, self.heads_per_rank, head_slice,
+                           self.parallel_state.device)
 
     @staticmethod
     def implementation(attention_mask: Optional[torch.Tensor], sq: int, sk: int, *, device: torch.device,
@@ -87,16 +110,30 @@ class DotProductAttention(nn.Module):
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if self.parallel_state.cp_size > 1:
+        state = self.parallel_state
+        if state.cp_size > 1:
+            local_attention = self.local_attention
+            if self.cp_comm_type == "a2a" and self.softmax_type != "vanilla":  # cp rank r attends with heads chunk r
+                per_rank = query.shape[2] // state.cp_size
+                local_attention = functools.partial(
+                    self.local_attention, head_slice=slice(state.cp_rank * per_rank, (state.cp_rank + 1) * per_rank))
             return context_parallel_attention(
-                query, key, value, attention_mask, parallel_state=self.parallel_state, cp_comm_type=self.cp_comm_type,
+                query, key, value, attention_mask, parallel_state=state, cp_comm_type=self.cp_comm_type,
                 scale=self.scale, dropout_p=self.attention_dropout if self.training else 0.0,
-                local_attention=self.local_attention)
+                local_attention=local_attention, window=self.window, sink=self.sink())
         return self.local_attention(query, key, value, attention_mask)
 
     def local_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                        attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Attention over the keys this rank holds (the whole sequence without context parallelism)."""
+                        attention_mask: Optional[torch.Tensor] = None, *,
+                        head_slice: Optional[slice] = None) -> torch.Tensor:
+        """Attention over the keys this rank holds (the whole sequence without context parallelism);
+        ``head_slice``: which of this rank's heads the query holds (Ulysses cp), for their sinks."""
+        if self.window is not None or self.softmax_type != "vanilla":
+            self.parallel_state.kernel_backend.record("attention", "blocks")
+            return variant_attention(query, key, value, attention_mask, window=self.window,
+                                     sink=self.sink(head_slice), scale=self.scale,
+                                     dropout_p=self.attention_dropout if self.training else 0.0,
+                                     rng_tracker=self.parallel_state.rng_tracker)
         sq, b, heads, d = query.shape
         sk, groups = key.shape[0], key.shape[2]
         if heads != groups:  # GQA: each group's k/v serves its heads_per_group consecutive query heads
@@ -187,7 +224,9 @@ class SelfAttention(nn.Module):
             if attention_mask is not None or self.config.sequence_parallel or self.cp_size > 1:
                 raise ValueError("an inference cache works with the causal mask (attention_mask=None) and "
                                  "without sequence or context parallelism")
-            attention_mask = inference_cache.attention_mask(query.shape[0], query.device)
+            attention_mask = cache_attention_mask(inference_cache, query.shape[0], query.device,
+                                                  window=normalize_window(self.config.window_for(self.layer_number)),
+                                                  layer_number=self.layer_number)
             key, value = inference_cache.update(self.layer_number, key, value)  # [offset + s, b, groups/tp, d]
         if self.config.recomputes("core_attn"):
             context = checkpoint(self.core_attention, query, key, value, attention_mask,

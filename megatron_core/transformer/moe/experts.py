@@ -1,8 +1,10 @@
 """The routed experts of one MoE layer that live on this rank: ``num_moe_experts / ep`` MLPs.
 
-Each expert is ``fc2(act(fc1(x)))`` with fc1 ``[h -> f]`` (``[h -> 2f]`` for SwiGLU, ``[gate; up]``) and fc2
-``[f -> h]``, f = ``moe_ffn_hidden_size``. With expert tensor parallelism (etp = tp) each rank holds the
-``[f'/etp, h]`` rows of fc1 (column-parallel; SwiGLU's gate and up halves each split) and the ``[h, f/etp]``
+Each expert is ``fc2(act(fc1(x)))`` with fc1 ``[h -> f]`` (``[h -> 2f]`` for the gated SwiGLU and quick GeGLU,
+``[gate; up]``, its bias ``[gate_bias; up_bias]`` alike) and fc2 ``[f -> h]``, f = ``moe_ffn_hidden_size``; the
+activation is ``mlp.mlp_activation`` with the config's clamp and linear offset (gpt-oss). With expert tensor
+parallelism (etp = tp) each rank holds the ``[f'/etp, h]`` rows of fc1 (column-parallel, stride 2 when gated:
+the gate and up halves, and their biases, each split) and the ``[h, f/etp]``
 columns of fc2 (row-parallel): its output is a partial sum over the etp group, and the fc2 bias (replicated,
 tagged ``sequence_parallel`` so its grad is all-reduced over tp) is added on etp rank 0 only.
 Parameters are named by *global* expert id (``local_experts.<id>.linear_fc1.weight``), so checkpoints hold
@@ -28,7 +30,7 @@ from megatron_core.tensor_parallel import (
     set_tensor_model_parallel_attributes,
 )
 from megatron_core.tensor_parallel.initialization import InitMethod, InitRecipe, init_method_constant, init_param_
-from megatron_core.transformer.mlp import mlp_activation
+from megatron_core.transformer.mlp import GATED_ACTIVATIONS, activation_options, mlp_activation
 
 
 def tag_expert(param: nn.Parameter, *, partition_dim: int = -1, stride: int = 1) -> nn.Parameter:
@@ -69,12 +71,12 @@ class ExpertLinear(nn.Module):
 class Expert(nn.Module):
     def __init__(self, config: TransformerConfig, ffn: int, *, device, etp_rank: int = 0, etp_size: int = 1) -> None:
         super().__init__()
-        swiglu = config.activation == "swiglu"
+        gated = config.activation in GATED_ACTIVATIONS
         common = dict(bias=config.add_bias_linear, dtype=config.params_dtype, device=device, etp_rank=etp_rank,
                       etp_size=etp_size)
-        self.linear_fc1 = ExpertLinear(config.hidden_size, 2 * ffn if swiglu else ffn,
+        self.linear_fc1 = ExpertLinear(config.hidden_size, 2 * ffn if gated else ffn,
                                        init_method=init_method_normal(config.init_method_std), partition_dim=0,
-                                       stride=2 if swiglu else 1, **common)
+                                       stride=2 if gated else 1, **common)
         self.linear_fc2 = ExpertLinear(ffn, config.hidden_size,
                                        init_method=scaled_init_method_normal(config.init_method_std,
                                                                              config.num_layers), partition_dim=1,
@@ -107,8 +109,8 @@ class LocalExperts(nn.Module):
         moe = config.moe
         ffn = moe.moe_ffn_hidden_size or config.ffn_hidden_size
         self.expert_ids, self.grouped = list(expert_ids), moe.moe_grouped_gemm
-        self.swiglu, self.activation_name = config.activation == "swiglu", config.activation
-        self.gelu_approximate = "tanh" if config.openai_gelu else "none"
+        self.gated, self.activation_name = config.activation in GATED_ACTIVATIONS, config.activation
+        self.activation_options = activation_options(config)
         experts = {}
         for expert_id in self.expert_ids:
             with torch.random.fork_rng(devices=[]):
@@ -122,7 +124,8 @@ class LocalExperts(nn.Module):
         return bias if bias is None or self.add_fc2_bias else bias * 0.0
 
     def activation(self, x: torch.Tensor) -> torch.Tensor:
-        return mlp_activation(x, self.activation_name, gelu_approximate=self.gelu_approximate)
+        """``[..., f/etp]`` (``[..., 2f/etp]`` when gated: this rank's ``[gate; up]``) -> ``[..., f/etp]``."""
+        return mlp_activation(x, self.activation_name, **self.activation_options)
 
     def forward(self, tokens: torch.Tensor, tokens_per_expert: Sequence[int]) -> torch.Tensor:
         counts = [int(c) for c in tokens_per_expert]
