@@ -5,7 +5,9 @@
   their grads are all-reduced over tp.
 - Tied embeddings across pipeline stages: the word embedding (first stage) and the output layer's copy of it
   (last stage) carry ``shared_embedding = True``; their grads are all-reduced over the embedding group so
-  both copies take the same optimizer step.
+  both copies take the same optimizer step. With multi-token prediction the last stage holds a copy of the
+  whole embedding (word and position embeddings, tied or not): each end then marks the same tensors, in the
+  same order.
 """
 from __future__ import annotations
 
@@ -69,9 +71,10 @@ def allreduce_embedding_grads(models: Sequence[nn.Module], state: ParallelState)
         return
     tagged = sum(getattr(p, "shared_embedding", False) for model in models for p in model.parameters())
     grads = _tagged_grads(models, "shared_embedding")
-    # Both ends must agree on tying before the (large) reduction: a scalar check turns a disagreement into
-    # the same ValueError on both ranks instead of one rank waiting forever.
-    counts = torch.tensor([len(grads), -len(grads), tagged], dtype=torch.float32, device=state.device)
+    numel = sum(grad.numel() for grad in grads)
+    # Both ends must agree on the shared tensors before the (large) reduction: a scalar check turns a
+    # disagreement into the same ValueError on both ranks instead of one rank waiting forever.
+    counts = torch.tensor([len(grads), -len(grads), tagged, numel, -numel], dtype=torch.float64, device=state.device)
     dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=state.embedding_group)
     most, fewest = int(counts[0]), -int(counts[1])
     if int(counts[2]) == 0:  # no tied parameter on either end: the same on every later step
@@ -79,10 +82,11 @@ def allreduce_embedding_grads(models: Sequence[nn.Module], state: ParallelState)
             setattr(model, UNTIED_MARK, True)
     if most == 0:
         return
-    if most != 1 or fewest != 1:
-        raise ValueError(f"the tied embedding weight must appear once on each end of the pipeline, found between "
-                         f"{fewest} and {most} (rank {state.rank} has {len(grads)}): pre_process/post_process or "
-                         "share_embeddings_and_output_weights disagree between the first and last stage")
+    if most != fewest or int(counts[3]) != -int(counts[4]):
+        raise ValueError(f"each shared embedding tensor must appear once on each end of the pipeline, found between "
+                         f"{fewest} and {most} tensors (rank {state.rank} has {len(grads)} of {numel} elements): "
+                         "pre_process/post_process, share_embeddings_and_output_weights or mtp_num_layers "
+                         "disagree between the first and last stage")
     _all_reduce_coalesced(grads, state.embedding_group)
 
 

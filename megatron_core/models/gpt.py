@@ -8,6 +8,7 @@ from torch import nn
 
 from megatron_core.config import TransformerConfig
 from megatron_core.models.embedding import WORD_EMBEDDING_SEED_OFFSET, LanguageModelEmbedding, padded_vocab_init
+from megatron_core.models.mtp import MultiTokenPrediction
 from megatron_core.parallel_state import ParallelState
 from megatron_core.tensor_parallel import (
     ColumnParallelLinear,
@@ -19,6 +20,7 @@ from megatron_core.tensor_parallel import (
 )
 from megatron_core.transformer.block import TransformerBlock, seeded_init
 from megatron_core.transformer.inference_cache import InferenceCache
+from megatron_core.transformer.moe.losses import attach_loss
 from megatron_core.transformer.rope import RotaryEmbedding
 from megatron_core.transformer.spec import TransformerLayerSpec
 from megatron_core.transformer.specs import layer_spec_for
@@ -48,6 +50,11 @@ class GPTModel(nn.Module):
 
     Initialization is layout-independent: one number drawn from the default generator seeds every module
     by its global identity (embedding, layer number, output layer).
+
+    Multi-token prediction (``config.mtp_num_layers``): the last stage holds ``mtp`` (``models.mtp``) and, at
+    pp > 1, its own copy of the embedding (initialized identically; its grads are summed with the first
+    stage's over the embedding group). It runs in training mode when labels are given; its loss enters
+    backward through the returned main loss (see ``models.mtp``), which it leaves unchanged.
     """
 
     def __init__(self, config: TransformerConfig, *, parallel_state: ParallelState, vocab_size: int,
@@ -66,7 +73,8 @@ class GPTModel(nn.Module):
         self.share_embeddings_and_output_weights = (share_embeddings_and_output_weights
                                                     and not config.untie_embeddings_and_output_weights)
         base_seed = int(torch.randint(0, 2**31 - 1, (1,)).item())  # the same on every rank and layout
-        if pre_process:
+        self.mtp_process = post_process and config.mtp_num_layers is not None
+        if pre_process or self.mtp_process:  # MTP embeds the tokens ahead on the last stage
             self.embedding = LanguageModelEmbedding(
                 config, parallel_state=parallel_state, vocab_size=vocab_size,
                 padded_vocab_size=self.padded_vocab_size, max_sequence_length=max_sequence_length,
@@ -77,10 +85,12 @@ class GPTModel(nn.Module):
                                                interleaved=config.rotary_interleaved,
                                                yarn=config.yarn_rope_scaling)
                                if config.position_embedding_type == "rope" else None)
-        self.decoder = TransformerBlock(config, parallel_state=parallel_state,
-                                        spec=layer_spec or layer_spec_for(config),
+        spec = layer_spec or layer_spec_for(config)
+        self.decoder = TransformerBlock(config, parallel_state=parallel_state, spec=spec,
                                         base_seed=base_seed, pre_process=pre_process, post_process=post_process,
                                         vp_stage=vp_stage)
+        if self.mtp_process:
+            self.mtp = MultiTokenPrediction(config, parallel_state=parallel_state, spec=spec, base_seed=base_seed)
         if post_process:
             self.output_layer = self._build_output_layer(base_seed)
         self._tag_shared_embedding()
@@ -95,16 +105,25 @@ class GPTModel(nn.Module):
                 sequence_parallel=config.sequence_parallel, tp_comm_overlap=config.tp_comm_overlap,
                 params_dtype=config.params_dtype, device=state.device,
                 init_method=padded_vocab_init(config.init_method_std, self.vocab_size),
-                skip_weight_param_allocation=tied and self.pre_process, weight_grad_store=state.weight_grad_store)
+                skip_weight_param_allocation=tied and hasattr(self, "embedding"),
+                weight_grad_store=state.weight_grad_store)
 
     def _tag_shared_embedding(self) -> None:
-        """Marks the tied weight on the first and last stage, whose grads are summed over the embedding group."""
-        if not self.share_embeddings_and_output_weights:
-            return
-        if self.pre_process:
-            self.embedding.word_embeddings.weight.shared_embedding = True
-        if self.post_process and not self.pre_process:
-            self.output_layer.weight.shared_embedding = True
+        """Marks the weights both the first and the last stage hold (the tied word embedding; with MTP at
+        pp > 1 the word and position embeddings), whose grads are summed over the embedding group."""
+        for param in self._shared_embedding_params():
+            param.shared_embedding = True
+
+    def _shared_embedding_params(self) -> list:
+        tied, mtp = self.share_embeddings_and_output_weights, self.config.mtp_num_layers is not None
+        if self.pre_process and self.post_process:  # one stage: only a tied weight is marked (as before MTP)
+            return [self.embedding.word_embeddings.weight] if tied else []
+        if self.pre_process or self.mtp_process:  # the embedding of the first stage, or the last stage's copy
+            if not mtp:
+                return [self.embedding.word_embeddings.weight] if tied else []
+            positions = self.embedding.position_embeddings
+            return [self.embedding.word_embeddings.weight] + ([positions.weight] if positions is not None else [])
+        return [self.output_layer.weight] if self.post_process and tied else []
 
     def set_input_tensor(self, input_tensor: Union[torch.Tensor, Sequence[torch.Tensor], None]) -> None:
         """The activation ``[s, b, h]`` (``[s/tp, b, h]``) received from the previous pipeline stage."""
@@ -116,11 +135,13 @@ class GPTModel(nn.Module):
 
     def forward(self, input_ids: Optional[torch.Tensor], position_ids: Optional[torch.Tensor],
                 attention_mask: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None,
-                inference_cache: Optional[InferenceCache] = None) -> torch.Tensor:
+                inference_cache: Optional[InferenceCache] = None,
+                loss_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Token ids and positions ``[b, s]``; attention_mask None (causal) or boolean ``[b, 1, s, s]`` with
         True = masked out; labels ``[b, s]``. With ``inference_cache`` (incremental decoding) the tokens are
         the new ones only, they attend to every cached position, position_ids default to
-        ``offset .. offset + s - 1``, and the cache's offset advances by s.
+        ``offset .. offset + s - 1``, and the cache's offset advances by s. ``loss_mask`` ``[b, s]`` (default
+        all ones): how the MTP losses average their tokens, as the caller averages the returned main loss.
 
         Returns: on the last stage, the per-token fp32 loss ``[b, s]`` when labels are given, else logits
         (see ``parallel_output``); on other stages, the hidden states ``[s, b, h]`` (``[s/tp, b, h]``)
@@ -144,18 +165,42 @@ class GPTModel(nn.Module):
             inference_cache.offset += hidden.shape[0]
         if not self.post_process:
             return hidden
-        weight = self.embedding.word_embeddings.weight if self.output_layer.weight is None else None
-        logits, _ = self.output_layer(hidden, weight=weight)  # [s, b, V_padded/tp]
-        logits = self._mask_padded_vocab(logits)
         if labels is None:
+            logits = self._logits(hidden)
             if not self.parallel_output:
                 logits = gather_from_tensor_model_parallel_region(logits, self.parallel_state.tp_group)
                 logits = logits[..., : self.vocab_size]
             return logits.transpose(0, 1).contiguous()  # [b, s, V]
         check_ids_in_range(labels, self.vocab_size, "labels")
-        loss = vocab_parallel_cross_entropy(logits, labels.t(), tp_group=self.parallel_state.tp_group,
+        loss = self._per_token_loss(hidden, labels)
+        if self.mtp_process and self.training and inference_cache is None:
+            loss = attach_loss(loss, self._mtp_loss(hidden, input_ids, position_ids, labels, loss_mask,
+                                                    attention_mask, rotary), scale=self.mtp.loss_scale)
+        return loss
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The output layer: ``[s(/tp), b, h] -> [s, b, V_padded/tp]``, padded vocab entries at -inf."""
+        weight = self.embedding.word_embeddings.weight if self.output_layer.weight is None else None
+        logits, _ = self.output_layer(hidden, weight=weight)  # [s, b, V_padded/tp]
+        return self._mask_padded_vocab(logits)
+
+    def _per_token_loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Vocab-parallel cross entropy of the output layer's logits: hidden, labels ``[b, s]`` -> fp32 ``[b, s]``."""
+        loss = vocab_parallel_cross_entropy(self._logits(hidden), labels.t(), tp_group=self.parallel_state.tp_group,
                                             kernel_backend=self.parallel_state.kernel_backend)  # [s, b]
         return loss.t().contiguous()
+
+    def _mtp_loss(self, hidden, input_ids, position_ids, labels, loss_mask, attention_mask, rotary) -> torch.Tensor:
+        """``F / N * sum_k`` of the MTP depths' loss-mask averages (``models.mtp``)."""
+        if input_ids is None or position_ids is None:
+            raise ValueError("multi-token prediction (mtp_num_layers "
+                             f"{self.config.mtp_num_layers}) needs input_ids and position_ids on the last "
+                             "pipeline stage: pass the micro-batch's tokens and positions to every stage")
+        if loss_mask is None:
+            loss_mask = torch.ones(labels.shape, dtype=torch.float32, device=labels.device)
+        return self.mtp(hidden, input_ids=input_ids, position_ids=position_ids, labels=labels, loss_mask=loss_mask,
+                        embedding=self.embedding, per_token_loss=self._per_token_loss,
+                        attention_mask=attention_mask, rotary_pos_emb=rotary)
 
     def _mask_padded_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """Sets the logits of padded vocab entries held by this rank to -inf."""

@@ -23,6 +23,7 @@ from megatron_core.checkpointing.async_save import AsyncCheckpointWriter
 from megatron_core.checkpointing.checkpoint import prepare_checkpoint
 from megatron_core.checkpointing.publication import check_save_folder
 from megatron_core.models import GPTModel
+from megatron_core.models.mtp import mtp_log_fields, mtp_loss_report, set_mtp_loss_scale
 from megatron_core.pipeline_parallel import PipelineError, get_forward_backward_func
 from megatron_core.tensor_parallel import model_parallel_seed
 from megatron_core.training.arguments import transformer_config
@@ -148,7 +149,7 @@ def forward_step(data_iterator, model, *, tokens_scale: Optional[float] = None, 
     gradient reduction averages over dp x cp while the cp ranks' losses are parts of one sum; the logged
     "lm loss" is the mean over the cp ranks, the micro-batch's loss over the whole sequence."""
     batch = next(data_iterator)
-    output = model(batch["tokens"], batch["position_ids"], labels=batch["labels"])
+    output = model(batch["tokens"], batch["position_ids"], labels=batch["labels"], loss_mask=batch["loss_mask"])
     cp_size = dist.get_world_size(cp_group) if cp_group is not None else 1
 
     def loss_func(per_token_loss: torch.Tensor):
@@ -193,11 +194,14 @@ def run_schedule(run: Run, batches: list[dict], *, forward_only: bool) -> list:
                                          zero_bubble_defer=run.args.zero_bubble_defer)
     iterators = [iter(batches) for _ in run.chunks] if state.vpp_size else iter(batches)
     scale = getattr(run.optimizer, "scale_loss", None) if run.config.fp16 else None
-    step_func = functools.partial(forward_step, tokens_scale=_per_token_scale(run, batches),
+    tokens_scale = _per_token_scale(run, batches)
+    step_func = functools.partial(forward_step, tokens_scale=tokens_scale,
                                   cp_group=state.cp_group if state.cp_size > 1 else None)
+    loss_scale = float(run.optimizer.get_loss_scale()) if scale is not None else 1.0
     if run.config.moe is not None:  # the aux losses' gradient is scaled as the schedule scales the lm loss
-        loss_scale = float(run.optimizer.get_loss_scale()) if scale is not None else 1.0  # (times cp, as it)
-        set_aux_loss_scale(run.chunks, loss_scale * state.cp_size / max(len(batches), 1))
+        set_aux_loss_scale(run.chunks, loss_scale * state.cp_size / max(len(batches), 1))  # (times cp, as it)
+    if run.config.mtp_num_layers is not None:  # the MTP loss is averaged as the lm loss (cp included)
+        set_mtp_loss_scale(run.chunks, loss_scale / max(len(batches), 1), tokens_scale)
     return schedule(forward_step_func=step_func, data_iterator=iterators,
                     model=run.chunks if state.vpp_size else run.chunks[0], num_microbatches=len(batches),
                     seq_length=run.args.seq_length, micro_batch_size=run.args.micro_batch_size,
@@ -232,12 +236,14 @@ def train_step(run: Run, batches: list[dict]) -> dict:
         losses = run_schedule(run, batches, forward_only=False)
         lm_loss = reduce_losses(losses, run.state)  # over pp and dp: a stalled peer is named here too
         moe_losses = _moe_step(run)
+        mtp_losses = (mtp_loss_report(run.chunks, run.state, run.config.mtp_num_layers)
+                      if run.config.mtp_num_layers is not None else {})
     with _phase(run, "the optimizer step (grad reduction over data-parallel ranks, norm over model-parallel ranks)"):
         update_ok, grad_norm, num_zeros = run.optimizer.step()
     if update_ok:
         run.scheduler.step(increment)
     return {"lm_loss": lm_loss, "lr": lr, "grad_norm": grad_norm, "skipped": not update_ok, "num_zeros": num_zeros,
-            "moe": moe_losses}
+            "moe": moe_losses, "mtp": mtp_losses}
 
 
 def _moe_step(run: Run) -> dict:
@@ -246,7 +252,7 @@ def _moe_step(run: Run) -> dict:
     if config.moe is None:
         return {}
     update_expert_bias(run.chunks, run.state)
-    return moe_loss_report(run.chunks, run.state, num_layers=config.num_layers,
+    return moe_loss_report(run.chunks, run.state, num_layers=config.num_layers + (config.mtp_num_layers or 0),
                            sequence_parallel=config.sequence_parallel, per_layer=config.moe.moe_per_layer_logging)
 
 
@@ -355,7 +361,7 @@ def _train(run: Run) -> list[float]:
             writer.write(record)
             if iteration % args.log_interval == 0 and run.is_logging_rank:
                 print(format_log_line(record, train_iters=args.train_iters, consumed_samples=run.consumed_samples,
-                                      global_batch=run.global_batch), flush=True)
+                                      global_batch=run.global_batch) + mtp_log_fields(record), flush=True)
             if args.log_straggler and iteration % args.log_interval == 0:
                 line, busy = straggler_report(busy / args.log_interval, run.state, iteration), 0.0
                 if line:

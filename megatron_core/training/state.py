@@ -94,6 +94,7 @@ def step_record(run: Run, iteration: int, result: dict, seconds: float) -> dict:
               "mfu": None if peak is None else tflops_per_rank / peak, "mem_bytes": memory_bytes(run.state.device)}
     record.update({k: v for k, v in optional.items() if v is not None})
     record.update(result.get("moe") or {})  # load_balancing_loss, z_loss (per layer with --moe-per-layer-logging)
+    record.update(result.get("mtp") or {})  # mtp_1_loss, ... (multi-token prediction)
     return record
 
 
