@@ -170,7 +170,7 @@ def pipeline_stage_of(name: str, config: TransformerConfig) -> int:
     pp, vpp = config.pipeline_model_parallel_size, config.virtual_pipeline_model_parallel_size
     if param.startswith("embedding."):
         return 0
-    if param.startswith(("decoder.final_layernorm.", "output_layer.")):
+    if param.startswith(("decoder.final_layernorm.", "output_layer.", "mtp.")):  # MTP sits on the last stage
         return pp - 1
     if param.startswith("decoder.layers."):
         layer = int(param.split(".")[2])
@@ -181,7 +181,7 @@ def pipeline_stage_of(name: str, config: TransformerConfig) -> int:
                     return rank
         raise ValueError(f"tensor {name!r} names layer {layer} but the model has {config.num_layers} layers")
     raise ValueError(f"tensor {name!r} is not a GPT parameter this converter knows (embedding.*, decoder.*, "
-                     "output_layer.*, optionally under optim/<state>/)")
+                     "output_layer.*, mtp.*, optionally under optim/<state>/)")
 
 
 def plan_target_tensors(source: SourceCheckpoint, *, tied: bool, pp: int,

@@ -104,13 +104,18 @@ def expand_rules(top: Sequence[Rule], layer: Sequence[Rule], num_layers: int, *,
     return [*top, *(rule.at_layer(i, ours_prefix, hf_prefix) for i in range(num_layers) for rule in layer)]
 
 
+def _gated(flags: dict) -> bool:
+    """fc1 holds ``[gate; up]`` (twice the ffn rows): SwiGLU or gpt-oss's quick GeGLU."""
+    return bool(flags.get("swiglu") or flags.get("quick_geglu"))
+
+
 def expected_shape(name: str, flags: dict, vocab: int) -> Optional[tuple[int, ...]]:
     """The shape our tensor ``name`` has in the model the run ``flags`` describe (None: not a known name)."""
     h, heads = flags["hidden_size"], flags["num_attention_heads"]
     d = flags.get("kv_channels") or h // heads
     groups = flags.get("num_query_groups") if flags.get("group_query_attention") else heads
     ffn = flags.get("ffn_hidden_size") or 4 * h
-    fc1 = 2 * ffn if flags.get("swiglu") else ffn
+    fc1 = 2 * ffn if _gated(flags) else ffn
     qkv = (heads + 2 * groups) * d
     suffixes = {"word_embeddings.weight": (vocab, h), "output_layer.weight": (vocab, h),
                 "position_embeddings.weight": (flags.get("max_position_embeddings") or flags.get("seq_length"), h),
@@ -120,7 +125,7 @@ def expected_shape(name: str, flags: dict, vocab: int) -> Optional[tuple[int, ..
                 "linear_fc1.bias": (fc1,), "linear_fc2.weight": (h, ffn), "linear_fc2.bias": (h,)}
     if ".mlp.experts.local_experts." in name:  # a routed expert: moe_ffn_hidden_size wide
         expert_ffn = flags.get("moe_ffn_hidden_size") or ffn
-        suffixes.update({"linear_fc1.weight": (2 * expert_ffn if flags.get("swiglu") else expert_ffn, h),
+        suffixes.update({"linear_fc1.weight": (2 * expert_ffn if _gated(flags) else expert_ffn, h),
                          "linear_fc2.weight": (h, expert_ffn)})
     experts = flags.get("num_experts") or 0
     suffixes.update({"mlp.router.weight": (experts, h), "mlp.router.bias": (experts,),
@@ -129,7 +134,7 @@ def expected_shape(name: str, flags: dict, vocab: int) -> Optional[tuple[int, ..
         suffixes.update({"linear_fc1.bias": (suffixes["linear_fc1.weight"][0],), "linear_fc2.bias": (h,)})
     if ".mlp.shared_experts." in name:
         shared = flags.get("moe_shared_expert_intermediate_size") or 0
-        suffixes.update({"linear_fc1.weight": (2 * shared if flags.get("swiglu") else shared, h),
+        suffixes.update({"linear_fc1.weight": (2 * shared if _gated(flags) else shared, h),
                          "linear_fc2.weight": (h, shared)})
     if flags.get("multi_latent_attention"):
         suffixes.update(_mla_shapes(flags))
