@@ -1,7 +1,8 @@
 """pretrain_gpt's loop with --mtp-num-layers (fp32, 8 iterations) equals the single-process run (losses and the
 logged per-depth MTP losses to 1e-5 relative) at: tp 2 with sequence parallelism, pp 2 tied and untied (the
 last stage's embedding copy), cp 2 (the shift crosses cp ranks), dp 2 with ZeRO-3, and two depths at
-tp 2 x sp x pp 2 untied; the log line names each depth's loss; a checkpoint saved at pp 2 resumes at pp 1."""
+tp 2 x sp x pp 2 untied; the log line names each depth's loss; a checkpoint saved at pp 2 resumes at pp 1,
+and converted back to pp 2 by tools/checkpoint_convert.py resumes there."""
 import contextlib
 import io
 import json
@@ -89,12 +90,26 @@ def test_mtp_changes_training_and_is_logged(distributed, references, tmp_path):
     assert " lm loss: " in line and " mtp_1 loss: " in line and " mtp_2 loss: " in line
 
 
-def test_checkpoint_saved_at_pp2_resumes_at_pp1(distributed, references, tmp_path):
-    argv = [*_mtp(2), *UNTIED]
-    first, _ = distributed(2, _train, [*argv, *PP2, "--save", str(tmp_path), "--exit-interval", "4"])[0]
-    second, _ = distributed(1, _train, [*argv, "--load", str(tmp_path)])[0]
-    torch.testing.assert_close(torch.tensor(first + second), torch.tensor(references[(2, True)][0]),
+def _convert(load, save, tp, pp):
+    from tests.data.conftest import load_tool
+    tool = load_tool("checkpoint_convert")
+    tool.convert(tool.build_parser().parse_args([
+        "--model-type", "GPT", "--loader", "mcore", "--saver", "mcore", "--load-dir", str(load), "--save-dir",
+        str(save), "--target-tensor-parallel-size", str(tp), "--target-pipeline-parallel-size", str(pp),
+        "--no-progress"]))
+
+
+def test_checkpoint_saved_at_pp2_resumes_at_pp1_and_converts_back_to_pp2(distributed, references, tmp_path):
+    """3 iterations at pp 2, 2 resumed at pp 1, converted to pp 2 by tools/checkpoint_convert.py (mtp.* in the
+    last stage's file), 3 more at pp 2: the uninterrupted single-process run's losses."""
+    argv, saved, converted = [*_mtp(2), *UNTIED], tmp_path / "saved", tmp_path / "converted"
+    first, _ = distributed(2, _train, [*argv, *PP2, "--save", str(saved), "--exit-interval", "3"])[0]
+    second, _ = distributed(1, _train, [*argv, "--load", str(saved), "--save", str(saved), "--exit-interval", "5"])[0]
+    _convert(saved, converted, 1, 2)
+    third, _ = distributed(2, _train, [*argv, *PP2, "--load", str(converted), "--no-load-rng"])[0]
+    torch.testing.assert_close(torch.tensor(first + second + third), torch.tensor(references[(2, True)][0]),
                                rtol=1e-5, atol=0)
-    names = set(json.loads(next(tmp_path.glob("iter_*/metadata.json")).read_text())["tensors"])
-    assert {"mtp.layers.1.eh_proj.weight", "mtp.layers.0.transformer_layer.mlp.linear_fc1.weight",
-            "embedding.word_embeddings.weight", "output_layer.weight"} <= names
+    records = json.loads(next(converted.glob("iter_*/metadata.json")).read_text())["tensors"]
+    for name, stage in (("mtp.layers.1.eh_proj.weight", 1), ("mtp.layers.0.transformer_layer.mlp.linear_fc1.weight", 1),
+                        ("output_layer.weight", 1), ("embedding.word_embeddings.weight", 0)):
+        assert records[name]["shards"]["0"]["file"] == f"model_tp00_pp{stage:03d}.safetensors", name
