@@ -5,6 +5,9 @@
 - ``ulysses``: all-to-all between sequence- and head-sharding (DeepSpeed-Ulysses), cp_comm_type "a2a".
 - ``allgather``: K/V all-gathered over cp, the simple baseline, cp_comm_type "allgather".
 - ``attention``: ``context_parallel_attention``, which ``DotProductAttention`` calls when cp > 1.
+- ``blocks`` / ``fused``: one block's attention with its log-sum-exp (tiled torch math or fused kernels);
+  ``band``: sliding windows over global positions for them; ``sinks``: attention sinks and ``BlockAttention``.
+  Every scheme supports gpt-oss's sliding windows and sinks.
 
 Gradients of replicated parameters are reduced over dp x cp (``ParallelState.dp_cp_group``), and the loss
 of a micro-batch is normalized by its token count over every cp rank (``training.loop.forward_step``).

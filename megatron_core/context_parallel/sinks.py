@@ -59,6 +59,7 @@ class BlockAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, dsink, None
 
 
+@torch.compiler.disable  # host-side tile planning and per-tile RNG: eager inside a compiled layer (a graph break)
 def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor] = None,
                     sink: Optional[torch.Tensor] = None, **options) -> torch.Tensor:
     """``BlockAttention.apply`` with keyword options (see there)."""

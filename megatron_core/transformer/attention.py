@@ -77,10 +77,10 @@ class DotProductAttention(nn.Module):
         self.softmax_offset = (softmax_offset_parameter(config, parallel_state) if self.softmax_type == "learnable"
                                else None)
 
-    def sink(self, head_slice: Optional[slice] = None) -> Optional[torch.Tensor]:
-        """The sink logits ``[heads/tp]`` of this rank's heads (or of their ``head_slice``), None when vanilla."""
-        return sink_logits(self.softmax_type, self.softmax_offset, self.heads_per_rank, head_slice,
-                           self.parallel_state.device)
+    def sink(self, device: torch.device, head_slice: Optional[slice] = None) -> Optional[torch.Tensor]:
+        """The sink logits ``[heads/tp]`` of this rank's heads (or of their ``head_slice``), None when vanilla;
+        off-by-one's fixed zeros are made on ``device`` (the inputs')."""
+        return sink_logits(self.softmax_type, self.softmax_offset, self.heads_per_rank, head_slice, device)
 
     @staticmethod
     def implementation(attention_mask: Optional[torch.Tensor], sq: int, sk: int, *, device: torch.device,
@@ -93,6 +93,7 @@ class DotProductAttention(nn.Module):
         path in fp32, which saves more for backward than the softmax path.
         ``"softmax"``: scores, the fused masked softmax of ``kernels`` (Triton where it runs), dropout, then
         ``probs @ v``: an explicit mask, a causal block with sq != sk, or CPU attention dropout.
+        A layer with a sliding window or sinks runs neither: it records ``"blocks"`` (``attention_variants``).
         The choice is recorded as the ``attention`` entry of ``kernel_backend.report()`` (pretrain_gpt's
         "kernels used:" line).
         """
@@ -120,7 +121,7 @@ class DotProductAttention(nn.Module):
             return context_parallel_attention(
                 query, key, value, attention_mask, parallel_state=state, cp_comm_type=self.cp_comm_type,
                 scale=self.scale, dropout_p=self.attention_dropout if self.training else 0.0,
-                local_attention=local_attention, window=self.window, sink=self.sink())
+                local_attention=local_attention, window=self.window, sink=self.sink(query.device))
         return self.local_attention(query, key, value, attention_mask)
 
     def local_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -131,7 +132,7 @@ class DotProductAttention(nn.Module):
         if self.window is not None or self.softmax_type != "vanilla":
             self.parallel_state.kernel_backend.record("attention", "blocks")
             return variant_attention(query, key, value, attention_mask, window=self.window,
-                                     sink=self.sink(head_slice), scale=self.scale,
+                                     sink=self.sink(query.device, head_slice), scale=self.scale,
                                      dropout_p=self.attention_dropout if self.training else 0.0,
                                      rng_tracker=self.parallel_state.rng_tracker)
         sq, b, heads, d = query.shape
