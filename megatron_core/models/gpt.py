@@ -53,8 +53,10 @@ class GPTModel(nn.Module):
 
     Multi-token prediction (``config.mtp_num_layers``): the last stage holds ``mtp`` (``models.mtp``) and, at
     pp > 1, its own copy of the embedding (initialized identically; its grads are summed with the first
-    stage's over the embedding group). It runs in training mode when labels are given; its loss enters
-    backward through the returned main loss (see ``models.mtp``), which it leaves unchanged.
+    stage's over the embedding group). It runs in training mode when labels are given (never for logits or
+    with ``inference_cache``); its loss enters backward through the returned main loss, which it leaves
+    unchanged, with the gradient ``mtp.loss_scale`` (1 by default): a caller that scales the main loss before
+    backward (gradient accumulation, fp16) sets the same scale with ``models.mtp.set_mtp_loss_scale``.
     """
 
     def __init__(self, config: TransformerConfig, *, parallel_state: ParallelState, vocab_size: int,

@@ -119,7 +119,8 @@ class MultiTokenPredictionLayer(nn.Module):
         with seeded_init(base_seed, MTP_PROJ_SEED_OFFSET + depth):
             self.eh_proj = ColumnParallelLinear(
                 2 * config.hidden_size, config.hidden_size, tp_group=parallel_state.tp_group, bias=False,
-                sequence_parallel=config.sequence_parallel, params_dtype=config.params_dtype, device=device,
+                sequence_parallel=config.sequence_parallel, tp_comm_overlap=config.tp_comm_overlap,
+                params_dtype=config.params_dtype, device=device,
                 init_method=init_method_normal(config.init_method_std),
                 weight_grad_store=parallel_state.weight_grad_store)
         number = config.num_layers + depth  # global, 1-based; no decoder layer has it
