@@ -139,3 +139,25 @@ def test_mtp_layer_of_a_hub_folder_is_imported_and_written_back(folders, tmp_pat
         torch.testing.assert_close(written[name], tensors[name], rtol=0, atol=0)
     logits, _ = _hf_logits(tmp_path / "hf")  # transformers ignores the MTP layer: the same logits
     torch.testing.assert_close(logits, reference, rtol=0, atol=1e-5)
+
+
+def _greedy(directory, prompt, new):
+    from megatron_core import initialize_model_parallel
+    from megatron_core.inference import load_gpt_from_checkpoint
+    from megatron_core.inference.generation import generate
+    state = initialize_model_parallel()
+    model, _ = load_gpt_from_checkpoint(directory, state)
+    with torch.no_grad():
+        return generate(model.eval(), state, prompt, max_new_tokens=new, greedy=True)["tokens"]
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "gpt_oss"])
+def test_greedy_generation_with_the_cache_matches_transformers(folders, family, tmp_path):
+    """Incremental decoding: DeepSeek-V3 with the latent cache, gpt-oss past its 4-token window."""
+    prompt, new = [5, 17, 3, 42, 8, 11, 64], 8
+    model = transformers.AutoModelForCausalLM.from_pretrained(folders[family][0], dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = model.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False, min_new_tokens=new,
+                                  pad_token_id=0)[0, len(prompt):].tolist()
+    assert _convert(folders[family][0], tmp_path / "ours") == 0
+    assert _greedy(str(tmp_path / "ours"), prompt, new) == expected
