@@ -47,7 +47,7 @@ def _run(distributed, world, argv, metrics):
 def references(tmp_path_factory, distributed):
     """Single-process runs by model ``(depths, untied)``: one depth tied and untied, two depths untied."""
     folder = tmp_path_factory.mktemp("mtp_ref")
-    return {(depths, untied): _run(distributed, 1, [*_mtp(depths), *(UNTIED if untied else [])],
+    return {(depths, untied): _run(distributed, 1, [*_mtp(depths), *(UNTIED if untied else []), "--log-interval", "4"],
                                    folder / f"{depths}{untied}.jsonl")
             for depths, untied in ((1, False), (1, True), (2, True))}
 
@@ -82,10 +82,9 @@ def test_mtp_changes_training_and_is_logged(distributed, references, tmp_path):
     """The MTP loss trains the shared weights (the lm losses differ from a run without it after the first
     step), a run without it logs no MTP loss, and the log line names each depth's loss."""
     plain, plain_records, _ = _run(distributed, 1, UNTIED, tmp_path / "plain.jsonl")
-    ref_losses, _, _ = references[(2, True)]
+    ref_losses, _, log = references[(2, True)]
     assert plain[0] == pytest.approx(ref_losses[0], rel=1e-6) and abs(plain[-1] - ref_losses[-1]) > 1e-4
     assert "mtp_1_loss" not in plain_records[0]
-    _, _, log = _run(distributed, 1, [*_mtp(2), *UNTIED, "--log-interval", "4"], tmp_path / "logged.jsonl")
     line = next(line for line in log.splitlines() if "iteration        4/" in line)
     assert " lm loss: " in line and " mtp_1 loss: " in line and " mtp_2 loss: " in line
 
