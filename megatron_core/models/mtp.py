@@ -11,6 +11,9 @@ then the shared output head and the vocab-parallel cross entropy against the lab
 predicts token ``i + k + 1``). The last k positions of each sequence have no target: their loss mask is zero.
 The transformer layer is the model's own layer spec (MLA / MoE when the spec has them), numbered
 ``num_layers + k`` and seeded like a decoder layer of that number, so its initialization is layout-independent.
+The embedding of the tokens ahead uses their own positions (Megatron-LM shifts position_ids with the ids); the
+layer's rotary angles are the main model's (position i). MTP runs only in training mode with labels: evaluation
+(Megatron-LM computes it there but does not log it), logits and generation see the main model alone.
 
 Loss: depth k's per-token loss is averaged with its shifted loss mask exactly as ``training.loop.forward_step``
 averages the main loss (with context parallelism: the token count summed over cp, times cp). The sum over the
@@ -178,7 +181,9 @@ class MultiTokenPrediction(nn.Module):
         """``hidden`` ``[s(/tp), b, h]``: the decoder's output; ids, positions, labels and loss mask ``[b, s]``
         (this cp rank's); ``embedding(ids, positions)`` the model's embedding; ``per_token_loss(hidden,
         labels)`` the shared output head and cross entropy ``-> [b, s]``. Returns the scalar
-        ``F / N * sum_k loss_k`` (each depth's loss-mask average) and records each loss_k for the log."""
+        ``F / N * sum_k loss_k`` (each depth's loss-mask average) and records each loss_k for the log.
+        Collective with cp > 1: an all-gather over cp of the ids (``ShiftedSequences``) and an all-reduce of
+        each depth's token count, besides the modules' own tp / cp collectives."""
         shifted = ShiftedSequences(input_ids, position_ids, labels, loss_mask, self.state)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         values = []
@@ -196,7 +201,9 @@ class MultiTokenPrediction(nn.Module):
 
     def _average(self, per_token: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """``sum(loss * mask) / sum(mask)`` as the main loss: with cp the count is summed over the cp ranks
-        (all-reduce, no gradient) and the result multiplied by cp; with ``tokens_scale`` the sum times it."""
+        (all-reduce, no gradient) and the result multiplied by cp. With ``tokens_scale`` (the main loss's
+        factor of ``--calculate-per-token-loss``) the sum times it: each depth's token sum over the global batch
+        divided by the main loss's token count (k tokens per sequence more than the depth's own count)."""
         total = (per_token.float() * mask).sum()
         if self.tokens_scale is not None:
             return total * self.tokens_scale
