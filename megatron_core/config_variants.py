@@ -81,6 +81,11 @@ class ArchitectureVariants:
     """The MTP losses, averaged over the depths, enter the loss times this factor."""
 
     @property
+    def gated_activation(self) -> bool:
+        """fc1 produces ``[gate; up]`` (twice the ffn rows): SwiGLU, or gpt-oss's quick GeGLU."""
+        return self.activation in ("swiglu", "quick_geglu")
+
+    @property
     def effective_rope_type(self) -> str:
         return self.rope_type or ("yarn" if self.multi_latent_attention else "rope")
 

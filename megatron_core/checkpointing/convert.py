@@ -235,7 +235,7 @@ def plan_tensor(name: str, tensor: SourceTensor, config: TransformerConfig, etp:
     if expert is None:
         dim, stride, splits = tensor.partition_dim, tensor.stride, config.tensor_model_parallel_size
     else:
-        dim, stride = expert_partition(name, swiglu=config.activation == "swiglu") if etp > 1 else (None, 1)
+        dim, stride = expert_partition(name, swiglu=config.gated_activation) if etp > 1 else (None, 1)
         splits = etp
     return PlannedTensor(name, tensor, pipeline_stage_of(name, config), dim, stride, splits, expert)
 

@@ -96,14 +96,22 @@ def layer_activation_bytes(config: TransformerConfig, shape: ActivationShape, *,
                   + 2 * e * s * b * h                                # inputs of QKV and fc1 (norm outputs)
                   + (2 * shape.mask_bytes * s * b * h if dropout_h else 0)  # the two hidden-dropout masks
                   + 2 * 2 * 4 * s * b)                               # fp32 mean and rstd of both norms
-    partitioned = e * s * b * (q_dim + 2 * kv_dim)                   # Q, K, V
-    partitioned += e * s * b * q_dim                                 # input of the attention projection
+    full_sequence = 0.0
+    if config.multi_latent_attention:
+        latent, full_sequence, partitioned = _mla_attention_terms(config, shape)
+        replicated += latent
+        q_dim = config.num_attention_heads * max(config.qk_head_dim + config.qk_pos_emb_head_dim,
+                                                 config.v_head_dim if shape.cp > 1 else 0)
+        kv_dim = q_dim  # (context-parallel attention pads q, k and v to one head dim)
+    else:
+        partitioned = e * s * b * (q_dim + 2 * kv_dim)               # Q, K, V
+        partitioned += e * s * b * q_dim                             # input of the attention projection
     moe_bytes = 0.0
     if moe_layer:
         moe_bytes = moe_mlp_activation_bytes(config, tokens=s * b / replicated_div, element_bytes=e, ep=shape.ep,
                                              tp=t, sequence_tokens=s * b, etp=shape.etp)
-    elif config.activation == "swiglu":
-        partitioned += e * s * b * ffn * 4                          # [gate; up], silu(gate), fc2 input
+    elif config.activation in ("swiglu", "quick_geglu"):
+        partitioned += e * s * b * ffn * 4                          # [gate; up], act(gate), fc2 input
     else:
         partitioned += e * s * b * ffn * 2                          # fc1 output (gelu input), fc2 input
     if not selective and shape.cp > 1 and shape.cp_comm_type in ("p2p", "allgather"):
@@ -116,7 +124,42 @@ def layer_activation_bytes(config: TransformerConfig, shape: ActivationShape, *,
         if dropout_a:
             core += (shape.mask_bytes + e) * a * s * full * b        # dropout mask and output
         partitioned += core
-    return replicated / replicated_div + partitioned / t + moe_bytes
+    return replicated / replicated_div + partitioned / t + moe_bytes + full_sequence
+
+
+def _mla_attention_terms(config: TransformerConfig, shape: ActivationShape) -> tuple[float, float, float]:
+    """Multi-latent attention's saved bytes besides the two norms' and the softmax's: ``(replicated, on every
+    rank whole, partitioned)``. Replicated (over t with sequence parallelism, which runs the down projections
+    on the local chunk and saves the up projections' inputs there): the query latent before and after its norm
+    with its fp32 stats (with ``q_lora_rank``), the key/value latent alike. Whole on every rank: rope's fp32 cos
+    and sin of the query's and the shared key's rotary channels (one head, every token). Partitioned over
+    heads: Q and K (``d_qk + d_pe`` per head), the up projection's output that V views (``d_qk + d_v``), and
+    linear_proj's input (``d_v``)."""
+    s, b, e = shape.local_seq_length, shape.micro_batch_size, shape.element_bytes
+    heads, rank, kv_rank = config.num_attention_heads, config.q_lora_rank, config.kv_lora_rank
+    norm_stats = 2 * 4 * s * b if config.qk_layernorm else 0
+    replicated = 2 * e * s * b * kv_rank + norm_stats
+    if rank is not None:
+        replicated += 2 * e * s * b * rank + norm_stats
+    rope = 4 * 4 * s * b * config.qk_pos_emb_head_dim
+    q_dim = heads * (config.qk_head_dim + config.qk_pos_emb_head_dim)
+    partitioned = e * s * b * (2 * q_dim + heads * (config.qk_head_dim + 2 * config.v_head_dim))
+    return replicated, rope, partitioned
+
+
+def mtp_activation_bytes(config: TransformerConfig, shape: ActivationShape, padded_vocab_size: int) -> float:
+    """The last stage's multi-token prediction depths: per depth the shifted tokens' embedding and the hidden
+    states (the two norms' inputs with fp32 stats), eh_proj's input ``[emb; h]``, one layer (an MoE layer when
+    the model has experts), and the final norm, output layer and loss as the main head's."""
+    depths = config.mtp_num_layers or 0
+    if not depths:
+        return 0.0
+    s, b, h, e = shape.local_seq_length, shape.micro_batch_size, config.hidden_size, shape.element_bytes
+    div = shape.tp if shape.sequence_parallel else 1
+    heads = (2 * (e * s * b * h + 8 * s * b) + 2 * e * s * b * h) / div + 8 * s * b  # + the shifted ids
+    layer = layer_activation_bytes(config, shape, selective=config.recompute_granularity == "selective",
+                                   moe_layer=config.moe is not None)
+    return depths * (heads + layer + output_activation_bytes(config, shape, padded_vocab_size))
 
 
 def _recompute_layer_counts(config: TransformerConfig, layers: int) -> tuple[int, int, int]:
@@ -166,6 +209,7 @@ def stage_activation_bytes(config: TransformerConfig, shape: ActivationShape, *,
         per_microbatch += embedding_activation_bytes(config, shape)
     if last:
         per_microbatch += output_activation_bytes(config, shape, padded_vocab_size)
+        per_microbatch += mtp_activation_bytes(config, shape, padded_vocab_size)
     return in_flight * per_microbatch + recomputed * max(dense_layer, moe_layer)
 
 
@@ -182,4 +226,5 @@ def in_flight_microbatches(pp_rank: int, pp_size: int, num_microbatches: int,
 
 
 __all__ = ["ActivationShape", "korthikanti_bytes", "layer_activation_bytes", "stage_activation_bytes",
+           "mtp_activation_bytes",
            "embedding_activation_bytes", "output_activation_bytes", "in_flight_microbatches"]

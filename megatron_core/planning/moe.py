@@ -33,7 +33,15 @@ def moe_layers_on_stage(config: TransformerConfig, *, pp_rank: int) -> int:
         offset, layers = config.pipeline_layer_range(pp_rank,
                                                      vp if config.virtual_pipeline_model_parallel_size else None)
         count += sum(config.moe.is_moe_layer(n, config.num_layers) for n in range(offset + 1, offset + layers + 1))
+    if pp_rank == (config.pipeline_model_parallel_size or 1) - 1 and mtp_layers_are_moe(config):
+        count += config.mtp_num_layers  # the MTP depths' layers copy the last decoder layer's MLP
     return count
+
+
+def mtp_layers_are_moe(config: TransformerConfig) -> bool:
+    """Whether the multi-token-prediction layers are MoE layers (as the model's last layer, models/mtp.py)."""
+    return bool(config.mtp_num_layers) and config.moe is not None and config.moe.is_moe_layer(
+        config.num_layers, config.num_layers)
 
 
 def expert_ffn(config: TransformerConfig) -> int:
@@ -41,7 +49,7 @@ def expert_ffn(config: TransformerConfig) -> int:
 
 
 def _gated(config: TransformerConfig) -> int:
-    return 2 if config.activation == "swiglu" else 1
+    return 2 if config.gated_activation else 1
 
 
 def expert_parameters_per_rank(config: TransformerConfig, *, ep: int, etp: int = 1) -> float:
@@ -100,7 +108,7 @@ def moe_mlp_activation_bytes(config: TransformerConfig, *, tokens: float, elemen
         router += r * tokens * E                                # the logits (logsumexp)
     m = etp * assignments(config, tokens)
     experts = e * m * h                                         # expert input (received from the all-to-all)
-    experts += e * m * f / etp * (4 if config.activation == "swiglu" else 2)  # fc1 output, activation output
+    experts += e * m * f / etp * (4 if config.gated_activation else 2)  # fc1 output, activation output
     experts += etp * tokens * E if etp > 1 else 0               # the routing map gathered over etp
     experts += e * m * h + e * m + 8 * m                        # expert output (all-to-all back), probs, index
     if moe.moe_token_dispatcher_type == "allgather" and ep > 1:
@@ -108,7 +116,7 @@ def moe_mlp_activation_bytes(config: TransformerConfig, *, tokens: float, elemen
     if moe.moe_grouped_gemm:                                    # the stacked expert weights bmm saves
         experts += e * expert_parameters_per_rank(config, ep=ep, etp=etp)
     shared = moe.moe_shared_expert_intermediate_size or 0
-    shared_bytes = e * sequence_tokens * shared * (4 if config.activation == "swiglu" else 2) / tp
+    shared_bytes = e * sequence_tokens * shared * (4 if config.gated_activation else 2) / tp
     return router + experts + shared_bytes
 
 

@@ -176,7 +176,9 @@ def stage_parameters(config: TransformerConfig, workload: Workload, *, pp_rank: 
                                      make_vocab_size_divisible_by=workload.make_vocab_size_divisible_by,
                                      tensor_model_parallel_size=tp)
     partitioned, replicated = _layer_params(config, tp)
-    layers = config.num_layers // pp
+    layers = config.pipeline_layer_range(pp_rank)[1] * (config.virtual_pipeline_model_parallel_size or 1)
+    first, last = pp_rank == 0, pp_rank == pp - 1
+    layers += (config.mtp_num_layers or 0) if last else 0  # each MTP depth holds one layer (its MLP: see moe)
     params = layers * (partitioned + replicated)
     full_grad = layers * replicated if config.sequence_parallel else 0.0
     moe_layers = moe_layers_on_stage(config, pp_rank=pp_rank)
@@ -186,7 +188,13 @@ def stage_parameters(config: TransformerConfig, workload: Workload, *, pp_rank: 
         params += moe_layers * (moe_part + moe_rep - dense_part - dense_rep)
         full_grad += moe_layers * (moe_rep - dense_rep if config.sequence_parallel else moe_full)
     tied = not config.untie_embeddings_and_output_weights
-    first, last = pp_rank == 0, pp_rank == pp - 1
+    if last and config.mtp_num_layers:  # enorm, hnorm, final_layernorm and eh_proj [2h -> h] per depth, and the
+        norm = h * (2 if config.normalization == "LayerNorm" else 1)  # word embedding's copy (untied, pp > 1)
+        params += config.mtp_num_layers * (3 * norm + 2 * h * h / tp)
+        full_grad += config.mtp_num_layers * 3 * norm if config.sequence_parallel else 0
+        if not tied and not first:
+            params += padded * h / tp
+            full_grad += padded * h / tp
     if first:
         params += padded * h / tp
         params += h * config.max_position_embeddings if config.position_embedding_type == "learned_absolute" else 0

@@ -40,7 +40,7 @@ def weight_stash_bytes(config: TransformerConfig, shape: ActivationShape, *, lay
     q_dim = config.kv_channels * config.num_attention_heads
     qkv = q_dim + 2 * config.kv_channels * config.num_query_groups
     ffn = config.ffn_hidden_size
-    fc1 = 2 * ffn if config.activation == "swiglu" else ffn
+    fc1 = 2 * ffn if config.gated_activation else ffn
     attention = (column_input + s * b * qkv / t) + (s * b * q_dim / t + s * b * h)
     mlp = (column_input + s * b * fc1 / t) + (s * b * ffn / t + s * b * h)
     stash = (layers - moe_layers) * (attention + mlp) + moe_layers * attention

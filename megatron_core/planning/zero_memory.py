@@ -31,7 +31,7 @@ def stage_units(config: TransformerConfig, *, vocab_size: int, make_vocab_size_d
     expert-parallel size ``ep``; they are taken as the stage's last layers (placement barely matters)."""
     tp, pp = config.tensor_model_parallel_size, config.pipeline_model_parallel_size
     h = config.hidden_size
-    ffn = config.ffn_hidden_size * (2 if config.activation == "swiglu" else 1)
+    ffn = config.ffn_hidden_size * (2 if config.gated_activation else 1)
     qkv = config.kv_channels * (config.num_attention_heads + 2 * config.num_query_groups)
     q_dim = config.kv_channels * config.num_attention_heads
     norm = h * (2 if config.normalization == "LayerNorm" else 1)
@@ -78,7 +78,7 @@ def zero_transient_bytes(config: TransformerConfig, *, vocab_size: int, make_voc
         if moe_layers > 1:  # backward gathers the previous MoE layer's experts while this one's still are
             pair = max(pair, 2 * experts)
         # the experts' unit holds many parameters: autograd's largest single grad is one expert's fc1
-        gated = 2 if config.activation == "swiglu" else 1
+        gated = 2 if config.gated_activation else 1
         largest_param = max([u for u in units if u != experts]
                             + [gated * expert_ffn(config) * config.hidden_size / etp])
     transient = param_bytes * largest_param  # autograd's grad of one parameter, before it moves into a bucket

@@ -131,3 +131,23 @@ def test_ranking_prefers_fitting_layouts_and_validates_inputs():
     with pytest.raises(ValueError, match="global batch 33"):
         rank_plans(base, Workload(vocab_size=1000, seq_length=256, micro_batch_size=2, global_batch_size=33),
                    Hardware(num_devices=8, memory_per_device_gb=80, peak_tflops=100.0))
+
+
+def _deepseek_model() -> dict:
+    """Multi-latent attention (q_lora_rank, YaRN), MoE layers after a dense one, one MTP depth."""
+    from megatron_core.transformer.moe import MoEConfig
+    moe = MoEConfig(num_moe_experts=4, moe_router_topk=2, moe_aux_loss_coeff=1e-2, moe_layer_freq=[0, 1, 1, 1],
+                    moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                    moe_shared_expert_intermediate_size=32, moe_ffn_hidden_size=32, **A2A)
+    return {**MODEL, "moe": moe, "multi_latent_attention": True, "q_lora_rank": 24, "kv_lora_rank": 16,
+            "qk_head_dim": 16, "qk_pos_emb_head_dim": 8, "v_head_dim": 16, "qk_layernorm": True,
+            "position_embedding_type": "rope", "mtp_num_layers": 1}
+
+
+@pytest.mark.parametrize("layout", [Layout(1, 1, 1, None, 0, False, None), Layout(2, 1, 1, None, 0, True, None),
+                                    Layout(1, 2, 1, None, 0, False, None), Layout(1, 1, 2, None, 1, False, None, 1, 2)],
+                         ids=str)
+def test_predicted_mla_moe_mtp_memory_within_ten_percent(distributed, layout):
+    """DeepSeek-V3's shape: the latent projections, the MTP depth on the last stage, MoE with a shared expert."""
+    for predicted, measured in predicted_and_measured(distributed, layout, _deepseek_model()):
+        assert abs(predicted / measured - 1) < 0.10, (layout, predicted, measured)
