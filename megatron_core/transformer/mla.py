@@ -231,13 +231,14 @@ class MLASelfAttention(nn.Module):
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                attention_mask: Optional[torch.Tensor]) -> torch.Tensor:
-        """The core attention -> ``[s, b, heads/tp * v_head_dim]``. Its single-rank paths take a value head dim
-        that differs from the query's; the context-parallel schemes (``cp_comm_type`` p2p, a2a, allgather) move
-        and attend over equal head dims, so with cp > 1 the narrower of (q and k, v) is zero-padded (exact: zero
+        """The core attention -> ``[s, b, heads/tp * v_head_dim]``. Its eager single-rank paths take a value
+        head dim that differs from the query's. The context-parallel schemes (``cp_comm_type`` p2p, a2a,
+        allgather) move and attend over one head dim, and torch.compile's SDPA (torch 2.13 inductor) fails on
+        permuted inputs with a narrower value: there the narrower of (q and k, v) is zero-padded (exact: zero
         channels add nothing to the scores, and zero value channels give zero output channels, cut off here).
         Communication: the core attention's."""
         dqk, dv = query.shape[-1], value.shape[-1]
-        if self.cp_size == 1 or dqk == dv:
+        if dqk == dv or (self.cp_size == 1 and not torch.compiler.is_compiling()):
             return self.core_attention(query, key, value, attention_mask)
         width = max(dqk, dv)
         query, key, value = (F.pad(x, (0, width - x.shape[-1])) for x in (query, key, value))
