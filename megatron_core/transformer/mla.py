@@ -95,7 +95,8 @@ class MLASelfAttention(nn.Module):
 
     Communication, forward: the up projections' all-gathers of the latents and the all-gather of ``k_pe`` along
     s (sequence parallelism; without it an identity whose backward all-reduces over tp), the core attention's
-    context-parallel scheme, ``linear_proj``'s all-reduce (reduce-scatter). Backward: the reverse of each.
+    context-parallel scheme, ``linear_proj``'s all-reduce (reduce-scatter). Backward: the reverse of each. With
+    context parallelism the value head dim is zero-padded to the query's around the core attention (``attend``).
 
     Selective recompute: ``"mla_up_proj"`` checkpoints the up projections, rope and concatenation (its inputs,
     the latents, are kept); with ``"core_attn"`` as well one checkpoint covers both, so the expanded per-head keys

@@ -1,7 +1,8 @@
 """A tiny GPTModel with multi-latent attention: tp 2 (with and without sequence parallelism, with and without
-q_lora_rank), cp 2 (p2p, allgather, a2a) and tp 2 x cp 2 with sequence parallelism give the loss and every
-gathered weight grad of the single-process model. Under sequence parallelism the replicated down projections
-and latent norms see only their rank's tokens, so their grads are right only when summed over tp."""
+q_lora_rank, with the tp comm overlap), cp 2 (p2p, allgather, a2a) and tp 2 x cp 2 with sequence parallelism
+give the loss and every gathered weight grad of the single-process model. Under sequence parallelism the
+replicated down projections and latent norms see only their rank's tokens, so their grads are right only when
+summed over tp."""
 import pytest
 import torch
 import torch.distributed as dist
@@ -29,13 +30,15 @@ TP_CASES = {
     "q-lora-sp": dict(sequence_parallel=True),
     "q-lora": {},
     "q-direct-sp": dict(q_lora_rank=None, sequence_parallel=True),
+    "q-lora-sp-overlap": dict(sequence_parallel=True, tp_comm_overlap=True),
 }
 
 
 @pytest.mark.parametrize("name", list(TP_CASES))
 def test_tensor_parallel_matches_tp1(distributed, name):
     overrides = {**MLA_GPT, **TP_CASES[name]}
-    reference = run_tiny_model(1, {key: value for key, value in overrides.items() if key != "sequence_parallel"})
+    reference = run_tiny_model(1, {key: value for key, value in overrides.items()
+                                   if key not in ("sequence_parallel", "tp_comm_overlap")})
     results = distributed(2, run_tiny_model, 2, overrides)
     _assert_same(reference, [loss for loss, _ in results], full_grads([grads for _, grads in results]), name)
 
