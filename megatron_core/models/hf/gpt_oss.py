@@ -11,8 +11,9 @@ biases everywhere (``add_bias_linear``), the router's included.
 Experts: transformers holds them stacked, ``experts.gate_up_proj`` ``[E, h, 2f]`` with gate and up in
 alternate columns, ``gate_up_proj_bias`` ``[E, 2f]``, ``down_proj`` ``[E, f, h]``, ``down_proj_bias``
 ``[E, h]``: each of our experts reads its slice, transposed and de-interleaved into ``[gate; up]``, and an
-export stacks them back. The hub's MXFP4-quantized expert blocks (``*_blocks`` / ``*_scales``) are refused:
-load the model with transformers (which dequantizes) and ``save_pretrained`` it first.
+export stacks them back. The hub's MXFP4-quantized experts (``*_blocks`` / ``*_scales``, config.json's
+``quantization_config.quant_method: mxfp4``) are dequantized on import by ``dequantize.py`` into these same
+``gate_up_proj`` / ``down_proj`` (bf16, or ``--params-dtype``), one expert at a time; exports are unquantized.
 """
 from __future__ import annotations
 
@@ -93,10 +94,7 @@ def _flags(config: dict, path: str) -> dict:
 
 
 def _rules(flags: dict, names: Collection[str] = ()) -> list[Rule]:
-    quantized = [n for n in names if n.endswith(("_blocks", "_scales"))]
-    if quantized:
-        raise ValueError(f"the folder holds MXFP4-quantized experts ({quantized[0]!r}): load it with transformers "
-                         "(GptOssForCausalLM.from_pretrained dequantizes them) and save_pretrained it, then convert")
+    """Every tensor of the model (one layout on disk: ``names``, the folder's, are not needed)."""
     rules = [*TOP, *((OUTPUT,) if flags.get("untie_embeddings_and_output_weights") else ())]
     layer = [*LAYER, *_expert_rules(flags["num_experts"])]
     return rules + [rule.at_layer(i, "decoder.layers.{i}.", "model.layers.{i}.") for i in range(flags["num_layers"])

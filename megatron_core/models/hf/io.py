@@ -2,7 +2,9 @@
 
 Reading: config.json -> the family's adapter (by ``model_type``) -> run flags; the weights are
 ``model.safetensors``, or the shards a ``model.safetensors.index.json`` lists (each a plain file name inside the
-folder, a regular file; a missing one is named), or ``pytorch_model.bin``. Every tensor's shape is checked
+folder, a regular file; a missing one is named), or ``pytorch_model.bin``. A quantized folder (config.json's
+``quantization_config``: DeepSeek-V3's fp8, gpt-oss's mxfp4) is seen through ``dequantize.dequantized_view``:
+its stored pairs appear as the dequantized tensors the rules name. Every tensor's shape is checked
 against the config before anything is converted; each is read only when the converter asks for it.
 
 Writing: the adapter's rules turn our tensors into HF ones, packed into ``model.safetensors`` or, past
@@ -25,6 +27,7 @@ from megatron_core.checkpointing.megatron_lm_io import load_pt, regular_file_siz
 from megatron_core.checkpointing.shard_reader import open_safetensors
 from megatron_core.checkpointing.streaming import StreamingSafetensorsWriter
 from megatron_core.models.hf.base import Adapter, Rule, dims_of, expected_shape
+from megatron_core.models.hf.dequantize import dequantized_view
 from megatron_core.models.hf.registry import adapter_for_flags, get_adapter
 from megatron_core.utils.durable import atomic_file
 from megatron_core.utils.errors import InputFileError
@@ -170,7 +173,8 @@ def read_hf(hf_dir: str, base_flags: dict, *, params_dtype: Optional[str] = None
     config, adapter, path = read_hf_config(hf_dir)
     flags = {**base_flags, **adapter.flags_from_hf(config, path), "hf_model_type": adapter.model_type}
     vocab = config["vocab_size"]
-    raw_shapes, read, files = open_hf_weights(hf_dir)
+    raw_shapes, read, files = dequantized_view(config, path, *open_hf_weights(hf_dir),
+                                               DTYPES[params_dtype] if params_dtype else None)
     raw_name = {adapter.hf_name(k): k for k in raw_shapes}
     shapes = {full: raw_shapes[raw] for full, raw in raw_name.items()}
     rules = adapter.file_rules(flags, shapes.keys()) if adapter.file_rules else adapter.rules(flags)
