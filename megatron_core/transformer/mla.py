@@ -103,8 +103,9 @@ class MLASelfAttention(nn.Module):
     and values are never stored; ``"core_attn"`` alone checkpoints the core attention.
 
     With an ``inference_cache`` the cache keeps, per token and layer, the normed key/value latent
-    (``kv_lora_rank``) and the roped shared key (``qk_pos_emb_head_dim``), not the per-head keys and values; each
-    step up-projects every cached latent again (no sequence or context parallelism, causal mask only).
+    (``kv_lora_rank``) and the roped shared key (``qk_pos_emb_head_dim``), not the per-head keys and values; the
+    prompt's latents are up-projected, later steps attend over the latents with the up projection absorbed
+    into the query and output (``decode``; no sequence or context parallelism, causal mask only).
     """
 
     def __init__(self, config: TransformerConfig, *, layer_number: int, parallel_state: ParallelState,
@@ -219,16 +220,45 @@ class MLASelfAttention(nn.Module):
         return torch.cat([k_nope, k_pe], dim=-1), value
 
     def expand(self, q_input: torch.Tensor, kv_latent: torch.Tensor, k_pe: torch.Tensor,
-               rotary_pos_emb: Optional[torch.Tensor], inference_cache: Optional[InferenceCache] = None):
+               rotary_pos_emb: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The outputs of ``compress`` -> ``(query, key, value)`` for the core attention (the "mla_up_proj"
-        region). With ``inference_cache`` the new tokens' latent and rotated k_pe are appended to it first and
-        the keys / values of every cached token are up-projected."""
+        region)."""
+        query = self.project_query(q_input, rotary_pos_emb)
+        key, value = self.project_key_value(kv_latent, self.shared_key_pe(k_pe, rotary_pos_emb))
+        return query, key, value
+
+    def decode(self, q_input: torch.Tensor, kv_latent: torch.Tensor, k_pe: torch.Tensor,
+               rotary_pos_emb: Optional[torch.Tensor], inference_cache: InferenceCache) -> torch.Tensor:
+        """Attention of the new tokens over every cached one -> ``[s, b, heads/tp * v_head_dim]``, after
+        appending the new tokens' latent and rotated k_pe to the cache. With nothing cached yet (the prompt) the
+        latents are up-projected; later steps absorb the up projection instead (``_absorbed_attention``)."""
+        attention_mask = inference_cache.attention_mask(q_input.shape[0], q_input.device)
+        absorb = inference_cache.offset > 0
         query = self.project_query(q_input, rotary_pos_emb)
         k_pe = self.shared_key_pe(k_pe, rotary_pos_emb)
-        if inference_cache is not None:
-            kv_latent, k_pe = inference_cache.update_latent(self.layer_number, kv_latent, k_pe)  # [offset + s, ...]
-        key, value = self.project_key_value(kv_latent, k_pe)
-        return query, key, value
+        kv_latent, k_pe = inference_cache.update_latent(self.layer_number, kv_latent, k_pe)  # [offset + s, b, ...]
+        if absorb:
+            return self._absorbed_attention(query, kv_latent, k_pe, attention_mask)
+        return self.core_attention(query, *self.project_key_value(kv_latent, k_pe), attention_mask)
+
+    def _absorbed_attention(self, query: torch.Tensor, latents: torch.Tensor, k_pe: torch.Tensor,
+                            attention_mask: Optional[torch.Tensor]) -> torch.Tensor:
+        """query ``[s, b, heads/tp, dn + p]`` over every cached latent ``[S, b, r]`` and k_pe ``[S, b, p]`` ->
+        ``[s, b, heads/tp * dv]`` without up-projecting the cache (DeepSeek-V2's absorption): ``q_nope . W_k c =
+        (W_k^T q_nope) . c`` and ``sum_j p_j W_v c_j = W_v sum_j p_j c_j``, so the heads attend over one shared
+        key ``[c; k_pe]`` and value ``c``, and only the new tokens meet ``W_k``, ``W_v``. Reads
+        ``linear_kv_up_proj.weight`` itself (parameters in place, as generation builds the model). No
+        communication."""
+        config = self.config
+        weight = self.linear_kv_up_proj.weight.view(self.heads_per_rank, config.qk_head_dim + config.v_head_dim,
+                                                    config.kv_lora_rank)
+        w_k, w_v = torch.split(weight, [config.qk_head_dim, config.v_head_dim], dim=1)
+        q_nope, q_pe = torch.split(query, [config.qk_head_dim, config.qk_pos_emb_head_dim], dim=-1)
+        q_latent = torch.einsum("sbhd,hdr->sbhr", q_nope, w_k)
+        key = torch.cat([latents, k_pe], dim=-1).unsqueeze(2)  # [S, b, 1, r + p]
+        context = self.core_attention(torch.cat([q_latent, q_pe], dim=-1), key, latents.unsqueeze(2), attention_mask)
+        context = context.view(*context.shape[:2], self.heads_per_rank, config.kv_lora_rank)  # [s, b, heads/tp, r]
+        return torch.einsum("sbhr,hvr->sbhv", context, w_v).flatten(2)
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                attention_mask: Optional[torch.Tensor]) -> torch.Tensor:
@@ -262,9 +292,7 @@ class MLASelfAttention(nn.Module):
         core_attn = self.config.recomputes("core_attn")
         if inference_cache is not None:
             self._check_cache(attention_mask)
-            attention_mask = inference_cache.attention_mask(hidden.shape[0], hidden.device)
-            query, key, value = self.expand(*latents, rotary_pos_emb, inference_cache)
-            context = self.core_attention(query, key, value, attention_mask)
+            context = self.decode(*latents, rotary_pos_emb, inference_cache)
         elif up_proj and core_attn:
             context = checkpoint(self._expand_and_attend, *latents, rotary_pos_emb, attention_mask,
                                  rng_tracker=self.rng_tracker)

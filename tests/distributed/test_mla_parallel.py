@@ -10,7 +10,8 @@ import torch.distributed as dist
 from megatron_core import destroy_model_parallel, initialize_model_parallel
 from megatron_core.context_parallel import split_sequence
 from megatron_core.distributed import finalize_model_grads
-from tests.model_helpers import build_model, full_grads, make_batch, run_tiny_model, tiny_config
+from megatron_core.transformer import InferenceCache
+from tests.model_helpers import SEQ, VOCAB, build_model, full_grads, make_batch, run_tiny_model, tiny_config
 from tests.unit.test_mla import MLA_GPT
 
 LOSS_TOL = dict(rtol=1e-5, atol=1e-6)
@@ -93,3 +94,23 @@ def test_context_parallel_matches_cp1(distributed, name):
         torch.testing.assert_close(loss, expected, **LOSS_TOL, msg=lambda m: f"{name} loss tp {tp_rank} cp {cp_rank}")
     first_cp = sorted((tp_rank, grads) for tp_rank, cp_rank, _, grads in results if cp_rank == 0)
     _assert_same((ref_loss, ref_grads), [], full_grads([grads for _, grads in first_cp]), name)
+
+
+def _decode_logits(tp: int):
+    """Full-forward and incremental logits (prompt, then one token at a time from the latent cache)."""
+    state = initialize_model_parallel(tensor_model_parallel_size=tp)
+    model = build_model(tiny_config(tensor_model_parallel_size=tp, **MLA_GPT), state, parallel_output=False).eval()
+    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        full = model(tokens, torch.arange(SEQ).expand(2, SEQ))
+        cache = InferenceCache(max_sequence_length=SEQ, batch_size=2)
+        steps = [model(tokens[:, :4], None, inference_cache=cache)]
+        steps += [model(tokens[:, i:i + 1], None, inference_cache=cache) for i in range(4, SEQ)]
+    return full, torch.cat(steps, 1)
+
+
+def test_latent_cache_decoding_at_tp2_matches_tp1(distributed):
+    reference, _ = _decode_logits(1)
+    for full, incremental in distributed(2, _decode_logits, 2):
+        torch.testing.assert_close(full, reference, **LOSS_TOL)
+        torch.testing.assert_close(incremental, reference, rtol=0, atol=1e-5)

@@ -105,13 +105,17 @@ def test_incremental_decoding_from_the_latent_cache_equals_full_forward():
     model = _mla_gpt(state).eval()
     assert type(model.decoder.layers[0].self_attention) is MLASelfAttention  # through layer_spec_for
     tokens = torch.randint(0, VOCAB, (2, SEQ))
+    up_projections = []
     with torch.no_grad():
         full = model(tokens, torch.arange(SEQ).expand(2, SEQ))
+        for layer in model.decoder.layers:
+            layer.self_attention.linear_kv_up_proj.register_forward_pre_hook(lambda *_: up_projections.append(1))
         cache = InferenceCache(max_sequence_length=SEQ, batch_size=2)
         steps = [model(tokens[:, :3], None, inference_cache=cache)]
         steps += [model(tokens[:, i:i + 1], None, inference_cache=cache) for i in range(3, 5)]
         steps.append(model(tokens[:, 5:], None, inference_cache=cache))  # several new tokens after a cache
     torch.testing.assert_close(torch.cat(steps, 1), full, rtol=0, atol=1e-5)
+    assert len(up_projections) == 2  # the prompt's, per layer; later steps absorb the up projection
     config = model.config
     assert not cache.key_value and sorted(cache.latents) == [1, 2]  # latents only, no per-head keys / values
     measured = sum(t.numel() * t.element_size() for pair in cache.latents.values() for t in pair) / (SEQ * 2)
