@@ -78,7 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ckpt-format", choices=["torch", "torch_dist"], default="torch_dist",
                    help="--saver core: Megatron-LM's checkpoint format to write")
     p.add_argument("--params-dtype", choices=["fp32", "bf16", "fp16"], default=None,
-                   help="--loader hf: convert every tensor to this dtype (default: keep the folder's)")
+                   help="--loader hf: convert every tensor to this dtype (default: keep the folder's; fp8 / "
+                        "mxfp4-quantized weights dequantize to bf16)")
     p.add_argument("--max-shard-size", default="50GB",
                    help="--saver hf: largest safetensors file (transformers' units: 5GB, 500MB, 2GiB; default 50GB "
                         "as save_pretrained); past it the weights are sharded with model.safetensors.index.json")
@@ -162,11 +163,23 @@ def convert(args: argparse.Namespace) -> str:
                                   expert_tensor_parallel_size=etp)
 
 
+def _hf_quantization(directory: str):
+    """config.json's ``quantization_config.quant_method`` (None for an unquantized folder)."""
+    import json
+    with open(os.path.join(directory, "config.json")) as handle:
+        return (json.load(handle).get("quantization_config") or {}).get("quant_method")
+
+
 def reference_logits(kind: str, directory: str, tokens: torch.Tensor) -> torch.Tensor:
     """fp32 logits ``[b, s, V]`` of the model in ``directory`` (built at tp 1, pp 1; HF via transformers)."""
     if kind == "hf":
         import transformers
-        model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+        try:
+            model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+        except ImportError as error:  # a quantized folder: transformers' fp8 / mxfp4 loaders want accelerate
+            raise ValueError(f"--check loads {directory} in transformers as the reference, which cannot load its "
+                             f"{_hf_quantization(directory)!r}-quantized weights here ({error}); convert without "
+                             "--check, or check a dequantized export (--saver hf) instead") from error
         with torch.no_grad():
             return model(tokens).logits.float()
     from megatron_core import initialize_model_parallel
