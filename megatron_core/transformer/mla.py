@@ -246,18 +246,21 @@ class MLASelfAttention(nn.Module):
         """query ``[s, b, heads/tp, dn + p]`` over every cached latent ``[S, b, r]`` and k_pe ``[S, b, p]`` ->
         ``[s, b, heads/tp * dv]`` without up-projecting the cache (DeepSeek-V2's absorption): ``q_nope . W_k c =
         (W_k^T q_nope) . c`` and ``sum_j p_j W_v c_j = W_v sum_j p_j c_j``, so the heads attend over one shared
-        key ``[c; k_pe]`` and value ``c``, and only the new tokens meet ``W_k``, ``W_v``. Reads
+        key ``[c; k_pe]`` and value ``c``, and only the new tokens meet ``W_k``, ``W_v``. The heads become query
+        rows of that one head (row ``i * heads + h``), so the shared key is never repeated per head. Reads
         ``linear_kv_up_proj.weight`` itself (parameters in place, as generation builds the model). No
         communication."""
-        config = self.config
-        weight = self.linear_kv_up_proj.weight.view(self.heads_per_rank, config.qk_head_dim + config.v_head_dim,
-                                                    config.kv_lora_rank)
+        config, heads, rank = self.config, self.heads_per_rank, self.config.kv_lora_rank
+        weight = self.linear_kv_up_proj.weight.view(heads, config.qk_head_dim + config.v_head_dim, rank)
         w_k, w_v = torch.split(weight, [config.qk_head_dim, config.v_head_dim], dim=1)
         q_nope, q_pe = torch.split(query, [config.qk_head_dim, config.qk_pos_emb_head_dim], dim=-1)
-        q_latent = torch.einsum("sbhd,hdr->sbhr", q_nope, w_k)
+        query = torch.cat([torch.einsum("sbhd,hdr->sbhr", q_nope, w_k), q_pe], dim=-1)  # [s, b, heads/tp, r + p]
+        s, b = query.shape[:2]
+        rows = query.transpose(1, 2).reshape(s * heads, b, 1, -1)
+        mask = attention_mask.unsqueeze(3).expand(-1, -1, -1, heads, -1).flatten(2, 3)  # [1, 1, s * heads, S]
         key = torch.cat([latents, k_pe], dim=-1).unsqueeze(2)  # [S, b, 1, r + p]
-        context = self.core_attention(torch.cat([q_latent, q_pe], dim=-1), key, latents.unsqueeze(2), attention_mask)
-        context = context.view(*context.shape[:2], self.heads_per_rank, config.kv_lora_rank)  # [s, b, heads/tp, r]
+        context = self.core_attention(rows, key, latents.unsqueeze(2), mask)  # [s * heads, b, r]
+        context = context.view(s, heads, b, rank).transpose(1, 2)  # [s, b, heads/tp, r]
         return torch.einsum("sbhr,hvr->sbhv", context, w_v).flatten(2)
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
