@@ -40,6 +40,13 @@ class RNGStatesTracker:
         self.device = torch.device(device)
         self._states: dict[str, torch.Tensor] = {}
         self._seeds: set[int] = set()
+        self.recompute_depth = 0
+        """> 0 while a ``checkpoint`` with this tracker re-runs its function in backward: counters a forward
+        updates once per step (MoE loss sums, expert-bias token counts) skip that second pass."""
+
+    @property
+    def recomputing(self) -> bool:
+        return self.recompute_depth > 0
 
     def reset(self) -> None:
         self._states.clear()
@@ -94,15 +101,6 @@ def model_parallel_seed(seed: int, *, tp_rank: int, device: torch.device | str =
     return tracker
 
 
-_recompute_depth = 0
-
-
-def is_recomputing() -> bool:
-    """Whether a ``checkpoint`` (with an rng tracker) is re-running its function in backward: counters that a
-    forward updates once per step (MoE loss sums, expert-bias token counts) skip the second pass."""
-    return _recompute_depth > 0
-
-
 class _ReplayTrackerStates:
     """Snapshots the tracker's states at forward time and replays them while the checkpoint recomputes."""
 
@@ -117,14 +115,13 @@ class _ReplayTrackerStates:
 
     @contextlib.contextmanager
     def recompute(self) -> Iterator[None]:
-        global _recompute_depth
         current = self.tracker.get_states()
         self.tracker.set_states(self.saved)
-        _recompute_depth += 1
+        self.tracker.recompute_depth += 1
         try:
             yield
         finally:
-            _recompute_depth -= 1
+            self.tracker.recompute_depth -= 1
             self.tracker.set_states(current)
 
 

@@ -158,10 +158,10 @@ def test_bad_inputs_name_the_file_and_tensor(trained, hf_model, tmp_path):
     os.remove(os.path.join(os.path.dirname(metadata_path), "model_tp01_pp000.safetensors"))
     with pytest.raises(ValueError, match=r"model_tp01_pp000.safetensors \(shard of tensor 'embedding"):
         _convert(tmp_path / "b", tmp_path / "c", 1, 1)
-    (tmp_path / "deepseek").mkdir()
-    (tmp_path / "deepseek" / "config.json").write_text(json.dumps({"model_type": "deepseek_v3"}))
-    with pytest.raises(ValueError, match="model_type 'deepseek_v3' is not supported yet.*supported: gpt2, llama"):
-        _convert(tmp_path / "deepseek", tmp_path / "d", 1, 1, loader="hf")
+    (tmp_path / "qwen2_moe").mkdir()
+    (tmp_path / "qwen2_moe" / "config.json").write_text(json.dumps({"model_type": "qwen2_moe"}))
+    with pytest.raises(ValueError, match="model_type 'qwen2_moe' is not supported yet.*supported: gpt2, llama"):
+        _convert(tmp_path / "qwen2_moe", tmp_path / "d", 1, 1, loader="hf")
 
 
 def test_generate_cli_writes_json(trained, tmp_path):

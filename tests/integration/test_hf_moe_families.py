@@ -241,7 +241,7 @@ def test_bad_moe_folders_and_layouts_exit_2_naming_the_problem(folders, tmp_path
     assert "no tensor 'model.layers.1.block_sparse_moe.experts.3.w2.weight'" in err, err
     folder = copy("qwen3_moe")
     _edit_config(folder, model_type="qwen2_moe")
-    assert "model_type 'qwen2_moe' is not supported yet (shared experts)" in _refused(capsys, folder, out)
+    assert "model_type 'qwen2_moe' is not supported yet (gated shared experts)" in _refused(capsys, folder, out)
 
 
 def test_export_of_an_moe_run_picks_the_family_by_architecture():

@@ -97,7 +97,8 @@ def test_checkpoint_saved_at_ep2_continues_at_ep1(distributed, reference, tmp_pa
                                                                    "--tensor-model-parallel-size 1"),
     (["--num-experts", "4", *TP2_SP, "--expert-tensor-parallel-size", "4"],
      "--expert-tensor-parallel-size 4 must be 1 or --tensor-model-parallel-size 2"),
-    (["--num-experts", "4", "--moe-router-num-groups", "2"], "--moe-router-num-groups 2"),
+    (["--num-experts", "4", "--moe-router-num-groups", "2"], "needs both --moe-router-num-groups and "
+                                                              "--moe-router-group-topk"),
 ])
 def test_bad_moe_input_exits_2_naming_the_values(argv, named):
     result = subprocess.run([sys.executable, "-c", "from megatron_core.training.arguments import parse_args; "

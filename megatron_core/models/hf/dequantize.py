@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from types import MappingProxyType
 from typing import Callable, Optional
 
 import torch
@@ -41,9 +42,10 @@ FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2
 FLOAT_SCALES = ("F32", "BF16", "F16", "F8_E8M0")
 EXPONENT_SCALES = ("U8",)
 METHODS = ("fp8", "mxfp4")
-_TORCH_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
-                torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.uint8: "U8", torch.int8: "I8",
-                **({torch.float8_e8m0fnu: "F8_E8M0"} if hasattr(torch, "float8_e8m0fnu") else {})}
+_TORCH_NAMES = MappingProxyType({
+    torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
+    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.uint8: "U8", torch.int8: "I8",
+    **({torch.float8_e8m0fnu: "F8_E8M0"} if hasattr(torch, "float8_e8m0fnu") else {})})
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,7 +21,6 @@ from megatron_core.config import TransformerConfig
 from megatron_core.parallel_state import ParallelState
 from megatron_core.tensor_parallel import init_method_normal, set_tensor_model_parallel_attributes
 from megatron_core.tensor_parallel.initialization import InitRecipe, init_method_constant, init_param_
-from megatron_core.tensor_parallel.random import is_recomputing
 from megatron_core.transformer.moe.config import MoEConfig
 from megatron_core.transformer.moe.losses import attach_loss, sequence_aux_loss, switch_aux_loss, z_loss
 
@@ -230,7 +229,7 @@ class TopKRouter(nn.Module):
         if self.moe.moe_router_force_load_balancing:
             with self.rng_tracker.fork():
                 logits = _RandomLogits.apply(logits)
-        training = self.training and torch.is_grad_enabled() and not is_recomputing()  # count each step once
+        training = self.training and torch.is_grad_enabled() and not self.rng_tracker.recomputing  # once a step
         z_coeff = self.moe.moe_z_loss_coeff or 0.0
         if z_coeff > 0:
             loss = z_loss(logits, coeff=z_coeff, split_group=self.split_group)
