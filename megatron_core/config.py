@@ -19,6 +19,7 @@ CP_COMM_TYPES = ("p2p", "a2a", "allgather")
 all-gather of K/V."""
 
 if TYPE_CHECKING:
+    from megatron_core.fp8.config import Fp8Config
     from megatron_core.transformer.moe.config import MoEConfig
 
 
@@ -35,6 +36,9 @@ class ModelParallelConfig:
     tensor_model_parallel_size: Optional[int] = None
     pipeline_model_parallel_size: Optional[int] = None
     virtual_pipeline_model_parallel_size: Optional[int] = None
+    microbatch_group_size_per_vp_stage: Optional[int] = None
+    """Interleaved schedule: micro-batches run on one virtual stage before the next (Megatron's
+    ``--microbatch-group-size-per-virtual-pipeline-stage``); None = pipeline_model_parallel_size (depth-first)."""
     context_parallel_size: Optional[int] = None
     """Ranks the sequence is split over (load-balanced causal split; see ``megatron_core.context_parallel``)."""
     cp_comm_type: str = "p2p"
@@ -53,6 +57,7 @@ class ModelParallelConfig:
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        self._validate_microbatch_group()
         if self.cp_comm_type not in CP_COMM_TYPES:
             raise ValueError(f"cp_comm_type must be one of {CP_COMM_TYPES}, got {self.cp_comm_type!r}")
         if self.bf16 and self.fp16:
@@ -63,6 +68,16 @@ class ModelParallelConfig:
         if self.tp_comm_overlap and not self.sequence_parallel:
             raise ValueError("tp_comm_overlap=True needs sequence_parallel=True: it overlaps the sequence-parallel "
                              "all-gather / reduce-scatter with the GEMMs")
+
+    def _validate_microbatch_group(self) -> None:
+        group, pp, vpp = (self.microbatch_group_size_per_vp_stage, self.pipeline_model_parallel_size,
+                          self.virtual_pipeline_model_parallel_size)
+        if group is None:
+            return
+        if group < 1 or (pp is not None and (vpp or 1) > 1 and group < pp):
+            raise ValueError(f"microbatch_group_size_per_vp_stage {group} must be >= pipeline_model_parallel_size "
+                             f"{pp} with virtual stages (virtual_pipeline_model_parallel_size {vpp}): each virtual "
+                             "stage runs at least pp micro-batches before the next")
 
     def bind_layout(self, state) -> "ModelParallelConfig":
         """This config with the layout sizes of ``state`` (a ``ParallelState``): fields left at None take the
@@ -154,6 +169,13 @@ class TransformerConfig(ArchitectureVariants, ModelParallelConfig):
     first_pipeline_num_layers: Optional[int] = None
     """Layers on the first pipeline stage when the split is uneven (the rest are spread evenly)."""
     last_pipeline_num_layers: Optional[int] = None
+    pipeline_model_parallel_layout: Optional[list[int]] = None
+    """Transformer layers of every model chunk in Megatron's chunk order (chunk i on pipeline rank i % pp,
+    virtual stage i // pp; pp x vpp entries, zeros allowed); global layer order follows the chunk order.
+    Parsed from ``--pipeline-model-parallel-layout`` by ``pipeline_parallel.layout.parse_layout``; instead of
+    first/last_pipeline_num_layers."""
+    fp8: Optional["Fp8Config"] = None
+    """FP8 training settings (``megatron_core.fp8.Fp8Config``); None = the linears run in params/bf16 dtype."""
     moe: Optional["MoEConfig"] = None
     """Mixture-of-experts settings (``megatron_core.transformer.moe.MoEConfig``); None = dense MLPs. Build the
     model with ``moe_layer_spec()`` for them to act."""
@@ -274,6 +296,9 @@ class TransformerConfig(ArchitectureVariants, ModelParallelConfig):
             raise ValueError(f"recompute_modules {unknown} are not among {RECOMPUTE_MODULES}")
 
     def _validate_pipeline_split(self) -> None:
+        if self.pipeline_model_parallel_layout is not None:
+            self._validate_layout()
+            return
         pp, vpp = self.pipeline_model_parallel_size or 1, self.virtual_pipeline_model_parallel_size or 1
         first, last = self.first_pipeline_num_layers, self.last_pipeline_num_layers
         values = (f"num_layers={self.num_layers}, pipeline_model_parallel_size={pp}, "
@@ -295,15 +320,32 @@ class TransformerConfig(ArchitectureVariants, ModelParallelConfig):
             raise ValueError(f"the uneven pipeline split does not work out: {middle_layers} layers left for "
                              f"{middle_stages} other stages ({values})")
 
+    def _validate_layout(self) -> None:
+        from megatron_core.pipeline_parallel.layout import check_chunk_counts
+        first, last = self.first_pipeline_num_layers, self.last_pipeline_num_layers
+        if first is not None or last is not None:
+            raise ValueError(f"pipeline_model_parallel_layout {self.pipeline_model_parallel_layout} and "
+                             f"first_pipeline_num_layers={first} / last_pipeline_num_layers={last} are two ways to "
+                             "split the layers: give one of them")
+        self.pipeline_model_parallel_layout = list(self.pipeline_model_parallel_layout)
+        check_chunk_counts(self.pipeline_model_parallel_layout, num_layers=self.num_layers,
+                           pp=self.pipeline_model_parallel_size, vpp=self.virtual_pipeline_model_parallel_size)
+
     def pipeline_layer_range(self, pp_rank: int, vp_stage: Optional[int] = None) -> tuple[int, int]:
         """``(offset, count)``: the 0-based global index of the first layer of pipeline rank ``pp_rank``
         (model chunk ``vp_stage`` with interleaving) and its number of layers.
 
         Even split: ``num_layers / (pp * vpp)`` layers per chunk, chunk v of rank r starting at layer
         ``(v * pp + r) * per_chunk``. Uneven split: the first/last stage hold the given counts and the other
-        stages share the rest evenly.
+        stages share the rest evenly. With ``pipeline_model_parallel_layout``: chunk ``v * pp + r``'s count,
+        after the layers of every earlier chunk.
         """
         pp, vpp = self.pipeline_model_parallel_size or 1, self.virtual_pipeline_model_parallel_size or 1
+        if self.pipeline_model_parallel_layout is not None:
+            from megatron_core.pipeline_parallel.layout import chunk_layer_range
+            counts = self.pipeline_model_parallel_layout
+            return chunk_layer_range(counts, self.pipeline_model_parallel_size or len(counts) // vpp, pp_rank,
+                                     vp_stage)
         first, last = self.first_pipeline_num_layers, self.last_pipeline_num_layers
         if first is None and last is None:
             per_chunk = self.num_layers // (pp * vpp)
