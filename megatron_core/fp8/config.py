@@ -52,6 +52,18 @@ class Fp8Config:
         return self.num_layers_at_start_in_bf16 < layer_number <= num_layers - self.num_layers_at_end_in_bf16
 
 
+def fp8_runs_emulated() -> Optional[str]:
+    """Why FP8 GEMMs run emulated here (no CUDA device, or compute capability below 8.9), or None when this
+    process's CUDA device has FP8 tensor cores."""
+    import torch
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    major, minor = torch.cuda.get_device_capability()
+    if (major, minor) < (8, 9):
+        return f"compute capability {major}.{minor} has no FP8 tensor cores (8.9+: Ada, Hopper, Blackwell)"
+    return None
+
+
 def layer_fp8(config, layer_number: int) -> Optional[Fp8Config]:
     """The ``Fp8Config`` global layer ``layer_number`` of ``config`` (a TransformerConfig) runs with, or None.
     MTP layers (numbered past ``num_layers``) count as last layers."""
@@ -61,4 +73,4 @@ def layer_fp8(config, layer_number: int) -> Optional[Fp8Config]:
     return fp8 if fp8.applies_to_layer(min(layer_number, config.num_layers), config.num_layers) else None
 
 
-__all__ = ["Fp8Config", "layer_fp8", "FP8_FORMATS", "FP8_RECIPES", "AMAX_COMPUTE_ALGOS"]
+__all__ = ["Fp8Config", "layer_fp8", "fp8_runs_emulated", "FP8_FORMATS", "FP8_RECIPES", "AMAX_COMPUTE_ALGOS"]

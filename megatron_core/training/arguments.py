@@ -19,7 +19,15 @@ import torch
 from megatron_core.config import TransformerConfig
 from megatron_core.training import arguments_megatron as megatron_flags
 from megatron_core.training import megatron_table
+from megatron_core.training.arguments_fp8 import add_fp8_flags, fp8_config, validate_fp8_flags
 from megatron_core.training.arguments_moe import add_moe_flags, moe_config, validate_moe_flags
+from megatron_core.training.arguments_pipeline import (  # noqa: F401 (pipeline_split: re-exported)
+    check_pipeline_flags,
+    pipeline_layout,
+    pipeline_split,
+    virtual_pipeline_flags,
+    virtual_pipeline_size,
+)
 from megatron_core.training.arguments_variants import add_variant_flags, variant_config_kwargs
 from megatron_core.training.elastic import add_elastic_flags, validate_elastic_flags
 from megatron_core.training.schedule import validate_schedule_flags
@@ -94,6 +102,15 @@ def _parallel_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--account-for-loss-in-pipeline-split", action="store_true",
                    help="count the output layer and loss as one layer of the last stage when splitting the layers")
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    g.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None,
+                   help="model chunks per pipeline rank (interleaved 1F1B): --num-layers split evenly over pp x N")
+    g.add_argument("--pipeline-model-parallel-layout", default=None, metavar="LAYOUT",
+                   help="the model's chunks in order, split by '|': E embedding, t transformer layer, m MTP layer, "
+                        "L loss; X*N and (...)*N repeat, e.g. 'Et*3|(tt|)*6tmL'; pp x vpp chunks set vpp "
+                        "(docs/pipeline_parallel.md)")
+    g.add_argument("--microbatch-group-size-per-virtual-pipeline-stage", type=int, default=None,
+                   dest="microbatch_group_size_per_vp_stage",
+                   help="interleaved schedule: micro-batches each virtual stage runs before the next (default pp)")
     g.add_argument("--enable-zero-bubble", action="store_true",
                    help="the zero-bubble ZB-H1 pipeline schedule (input and weight gradients in separate passes): "
                         "1F1B's memory, a third of its bubble; needs pp > 1, no virtual stages, ZeRO 0-2 (the flag "
@@ -261,6 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
     megatron_flags.add_megatron_flags(parser)
     add_moe_flags(parser)
     add_variant_flags(parser)
+    add_fp8_flags(parser)
     add_elastic_flags(parser)
     megatron_table.add_no_op_flags(parser)
     parser.widened_choices = megatron_table.widen_choices(parser)
@@ -362,9 +380,8 @@ def _check_zero_bubble(args: argparse.Namespace) -> None:
     if args.pipeline_model_parallel_size == 1:
         raise ValueError("--enable-zero-bubble needs --pipeline-model-parallel-size > 1 (got 1): it is a pipeline "
                          "schedule")
-    if args.num_layers_per_virtual_pipeline_stage is not None:
-        raise ValueError("--enable-zero-bubble runs without virtual stages: drop "
-                         f"--num-layers-per-virtual-pipeline-stage {args.num_layers_per_virtual_pipeline_stage}")
+    if virtual_pipeline_size(args):
+        raise ValueError(f"--enable-zero-bubble runs without virtual stages: drop {virtual_pipeline_flags(args)[0]}")
     if args.zero_stage == 3:
         raise ValueError("--enable-zero-bubble cannot run with ZeRO-3 (its parameter gathering follows the backward, "
                          "and the weight gradients come later): use --zero-stage 0-2")
@@ -394,8 +411,7 @@ def validate_args(args: argparse.Namespace) -> None:
     if args.ignore_mismatched_sizes and not args.finetune:
         raise ValueError("--ignore-mismatched-sizes changes shapes on purpose and needs --finetune (a resumed run "
                          "must match its checkpoint)")
-    if args.num_layers_per_virtual_pipeline_stage is not None and args.pipeline_model_parallel_size == 1:
-        raise ValueError("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
+    check_pipeline_flags(args)
     args.zero_stage = zero_stage(args)
     _check_zero_bubble(args)
     if args.overlap_param_gather and args.zero_stage == 0:
@@ -422,43 +438,15 @@ def validate_args(args: argparse.Namespace) -> None:
         args.tokenizer_type = "GPT2BPETokenizer"  # Megatron's default tokenizer
     megatron_flags.validate_megatron_flags(args)
     validate_moe_flags(args)
+    validate_fp8_flags(args)
     validate_elastic_flags(args)
-
-
-def pipeline_split(args: argparse.Namespace) -> tuple[Optional[int], Optional[int]]:
-    """``(first, last)`` stage layer counts (None: an even share). ``--account-for-embedding/loss-in-pipeline-
-    split`` count the embedding / the loss as a layer: the stages then split ``num_layers`` plus those evenly
-    and the first / last one holds one transformer layer fewer (Megatron-LM's rule)."""
-    first, last = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
-    embedding, loss = args.account_for_embedding_in_pipeline_split, args.account_for_loss_in_pipeline_split
-    pp = args.pipeline_model_parallel_size
-    if not (embedding or loss) or pp == 1:
-        return first, last
-    if first is not None or last is not None:
-        raise ValueError("--account-for-embedding/loss-in-pipeline-split and --decoder-first/last-pipeline-num-layers "
-                         "are two ways to split the layers: give one of them")
-    total = args.num_layers + int(embedding) + int(loss)
-    if total % pp:
-        raise ValueError(f"--num-layers {args.num_layers} plus the embedding and loss counted as layers ({total}) is "
-                         f"not divisible by --pipeline-model-parallel-size {pp}")
-    return (total // pp - 1 if embedding else None), (total // pp - 1 if loss else None)
-
-
-def virtual_pipeline_size(args: argparse.Namespace) -> Optional[int]:
-    per_stage = args.num_layers_per_virtual_pipeline_stage
-    if per_stage is None:
-        return None
-    pp = args.pipeline_model_parallel_size
-    if args.num_layers % (pp * per_stage) != 0:
-        raise ValueError(f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp} x "
-                         f"--num-layers-per-virtual-pipeline-stage {per_stage}")
-    return args.num_layers // (pp * per_stage)
 
 
 def transformer_config(args: argparse.Namespace) -> TransformerConfig:
     """The model config the flags describe (raises ValueError naming invalid values)."""
     dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
-    first_stage_layers, last_stage_layers = pipeline_split(args)
+    layout = pipeline_layout(args)
+    first_stage_layers, last_stage_layers = pipeline_split(args) if layout is None else (None, None)
     return TransformerConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
         num_attention_heads=args.num_attention_heads, kv_channels=args.kv_channels,
@@ -485,10 +473,12 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         first_pipeline_num_layers=first_stage_layers, last_pipeline_num_layers=last_stage_layers,
+        pipeline_model_parallel_layout=layout,
+        microbatch_group_size_per_vp_stage=args.microbatch_group_size_per_vp_stage,
         context_parallel_size=args.context_parallel_size, cp_comm_type=_one_cp_comm_type(args.cp_comm_type),
         virtual_pipeline_model_parallel_size=virtual_pipeline_size(args), sequence_parallel=args.sequence_parallel,
         tp_comm_overlap=args.tp_comm_overlap, params_dtype=dtype, bf16=args.bf16, fp16=args.fp16,
-        moe=moe_config(args), compile=args.compile, **variant_config_kwargs(args))
+        moe=moe_config(args), fp8=fp8_config(args), compile=args.compile, **variant_config_kwargs(args))
 
 
 def exit_with_config_error(error: object, status: int = 2) -> NoReturn:

@@ -59,13 +59,14 @@ _VALUE_NO_OPS = MappingProxyType({"--transformer-impl": ["local", "transformer_e
 
 _MOE = ("this mixture-of-experts option is not built (the --moe-* flags of pretrain_gpt.py --help are); drop "
         "it")
-_FP8 = ("fp8/fp4 training needs Transformer Engine on an fp8-capable GPU, which this framework does not use; drop "
-        "these flags (--bf16 is the closest supported precision)")
+_FP8 = "this FP8 option is not built (--fp8-format, --fp8-recipe, --fp8-amax-*, --fp8-margin, --fp8-param-gather are)"
+_FP4 = ("fp4 training needs Transformer Engine's NVFP4 kernels on a Blackwell GPU, which this framework does not "
+        "use; drop these flags (--fp8-format hybrid is the closest supported precision)")
 _MTP = "this multi-token prediction option is not built (--mtp-num-layers and --mtp-loss-scaling-factor are); drop it"
 _CUDA_GRAPH = "CUDA graphs are not built; drop these flags"
 _MODELOPT = ("Model Optimizer's export and distillation flags (its own extra arguments of pretrain_gpt.py) are not "
              "built; drop them")
-REFUSED_PREFIXES: dict[str, str] = MappingProxyType({"--moe-": _MOE, "--fp8": _FP8, "--fp4": _FP8, "--mtp-": _MTP,
+REFUSED_PREFIXES: dict[str, str] = MappingProxyType({"--moe-": _MOE, "--fp8": _FP8, "--fp4": _FP4, "--mtp-": _MTP,
                                                      "--cuda-graph": _CUDA_GRAPH, "--export-": _MODELOPT})
 REFUSED_FLAGS: dict[str, str] = MappingProxyType({
     "--enable-cuda-graph": _CUDA_GRAPH, "--external-cuda-graph": _CUDA_GRAPH,

@@ -35,14 +35,12 @@ _INFRA = "an NVIDIA cluster service (logging, fault tolerance, straggler detecti
 _INFER = "an inference-engine option: a pretraining run never reads it (as Megatron-LM's pretrain_gpt.py)"
 _LOG = "an extra log or profiler detail; the log line, TensorBoard and --profile keep their own"
 _OTHER_MODEL = "another model family (BERT, T5, vision, retrieval, Mamba/hybrid, RL): pretrain_gpt.py trains GPT"
-_FP8 = "fp8/fp4 training needs Transformer Engine on an fp8-capable GPU, which this framework does not use"
+_FP8 = ("fp4 training and Transformer Engine's quantizer factories / precision files need Transformer Engine, which "
+        "this framework does not use (the --fp8-* recipes are built: emulated on CPU, torch._scaled_mm on GPUs)")
 _OPT = "this optimizer option is not built (adam and sgd with fp32 master weights are)"
 _OFFLOAD = ("fine-grained activation/CPU offloading of modules is not built; --optimizer-cpu-offload and "
             "--param-offload are")
 _DATA = "this data option is not built (--data-path with --split, or --mock-data, and --per-split data paths are)"
-_PIPE = ("this pipeline layout option is not built (even stages with --num-layers-per-virtual-pipeline-stage, and "
-         "uneven first/last stages with --decoder-first/last-pipeline-num-layers or --account-for-*-in-pipeline-split "
-         "are)")
 _RERUN = "Megatron's rerun state machine (re-running steps to attribute faults) is not built"
 _DEBUG_DUMP = "saving activations, gradients or parameters for debugging is not built"
 _NOT_BUILT = "a Megatron-LM option this framework has not built"
@@ -66,7 +64,7 @@ RULES: tuple[tuple[str, str, str], ...] = (
      r"--overlap-p2p-communication-warmup-flush|--no-overlap-p2p-communication|--overlap-moe-expert-parallel-comm|"
      r"--overlap-dispatch-backward-with-experts-wgrad|--ep-overlap-early-attn-memory-release|--mla-down-proj-fusion|"
      r"--use-grouped-gemm-for-.*|--(disable|no)-flight-recorder-.*|--flight-recorder-.*|--suggested-communication-unit-size|"
-     r"--no-pin-cpu-(grads|params)|--(disable|no)-fp8-wgrad|--keep-fp8-transpose-cache|--disable-clone-scatter-output-in-embedding|"
+     r"--no-pin-cpu-(grads|params)|--keep-fp8-transpose-cache|--disable-clone-scatter-output-in-embedding|"
      r"--no-clone-scatter-output-in-embedding|--ddp-average-in-collective|--use-cpu-initialization|--local-rank|"
      r"--megatron-fsdp-(enable-fine-grained-param-gather|max-pool-double-buffer|version)|--fsdp-db-use-persist-buf-on-alloc-fail|"
      r"--tensor-parallel-num-weight-shards|--expert-tensor-parallel-num-weight-shards|--distributed-timeout-seconds-after-init|"
@@ -90,8 +88,7 @@ RULES: tuple[tuple[str, str, str], ...] = (
      r"--mlp-chunks-for-prefill|--nccl-all-reduce-for-prefill|--use-legacy-static-engine|--decode-only-cuda-graphs|"
      r"--cache-mla-latents|--use-same-sampling-seed-across-dp-ranks", NO_OP, _INFER),
     # not built, or not here
-    (r"--fp8.*|--fp4.*|--first-last-layers-bf16|--num-layers-at-(start|end)-in-bf16|--reuse-grad-buf-for-mxfp8-param-ag|"
-     r"--te-precision-config-file", REFUSE, _FP8),
+    (r"--fp8-quantizer-factory|--fp4.*|--reuse-grad-buf-for-mxfp8-param-ag|--te-precision-config-file", REFUSE, _FP8),
     (r"--bert-.*|--biencoder-.*|--ict-.*|--dino-.*|--vision-.*|--swin-.*|--img-[hw]|--patch-dim|--num-channels|"
      r"--num-classes|--classes-fraction|--data-per-class-fraction|--evidence-data-path|--titles-data-path|"
      r"--block-data-path|--query-in-block-prob|--use-one-sent-docs|--short-seq-prob|--retriever-.*|--indexer-.*|"
@@ -115,8 +112,6 @@ RULES: tuple[tuple[str, str, str], ...] = (
      r"--allow-ambiguous-pad-tokens|--null-tokenizer-.*|--tokenizer-.*|--trust-remote-code|--chat-template|"
      r"--use-gigatoken|--padded-vocab-size|--(disable|no)-pad-vocab-size|--decrease-batch-size-if-needed",
      REFUSE, _DATA),
-    (r"--pipeline-model-parallel-layout|--decoder-(first|last)-pipeline-num-layers|--account-for-.*-in-pipeline-split|"
-     r"--microbatch-group-size-per-virtual-pipeline-stage|--num-virtual-stages-per-pipeline-rank", REFUSE, _PIPE),
     (r"--rerun-mode|--error-injection-.*|--check-for-(large-grads|spiky-loss)|--result-rejected-tracker-filename",
      REFUSE, _RERUN),
     (r"--save-(activations|dgrads|params|wgrads|tokens-per-expert)-interval", REFUSE, _DEBUG_DUMP),

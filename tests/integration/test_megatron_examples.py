@@ -5,8 +5,8 @@ examples/llama/train_llama3_8b_h100_fp8.sh, examples/megatron_fsdp/train_llama3_
 examples/mixtral/train_mixtral_8x7b_distributed.sh and examples/gptoss/02_train.sh: only sizes, paths and
 lengths are shrunk (3 iterations, CPU, gloo, 1 or 2 processes), and the fp8 flags are left out of the runs
 (they are refused on their own below). gpt3, llama (mock and real data) and megatron_fsdp llama train;
-the fp8 flags exit 2 with one paragraph naming them (the gpt-oss and DeepSeek-V3 flag sets train in
-test_megatron_frontier_examples.py).
+their fp8 flags run FP8 (emulated on CPU); fp4 exits 2 with one paragraph naming it (the gpt-oss and
+DeepSeek-V3 flag sets train in test_megatron_frontier_examples.py).
 """
 import json
 import os
@@ -68,8 +68,8 @@ def mock_data_flags(cache) -> list:
 
 
 def llama_flags(ckpt, tb, data_flags) -> list:
-    """examples/llama/train_llama3_8b_h100_fp8.sh without the fp8 flags."""
-    return [*LLAMA_MODEL, *LLAMA_TRAINING, "--grad-reduce-in-bf16", "--calculate-per-token-loss", *DDP,
+    """examples/llama/train_llama3_8b_h100_fp8.sh, its fp8 flags included (emulated here)."""
+    return [*LLAMA_MODEL, *LLAMA_TRAINING, *FP8, "--grad-reduce-in-bf16", "--calculate-per-token-loss", *DDP,
             "--tensor-model-parallel-size", "1", "--context-parallel-size", "1", "--sequence-parallel", *data_flags,
             "--log-interval", "1", "--eval-iters", "2", "--eval-interval", "3", "--save-interval", "1000",
             "--log-throughput", "--profile", "--profile-step-start", "1", "--profile-step-end", "2",
@@ -78,8 +78,8 @@ def llama_flags(ckpt, tb, data_flags) -> list:
 
 
 def fsdp_llama_flags(ckpt, tb, cache) -> list:
-    """examples/megatron_fsdp/train_llama3_8b_fsdp_h100_fp8.sh (USE_MEGATRON_FSDP=1) without the fp8 flags."""
-    return [*LLAMA_MODEL, *LLAMA_TRAINING, "--no-check-for-nan-in-loss-and-grad",
+    """examples/megatron_fsdp/train_llama3_8b_fsdp_h100_fp8.sh (USE_MEGATRON_FSDP=1), its fp8 flags included."""
+    return [*LLAMA_MODEL, *LLAMA_TRAINING, *FP8, "--no-check-for-nan-in-loss-and-grad",
             "--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params",
             "--no-gradient-accumulation-fusion", "--calculate-per-token-loss", "--init-model-with-meta-device",
             "--ckpt-format", "fsdp_dtensor", "--use-nccl-ub", "--fsdp-double-buffer", "--fsdp-manual-registration",
@@ -198,7 +198,7 @@ def test_llama_example_trains_on_mock_data(distributed, tmp_path):
     ckpt, tb = str(tmp_path / "ckpt"), str(tmp_path / "tb")
     status, err, out = _run(distributed, 1, llama_flags(ckpt, tb, mock_data_flags(str(tmp_path / "cache"))))
     assert status == 0, err
-    assert "--sequence-parallel is turned off" in err
+    assert "--sequence-parallel is turned off" in err and "--fp8-format hybrid runs emulated" in err
     assert _iteration_lines(out) == 3 and "validation loss at iteration 3" in out
     assert os.path.getsize(tmp_path / "torch_profile" / "rank-0.json.gz") > 0  # --profile: a torch.profiler trace
 
@@ -214,8 +214,9 @@ def test_megatron_fsdp_llama_example_trains(distributed, tmp_path):
 
 
 @pytest.mark.parametrize("name, argv, named", [
-    ("gpt-oss", GPT_OSS, ["--fp8-format hybrid", "--fp8-param-gather", "Transformer Engine"]),
-    ("llama fp8", ["--bf16", *FP8], ["--fp8-format hybrid", "--fp8-amax-history-len 1024", "fp8"]),
+    ("fp4", ["--bf16", "--fp4-format", "e2m1", "--fp4-recipe", "nvfp4"], ["--fp4-format e2m1", "NVFP4"]),
+    ("te quantizer factory", ["--fp8-format", "hybrid", "--fp8-quantizer-factory", "my.module"],
+     ["--fp8-quantizer-factory my.module", "this FP8 option is not built"]),
 ], ids=lambda value: value if isinstance(value, str) else None)
 def test_unbuilt_features_refuse_clearly(distributed, name, argv, named):
     status, err, _ = _run(distributed, 1, argv)

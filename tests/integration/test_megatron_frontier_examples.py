@@ -2,10 +2,9 @@
 examples/megatron_fsdp/sbatch_mfsdp_deepseek_v3.sh (MLA with q_lora_rank and YaRN, 8 experts in 4 groups with
 sigmoid scores, expert bias, shared expert, dense first layer, the flex dispatcher, forced load balancing,
 selective recompute of mlp / moe / mla_up_proj / layernorm, one MTP depth; ep 2 on 2 ranks) and
-examples/gptoss/02_train.sh (sinks, 127-token windows on every other layer, clamped quick GeGLU, MoE; its fp8
-flags left out: they are refused on their own in test_megatron_examples.py) each train 3 iterations; the
-parsed configs carry the architecture."""
-from tests.integration.test_megatron_examples import FP8, GPT_OSS, _iteration_lines, _replace_flags, _run
+examples/gptoss/02_train.sh (sinks, 127-token windows on every other layer, clamped quick GeGLU, MoE, its fp8
+flags included: emulated here) each train 3 iterations; the parsed configs carry the architecture."""
+from tests.integration.test_megatron_examples import GPT_OSS, _iteration_lines, _replace_flags, _run
 
 DEEPSEEK_V3 = [
     "--distributed-timeout-minutes", "60", "--tensor-model-parallel-size", "1", "--expert-model-parallel-size", "2",
@@ -60,13 +59,13 @@ def test_deepseek_v3_example_flags_parse_into_its_architecture():
 
 
 def test_gpt_oss_example_trains(distributed, tmp_path):
-    argv = [token for token in GPT_OSS if token not in FP8]
-    argv = _replace_flags(argv, {"--save": ["--save", str(tmp_path / "ckpt")], "--tensorboard-dir": [],
+    argv = _replace_flags(GPT_OSS, {"--save": ["--save", str(tmp_path / "ckpt")], "--tensorboard-dir": [],
                                  "--data-cache-path": ["--data-cache-path", str(tmp_path / "cache")]})
     status, err, out = _run(distributed, 1, argv)
     assert status == 0, err
-    assert _iteration_lines(out) == 3 and "load_balancing_loss" in out
+    assert _iteration_lines(out) == 3 and "load_balancing_loss" in out and "runs emulated" in err
     from megatron_core.training.arguments import parse_args, transformer_config
     config = transformer_config(parse_args(argv))
     assert config.softmax_type == "learnable" and config.activation == "quick_geglu"
     assert [config.window_for(n) for n in (1, 2)] == [(127, 0), None]
+    assert config.fp8.fp8_format == "hybrid" and config.fp8.fp8_amax_history_len == 1024
