@@ -14,7 +14,10 @@ import torch
 from megatron_core.config import TransformerConfig
 
 logger = logging.getLogger(__name__)
-PEAK_TFLOPS_BF16 = MappingProxyType({"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0})
+PEAK_TFLOPS_BF16 = MappingProxyType({"B200": 2250.0, "H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0,
+                                     "A10": 125.0})
+PEAK_TFLOPS_FP8 = MappingProxyType({"B200": 4500.0, "H200": 1979.0, "H100": 1979.0, "L40S": 733.0})
+"""Dense FP8 tensor-core peaks (devices without FP8 tensor cores run FP8 emulated: their bf16 peak applies)."""
 
 
 def gpt_flops_per_iteration(config: TransformerConfig, *, batch_size: int, seq_length: int,
@@ -120,14 +123,25 @@ def mfu(model_flops: float, seconds: float, *, num_devices: int, peak_tflops: Op
     return model_flops / seconds / num_devices / (peak_tflops * 1e12)
 
 
-def peak_tflops_per_device(device: torch.device, override: Optional[float] = None) -> Optional[float]:
-    """Dense bf16 peak of the device (None when unknown, e.g. a CPU: MFU is then not reported)."""
+def peak_tflops_per_device(device: torch.device, override: Optional[float] = None, *,
+                           fp8: bool = False) -> Optional[float]:
+    """Dense peak of the device (None when unknown, e.g. a CPU: MFU is then not reported): bf16's, or with
+    ``fp8`` the FP8 tensor cores' where the device has them (``--fp8-format`` training's MFU)."""
     if override:
         return override
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)  # CUDA-only path
-    return next((peak for key, peak in PEAK_TFLOPS_BF16.items() if key in name), None)
+    return peak_for_device_name(torch.cuda.get_device_name(device), fp8=fp8)  # CUDA-only path
+
+
+def peak_for_device_name(name: str, *, fp8: bool = False) -> Optional[float]:
+    """The table's peak for a device named ``name`` (``NVIDIA H100 80GB HBM3``); None when unknown."""
+    tables = (PEAK_TFLOPS_FP8, PEAK_TFLOPS_BF16) if fp8 else (PEAK_TFLOPS_BF16,)
+    for table in tables:
+        peak = next((value for key, value in table.items() if key in name), None)
+        if peak is not None:
+            return peak
+    return None
 
 
 def memory_bytes(device: torch.device) -> int:

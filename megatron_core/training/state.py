@@ -79,7 +79,8 @@ def step_record(run: Run, iteration: int, result: dict, seconds: float) -> dict:
     flops = gpt_flops_per_iteration(run.config, batch_size=run.global_batch, seq_length=run.args.seq_length,
                                     padded_vocab_size=run.padded_vocab_size)
     tflops_per_rank = flops / seconds / run.state.world_size / 1e12
-    peak = peak_tflops_per_device(run.state.device, getattr(run.args, "peak_tflops", None))
+    peak = peak_tflops_per_device(run.state.device, getattr(run.args, "peak_tflops", None),
+                                  fp8=run.config.fp8 is not None)
     scale = run.optimizer.get_loss_scale() if hasattr(run.optimizer, "get_loss_scale") else 1.0
     grad_norm = result["grad_norm"]
     optional = {"num_zeros": result.get("num_zeros")}

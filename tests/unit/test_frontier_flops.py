@@ -52,3 +52,11 @@ def test_planner_counts_mla_parameters_like_the_model():
                                                         global_batch_size=1, make_vocab_size_divisible_by=V),
                                         pp_rank=0)
         assert predicted == sum(p.numel() for p in model.parameters()), q_lora_rank
+
+
+def test_fp8_runs_are_measured_against_the_fp8_peak():
+    from megatron_core.training.metrics import peak_for_device_name
+    assert peak_for_device_name("NVIDIA H100 80GB HBM3") == 989.0
+    assert peak_for_device_name("NVIDIA H100 80GB HBM3", fp8=True) == 1979.0
+    assert peak_for_device_name("NVIDIA A100-SXM4-80GB", fp8=True) == 312.0  # no FP8 tensor cores: emulated
+    assert peak_for_device_name("a CPU", fp8=True) is None
