@@ -97,26 +97,49 @@ def zero_bubble_ops(pp_rank: int, pp_size: int, num_microbatches: int, *, forwar
     return ops + [Op("W", 0, mb) for mb in range(weights_done, m)]
 
 
-def _virtual(k: int, pp_size: int, vpp_size: int, forward: bool) -> tuple[int, int]:
-    """``(chunk, microbatch)`` of virtual micro-batch ``k``."""
-    group, within = divmod(k, pp_size * vpp_size)
-    chunk = within // pp_size
-    return (chunk if forward else vpp_size - 1 - chunk), group * pp_size + within % pp_size
+def _virtual_table(num_microbatches: int, vpp_size: int, group_size: int) -> list[tuple[int, int]]:
+    """``(chunk, microbatch)`` of each virtual micro-batch: groups of ``group_size`` micro-batches (the last
+    group takes the rest) run on chunk 0, then on chunk 1, ... (Megatron's ``get_schedule_table``)."""
+    table = []
+    for start in range(0, num_microbatches, group_size):
+        group = range(start, min(start + group_size, num_microbatches))
+        table += [(chunk, mb) for chunk in range(vpp_size) for mb in group]
+    return table
 
 
 def interleaved_ops(pp_rank: int, pp_size: int, vpp_size: int, num_microbatches: int, *,
-                    forward_only: bool = False) -> list[Op]:
-    """The interleaved 1F1B order of pipeline rank ``pp_rank`` (num_microbatches divisible by pp_size)."""
+                    forward_only: bool = False, group_size: Optional[int] = None) -> list[Op]:
+    """The interleaved 1F1B order of pipeline rank ``pp_rank``: micro-batches in groups of ``group_size``
+    (default pp_size; Megatron's ``microbatch_group_size_per_vp_stage``) per virtual stage, with
+    ``2 (p - r - 1) + (v - 1) group_size`` warm-up forwards (see ``check_microbatch_group`` for the sizes)."""
+    group_size = group_size or pp_size
     total = num_microbatches * vpp_size
-    forwards = [Op("F", *_virtual(k, pp_size, vpp_size, True)) for k in range(total)]
+    table = _virtual_table(num_microbatches, vpp_size, group_size)
+    forwards = [Op("F", chunk, mb) for chunk, mb in table]
     if forward_only:
         return forwards
-    backwards = [Op("B", *_virtual(k, pp_size, vpp_size, False)) for k in range(total)]
-    warmup = min(2 * (pp_size - pp_rank - 1) + (vpp_size - 1) * pp_size, total)
+    backwards = [Op("B", vpp_size - 1 - chunk, mb) for chunk, mb in table]
+    warmup = min(2 * (pp_size - pp_rank - 1) + (vpp_size - 1) * group_size, total)
     ops = forwards[:warmup]
     for i in range(total - warmup):
         ops += [forwards[warmup + i], backwards[i]]
     return ops + backwards[total - warmup:]
+
+
+def check_microbatch_group(num_microbatches: int, pp_size: int, group_size: Optional[int] = None) -> None:
+    """Raises ValueError naming the values unless the interleaved schedule can run ``num_microbatches`` in
+    groups of ``group_size`` (default pp_size): pp_size <= group_size <= num_microbatches, and the last group
+    empty or of at least pp_size micro-batches (Megatron's rule: a smaller one would stall the pipeline)."""
+    if group_size is None or group_size == pp_size:
+        if num_microbatches % pp_size != 0:
+            raise ValueError(f"num_microbatches {num_microbatches} is not divisible by pipeline_model_parallel_size "
+                             f"{pp_size}, which the interleaved schedule requires")
+        return
+    rest = num_microbatches % group_size
+    if not pp_size <= group_size <= num_microbatches or 0 < rest < pp_size:
+        raise ValueError(f"microbatch_group_size_per_vp_stage {group_size} does not fit num_microbatches "
+                         f"{num_microbatches} at pipeline_model_parallel_size {pp_size}: it must lie in [pp, "
+                         f"num_microbatches] and leave a last group of 0 or >= pp micro-batches (here {rest})")
 
 
 def bubble_fraction_formula(pp_size: int, num_microbatches: int, vpp_size: Optional[int] = None, *,

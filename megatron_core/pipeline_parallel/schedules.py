@@ -24,6 +24,7 @@ from megatron_core.pipeline_parallel.executor import (  # noqa: F401 (PipelineEr
 )
 from megatron_core.pipeline_parallel.schedule_plan import (
     ZERO_BUBBLE_DEFER,
+    check_microbatch_group,
     interleaved_ops,
     no_pipelining_ops,
     one_f_one_b_ops,
@@ -123,19 +124,20 @@ def forward_backward_pipelining_with_interleaving(
         micro_batch_size: int, forward_only: bool = False, parallel_state: ParallelState,
         timeline: Optional[Timeline] = None,
         grad_scale_func: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> list:
-    """Interleaved 1F1B: ``model`` is the list of this rank's vpp chunks, ``data_iterator`` one per chunk."""
+    """Interleaved 1F1B: ``model`` is the list of this rank's vpp chunks, ``data_iterator`` one per chunk; the
+    micro-batches run in groups of ``config.microbatch_group_size_per_vp_stage`` (default pp) per chunk."""
     state = parallel_state
     vpp = state.vpp_size or 1
     chunks = _as_chunks(model, vpp)
-    if num_microbatches % state.pp_size != 0:
-        raise ValueError(f"num_microbatches {num_microbatches} is not divisible by pipeline_model_parallel_size "
-                         f"{state.pp_size}, which the interleaved schedule requires")
+    group_size = getattr(getattr(unwrap(chunks[0]), "config", None), "microbatch_group_size_per_vp_stage", None)
+    check_microbatch_group(num_microbatches, state.pp_size, group_size)
     iterators = data_iterator if isinstance(data_iterator, (list, tuple)) else None
     if iterators is None or len(iterators) != vpp:
         raise ValueError(f"the interleaved schedule needs one data iterator per model chunk ({vpp}), "
                          f"got {type(data_iterator).__name__}")
     _check_common(num_microbatches, state, chunks, seq_length)
-    ops = interleaved_ops(state.pp_rank, state.pp_size, vpp, num_microbatches, forward_only=forward_only)
+    ops = interleaved_ops(state.pp_rank, state.pp_size, vpp, num_microbatches, forward_only=forward_only,
+                          group_size=group_size)
     shape = _tensor_shape(chunks[0], seq_length, micro_batch_size)
     return Executor(ScheduleCall(forward_step_func=forward_step_func, iterators=list(iterators), chunks=chunks,
                                   num_microbatches=num_microbatches, forward_only=forward_only, state=state,

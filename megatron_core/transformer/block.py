@@ -85,6 +85,10 @@ class TransformerBlock(nn.Module):
                 hidden = self._run_layers(layers, hidden, attention_mask, rotary_pos_emb)
         if self.final_layernorm is not None:
             hidden = self.final_layernorm(hidden)
+        elif not self.layers and not self.pre_process:
+            # an empty chunk (a layout's "|" with no layers): its output must not be the received tensor itself,
+            # which the schedule keeps as the input (to read its grad) while it frees the sent output
+            hidden = hidden.clone()
         return hidden
 
     @staticmethod
