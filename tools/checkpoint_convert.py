@@ -115,6 +115,12 @@ def target_flags(source: SourceCheckpoint, tp: int, pp: int, ep: int = 1, etp: i
     per_stage = flags.get("num_layers_per_virtual_pipeline_stage")
     if per_stage and (pp == 1 or flags["num_layers"] % (pp * per_stage) != 0):
         flags["num_layers_per_virtual_pipeline_stage"] = None
+    if pp != source.flags.get("pipeline_model_parallel_size", 1):  # a layout string or virtual-stage count is
+        for name in ("pipeline_model_parallel_layout", "num_virtual_stages_per_pipeline_rank",  # for its own pp
+                     "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"):
+            if flags.get(name) is not None:
+                flags[name] = None
+        flags["account_for_embedding_in_pipeline_split"] = flags["account_for_loss_in_pipeline_split"] = False
     if tp == 1:
         flags["sequence_parallel"] = False
     return flags

@@ -24,6 +24,12 @@ import math
 from megatron_core.config import TransformerConfig
 
 
+def stage_layer_count(config: TransformerConfig, pp_rank: int) -> int:
+    """Transformer layers pipeline rank ``pp_rank`` holds over its model chunks (even, uneven or a layout)."""
+    vpp = config.virtual_pipeline_model_parallel_size
+    return sum(config.pipeline_layer_range(pp_rank, vp if vpp else None)[1] for vp in range(vpp or 1))
+
+
 def moe_layers_on_stage(config: TransformerConfig, *, pp_rank: int) -> int:
     """MoE layers held by pipeline rank ``pp_rank`` (every model chunk), by ``moe_layer_freq``."""
     if config.moe is None:

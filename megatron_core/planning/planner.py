@@ -28,6 +28,7 @@ from megatron_core.planning.moe import (
     expert_parameters_per_rank,
     moe_dense_parameters,
     moe_layers_on_stage,
+    stage_layer_count,
 )
 from megatron_core.planning.zero_bubble import weight_stash_bytes, zero_bubble_extra_bytes
 from megatron_core.planning.zero_memory import zero_transient_bytes
@@ -176,7 +177,7 @@ def stage_parameters(config: TransformerConfig, workload: Workload, *, pp_rank: 
                                      make_vocab_size_divisible_by=workload.make_vocab_size_divisible_by,
                                      tensor_model_parallel_size=tp)
     partitioned, replicated = _layer_params(config, tp)
-    layers = config.pipeline_layer_range(pp_rank)[1] * (config.virtual_pipeline_model_parallel_size or 1)
+    layers = stage_layer_count(config, pp_rank)
     first, last = pp_rank == 0, pp_rank == pp - 1
     layers += (config.mtp_num_layers or 0) if last else 0  # each MTP depth holds one layer (its MLP: see moe)
     params = layers * (partitioned + replicated)
@@ -271,7 +272,7 @@ def rank_activation_bytes(config: TransformerConfig, workload: Workload, *, pp_r
                                      tensor_model_parallel_size=config.tensor_model_parallel_size)
     in_flight = in_flight_microbatches(pp_rank, pp, num_microbatches, vpp)
     shape = _shape(config, workload, ep, etp)
-    stage = dict(layers=config.num_layers // pp, first=pp_rank == 0, last=pp_rank == pp - 1,
+    stage = dict(layers=stage_layer_count(config, pp_rank), first=pp_rank == 0, last=pp_rank == pp - 1,
                  padded_vocab_size=padded, moe_layers=moe_layers_on_stage(config, pp_rank=pp_rank))
     peak = stage_activation_bytes(config, shape, in_flight=in_flight, **stage)
     if zero_bubble_defer is None:

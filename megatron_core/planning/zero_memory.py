@@ -14,8 +14,16 @@ These are upper bounds that a real run reaches (tested against ``LiveMemoryTrack
 """
 from __future__ import annotations
 
+from typing import Optional
+
 from megatron_core.config import TransformerConfig
-from megatron_core.planning.moe import expert_ffn, expert_parameters_per_rank, expert_units, moe_layers_on_stage
+from megatron_core.planning.moe import (
+    expert_ffn,
+    expert_parameters_per_rank,
+    expert_units,
+    moe_layers_on_stage,
+    stage_layer_count,
+)
 from megatron_core.tensor_parallel.utils import vocab_size_with_padding
 
 DEFAULT_STAGE2_BUCKET = 4_000_000  # DistributedDataParallelConfig's default bucket at ZeRO-2, in elements
@@ -23,7 +31,7 @@ DEFAULT_STAGE2_BUCKET = 4_000_000  # DistributedDataParallelConfig's default buc
 
 def stage_units(config: TransformerConfig, *, vocab_size: int, make_vocab_size_divisible_by: int,
                 first: bool, last: bool, moe_layers: int = 0, ep: int = 1,
-                etp: int = 1) -> tuple[list[float], float]:
+                etp: int = 1, layers: Optional[int] = None) -> tuple[list[float], float]:
     """(elements of each weight unit in forward order, elements of one layer's small unit: its norms and
     biases) on one tp rank of a pipeline stage of ``GPTModel``. A tied output layer on the embedding's stage
     borrows the embedding's unit (listed again at its place). ``moe_layers`` of the stage's layers are MoE
@@ -35,7 +43,7 @@ def stage_units(config: TransformerConfig, *, vocab_size: int, make_vocab_size_d
     qkv = config.kv_channels * (config.num_attention_heads + 2 * config.num_query_groups)
     q_dim = config.kv_channels * config.num_attention_heads
     norm = h * (2 if config.normalization == "LayerNorm" else 1)
-    layers = config.num_layers // pp
+    layers = layers if layers is not None else config.num_layers // pp  # (the caller's stage_layer_count)
     attention = [qkv * h / tp, h * q_dim / tp]
     moe_units, moe_small = expert_units(config, tp=tp, ep=ep, etp=etp) if moe_layers else ([], 0.0)
     units: list[float] = []
@@ -67,7 +75,7 @@ def zero_transient_bytes(config: TransformerConfig, *, vocab_size: int, make_voc
     param_bytes = 2 if (config.bf16 or config.fp16) else 4
     units, small = stage_units(config, vocab_size=vocab_size,
                                make_vocab_size_divisible_by=make_vocab_size_divisible_by,
-                               first=pp_rank == 0, last=pp_rank == pp - 1,
+                               first=pp_rank == 0, last=pp_rank == pp - 1, layers=stage_layer_count(config, pp_rank),
                                moe_layers=moe_layers_on_stage(config, pp_rank=pp_rank), ep=ep, etp=etp)
     largest = max(units)
     pair = max((a + b for a, b in zip(units, units[1:])), default=largest)

@@ -80,7 +80,11 @@ def shrink(argv: list[str], save_dir: str, *, iterations: int = 3) -> tuple[list
     sizes = layout(argv)
     tp, pp, cp, vpp = sizes["tp"], sizes["pp"], sizes["cp"], sizes["vpp"]
     heads = 4 * tp
-    tiny = ["--num-layers", str(max(2, pp * vpp)), "--hidden-size", str(8 * heads), "--num-attention-heads", str(heads),
+    layered = any(flag in argv for flag in (
+        "--pipeline-model-parallel-layout", "--num-virtual-stages-per-pipeline-rank",
+        "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"))
+    layers = value(argv, "--num-layers", 2) if layered else max(2, pp * vpp)  # a layout counts the config's layers
+    tiny = ["--num-layers", str(layers), "--hidden-size", str(8 * heads), "--num-attention-heads", str(heads),
             "--ffn-hidden-size", str(16 * heads), "--seq-length", str(32 * cp), "--max-position-embeddings",
             str(32 * cp), "--micro-batch-size", "1", "--train-iters",
             str(iterations), "--eval-iters", "1", "--eval-interval", "1000", "--lr-warmup-iters", "1",
@@ -89,7 +93,7 @@ def shrink(argv: list[str], save_dir: str, *, iterations: int = 3) -> tuple[list
             "--distributed-timeout-minutes", "2"]
     if "--group-query-attention" in argv:
         tiny += ["--num-query-groups", str(tp)]
-    if vpp > 1:
+    if vpp > 1 and not layered:
         tiny += ["--num-layers-per-virtual-pipeline-stage", "1"]
     if "--num-experts" in argv:
         tiny += ["--moe-ffn-hidden-size", str(8 * heads)]
