@@ -109,6 +109,8 @@ def add_megatron_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--wandb-entity", default=None)
     g.add_argument("--tiktoken-pattern", default=None, help="TikTokenizer: v1 or v2")
     g.add_argument("--tiktoken-num-special-tokens", type=int, default=1000)
+    g.add_argument("--eval-global-batch-size", type=int, default=None,
+                   help="samples per evaluation step (default: --global-batch-size)")
     g.add_argument("--context-parallel-size", type=int, default=1,
                    help="split each sequence over this many ranks (load-balanced causal split)")
     g.add_argument("--cp-comm-type", nargs="+", default=["p2p"], metavar="{p2p,a2a,allgather}",

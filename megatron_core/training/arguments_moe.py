@@ -108,6 +108,10 @@ def validate_moe_flags(args: argparse.Namespace) -> None:
     given_etp = args.expert_tensor_parallel_size
     # Megatron-LM's default: experts split over the tp group (etp = tp); without experts, 1
     etp = given_etp if given_etp is not None else (tp if args.num_experts is not None else 1)
+    if args.num_experts is None and etp != 1:  # Megatron accepts it: it only shapes the (unused) expert groups
+        from megatron_core.training.arguments_megatron import warn_rank_0
+        warn_rank_0(f"--expert-tensor-parallel-size {etp} has no effect without --num-experts (a dense model)")
+        etp = 1
     args.expert_tensor_parallel_size = etp
     if ep < 1:
         raise ValueError(f"--expert-model-parallel-size must be >= 1, got {ep}")

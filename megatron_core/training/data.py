@@ -33,8 +33,9 @@ def build_datasets(args: argparse.Namespace, tokenizer, global_batch: int):
     ``--mock-data``, synthetic documents over the tokenizer's vocabulary (no files; valid and test drawn from
     other seeds)."""
     evaluations = args.train_iters // args.eval_interval + 1 if args.eval_interval else 0
-    eval_samples = evaluations * args.eval_iters * global_batch
-    counts = (args.train_iters * global_batch, eval_samples, args.eval_iters * global_batch)
+    eval_batch = getattr(args, "eval_global_batch_size", None) or global_batch
+    eval_samples = evaluations * args.eval_iters * eval_batch
+    counts = (args.train_iters * global_batch, eval_samples, args.eval_iters * eval_batch)
     if args.mock_data:
         return tuple(MockGPTDataset(count, args.seq_length, seed=args.seed + offset, vocab_size=tokenizer.vocab_size)
                      if count else None for offset, count in enumerate(counts))

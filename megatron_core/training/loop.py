@@ -22,6 +22,7 @@ from megatron_core.checkpointing import save_checkpoint
 from megatron_core.checkpointing.async_save import AsyncCheckpointWriter
 from megatron_core.checkpointing.checkpoint import prepare_checkpoint
 from megatron_core.checkpointing.publication import check_save_folder
+from megatron_core.fp8 import update_fp8_scales
 from megatron_core.models import GPTModel
 from megatron_core.models.mtp import mtp_log_fields, mtp_loss_report, set_mtp_loss_scale
 from megatron_core.pipeline_parallel import PipelineError, get_forward_backward_func
@@ -123,6 +124,7 @@ def build_run(args: argparse.Namespace) -> Run:
               global_batch=global_batch, num_microbatches=global_batch // micro_per_step,
               local_parameters=local_parameters)
     run.set_global_batch(0)
+    eval_batch_size(run)  # a bad --eval-global-batch-size stops the run before the first step
     banner = start_banner(run)
     if banner:
         print(banner, flush=True)
@@ -240,6 +242,7 @@ def train_step(run: Run, batches: list[dict]) -> dict:
                       if run.config.mtp_num_layers is not None else {})
     with _phase(run, "the optimizer step (grad reduction over data-parallel ranks, norm over model-parallel ranks)"):
         update_ok, grad_norm, num_zeros = run.optimizer.step()
+        update_fp8_scales(run.chunks, run.state)  # FP8 delayed scaling: amaxes reduced over tp, dp x cp; new scales
     if update_ok:
         run.scheduler.step(increment)
     return {"lm_loss": lm_loss, "lr": lr, "grad_norm": grad_norm, "skipped": not update_ok, "num_zeros": num_zeros,
@@ -256,6 +259,17 @@ def _moe_step(run: Run) -> dict:
                            sequence_parallel=config.sequence_parallel, per_layer=config.moe.moe_per_layer_logging)
 
 
+def eval_batch_size(run: Run) -> tuple[int, int]:
+    """(samples, micro-batches per rank) of one evaluation step: ``--eval-global-batch-size``, else the
+    training global batch (Megatron-LM's rule); ValueError when micro-batch x data-parallel does not divide it."""
+    per_step = run.global_batch // run.num_microbatches  # micro-batch x data-parallel size
+    eval_batch = run.args.eval_global_batch_size or run.global_batch
+    if eval_batch % per_step:
+        raise ValueError(f"--eval-global-batch-size {eval_batch} is not divisible by --micro-batch-size "
+                         f"{run.args.micro_batch_size} x data-parallel size {per_step // run.args.micro_batch_size}")
+    return eval_batch, eval_batch // per_step
+
+
 def evaluate(run: Run, iteration: int, writer: MetricsWriter) -> Optional[float]:
     if run.valid_dataset is None or run.args.eval_iters == 0:
         return None
@@ -263,13 +277,13 @@ def evaluate(run: Run, iteration: int, writer: MetricsWriter) -> Optional[float]
         chunk.eval()
     iterator = micro_batches(run.valid_dataset, consumed_samples=run.valid_consumed, state=run.state,
                              micro_batch_size=run.args.micro_batch_size, device=run.state.device)
-    total = 0.0
+    total, (eval_batch, eval_microbatches) = 0.0, eval_batch_size(run)
     with torch.no_grad():
         for _ in progress_bar(range(run.args.eval_iters), desc=f"evaluating at iteration {iteration}", leave=False,
                               enabled=run.is_logging_rank and not run.args.no_progress and run.args.eval_iters >= 10):
-            total += reduce_losses(run_schedule(run, take(iterator, run.num_microbatches), forward_only=True),
+            total += reduce_losses(run_schedule(run, take(iterator, eval_microbatches), forward_only=True),
                                    run.state)
-    run.valid_consumed += run.args.eval_iters * run.global_batch
+    run.valid_consumed += run.args.eval_iters * eval_batch
     for chunk in run.chunks:
         chunk.train()
     loss = total / run.args.eval_iters

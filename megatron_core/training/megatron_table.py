@@ -119,7 +119,9 @@ RULES: tuple[tuple[str, str, str], ...] = (
 )
 
 # values of refused flags that describe what happens here anyway
-HARMLESS_VALUES = MappingProxyType({"--rerun-mode": ("disabled",), "--dataloader-type": ("single",)})
+HARMLESS_VALUES = MappingProxyType({"--rerun-mode": ("disabled",), "--dataloader-type": ("single",),
+                                    "--megatron-fsdp-main-grads-dtype": ("fp32",),  # our ZeRO-3 keeps and reduces
+                                    "--megatron-fsdp-grad-comm-dtype": ("fp32",)})  # fp32 grads anyway
 
 
 @lru_cache(maxsize=None)
