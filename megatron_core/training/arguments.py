@@ -46,8 +46,8 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-channels", type=int, default=None)
     g.add_argument("--seq-length", type=int, default=128)
     g.add_argument("--max-position-embeddings", type=int, default=None, help="default: --seq-length")
-    g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope", "none"],
-                   default="learned_absolute")
+    g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope", "yarn", "none"],
+                   default="learned_absolute", help="yarn: rope with YaRN scaling (= rope --rope-type yarn)")
     g.add_argument("--no-position-embedding", action="store_false", dest="add_position_embedding",
                    help="no learned position embedding: with rope a no-op, else --position-embedding-type none")
     g.add_argument("--rotary-base", type=float, default=10000.0)
@@ -351,6 +351,10 @@ def _resolve_model_flags(args: argparse.Namespace) -> None:
         args.max_position_embeddings = args.seq_length
     if args.use_rotary_position_embeddings:  # Megatron-LM's deprecated spelling
         args.position_embedding_type = "rope"
+    if args.position_embedding_type == "yarn":  # Megatron's GPT builds YaRN rope for it
+        if args.rope_type == "rope":
+            raise ValueError("--position-embedding-type yarn and --rope-type rope disagree; give one of them")
+        args.position_embedding_type, args.rope_type = "rope", "yarn"
     if not args.add_position_embedding and args.position_embedding_type == "learned_absolute":
         args.position_embedding_type = "none"
     if args.recompute_activations:

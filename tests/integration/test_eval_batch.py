@@ -1,7 +1,8 @@
 """``--eval-global-batch-size`` (Megatron-LM's): one evaluation step of 2 x the training global batch reads the
 same validation samples as two steps of the training batch, so the validation loss is the same; a size the
 micro-batch x data-parallel size does not divide stops the run before its first step, naming the values. A
-dense model accepts (and ignores) an expert tensor-parallel size, as Megatron does."""
+dense model accepts (and ignores) an expert tensor-parallel size, as Megatron does; `--position-embedding-type yarn`
+is rope with YaRN."""
 import json
 
 import pytest
@@ -41,3 +42,9 @@ def test_a_dense_model_ignores_the_expert_tensor_parallel_size():
     from megatron_core.training.arguments import parse_args
     assert parse_args(["--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "4"]
                       ).expert_tensor_parallel_size == 1
+
+
+def test_yarn_as_a_position_embedding_type_is_rope_with_yarn():
+    from megatron_core.training.arguments import parse_args, transformer_config
+    config = transformer_config(parse_args(["--position-embedding-type", "yarn", "--rotary-scaling-factor", "4"]))
+    assert config.position_embedding_type == "rope" and config.yarn_rope_scaling.factor == 4.0
