@@ -44,7 +44,12 @@ from megatron_core.training.resume import load, tokenizer_identity
 from megatron_core.training.runtime import RuntimeHooks, WandbSink
 from megatron_core.training.schedule import build_lr_scheduler, check_batch_schedule, resolve_train_iters
 from megatron_core.training.state import Run, reduce_losses, step_record
-from megatron_core.transformer.moe.tracking import moe_loss_report, set_aux_loss_scale, update_expert_bias
+from megatron_core.transformer.moe.tracking import (
+    moe_loss_report,
+    reset_global_counts,
+    set_aux_loss_scale,
+    update_expert_bias,
+)
 from megatron_core.transformer.specs import layer_spec_for
 from megatron_core.utils.affinity import bind_cores_to_rank
 from megatron_core.utils.progress import progress_bar
@@ -255,6 +260,7 @@ def _moe_step(run: Run) -> dict:
     if config.moe is None:
         return {}
     update_expert_bias(run.chunks, run.state)
+    reset_global_counts(run.chunks)
     return moe_loss_report(run.chunks, run.state, num_layers=config.num_layers + (config.mtp_num_layers or 0),
                            sequence_parallel=config.sequence_parallel, per_layer=config.moe.moe_per_layer_logging)
 

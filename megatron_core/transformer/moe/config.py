@@ -11,7 +11,7 @@ from typing import Optional, Union
 
 import torch
 
-LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "sinkhorn", "none")
+LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 DISPATCHERS = ("alltoall", "allgather")
 DROP_POLICIES = ("probs", "position")
@@ -26,8 +26,9 @@ class MoEConfig:
     moe_router_topk: int = 2
     """Experts each token is sent to."""
     moe_router_load_balancing_type: str = "aux_loss"
-    """``aux_loss`` (Switch/GShard over the micro-batch), ``seq_aux_loss`` (per sequence, DeepSeek-V2) or
-    ``none``."""
+    """``aux_loss`` (Switch/GShard over the micro-batch), ``seq_aux_loss`` (per sequence, DeepSeek-V2),
+    ``global_aux_loss`` (the counts of the global batch so far: over dp and the step's micro-batches), ``sinkhorn``
+    or ``none``."""
     moe_aux_loss_coeff: float = 0.0
     moe_z_loss_coeff: Optional[float] = None
     """Router z-loss (ST-MoE) coefficient; None or 0 = off."""

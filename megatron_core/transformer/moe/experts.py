@@ -13,10 +13,16 @@ False``: their gradients are reduced over the expert-data-parallel group, not dp
 
 Initialization is layout-independent: expert e is drawn from ``expert_seeds[e]``, and the layer draws the
 seeds of all experts on every rank.
+
+FP8 (``megatron_core.fp8``): with an ``Fp8Config`` the experts' fc1 / fc2 GEMMs (loop and grouped) run in FP8
+with per-expert scales; under the delayed recipe ``fp8_state`` holds the table of every global expert
+(``[num_moe_experts, 2 (fc1, fc2), 3 roles]``), each rank filling its own experts' rows, made whole and
+identical on every rank by ``update_fp8_scales``.
 """
 from __future__ import annotations
 
-from typing import Sequence
+import warnings
+from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +30,8 @@ from torch import nn
 from torch.nn.utils.rnn import pad_sequence
 
 from megatron_core.config import TransformerConfig
+from megatron_core.fp8.config import Fp8Config, layer_fp8
+from megatron_core.fp8.linear import fp8_linear, layer_plan, scaling_state
 from megatron_core.tensor_parallel import (
     init_method_normal,
     scaled_init_method_normal,
@@ -83,6 +91,23 @@ class Expert(nn.Module):
                                        **common)
 
 
+def moe_layers_fp8(config: TransformerConfig) -> Optional[Fp8Config]:
+    """The FP8 config of the routed experts when the caller names no layer: ``config.fp8`` when every MoE layer
+    of the config runs in FP8 (always without ``first_last_layers_bf16``), None when none does; when only
+    some do, None (high precision) with a warning: pass ``layer_number=`` (or ``fp8=``) to ``LocalExperts``."""
+    fp8 = getattr(config, "fp8", None)
+    if fp8 is None or not fp8.first_last_layers_bf16:
+        return fp8
+    numbers = [n for n in range(1, config.num_layers + 1) if config.moe.is_moe_layer(n, config.num_layers)]
+    in_fp8 = {layer_fp8(config, n) is not None for n in numbers}
+    if in_fp8 == {True}:
+        return fp8
+    if True in in_fp8:
+        warnings.warn("LocalExperts built without layer_number while first_last_layers_bf16 keeps only some MoE "
+                      "layers in FP8: these experts run in high precision; pass layer_number= to LocalExperts")
+    return None
+
+
 class LocalExperts(nn.Module):
     """This rank's experts ``expert_ids`` (consecutive global ids).
 
@@ -92,6 +117,12 @@ class LocalExperts(nn.Module):
         expert_seeds: one init seed per global expert (all of them).
         device: of the parameters.
         etp_rank, etp_size: this rank's part of each expert (expert tensor parallelism; 1 = whole experts).
+        layer_number: the MoE layer's global number: FP8 is ``layer_fp8(config, layer_number)``; without it (and
+            without ``fp8``) ``moe_layers_fp8(config)``.
+        fp8: the FP8 config of these experts (overrides layer_number); None with a layer_number that
+            ``layer_fp8`` keeps in high precision.
+        etp_group: the expert tensor-parallel group (etp_size > 1): the tensorwise recipe all-reduces the amaxes
+            of the split tensors (fc1's weight and output grad, fc2's input and weight) with MAX over it.
 
     forward: tokens ``[N, h]`` sorted by local expert, ``tokens_per_expert`` (one count per local expert,
     summing to N) -> ``[N, h]``. No collective. With ``moe_grouped_gemm`` the experts run as two batched
@@ -104,7 +135,8 @@ class LocalExperts(nn.Module):
     gathers_all_parameters = True
 
     def __init__(self, config: TransformerConfig, *, expert_ids: Sequence[int], expert_seeds: Sequence[int],
-                 device, etp_rank: int = 0, etp_size: int = 1) -> None:
+                 device, etp_rank: int = 0, etp_size: int = 1, layer_number: Optional[int] = None,
+                 fp8: Optional[Fp8Config] = None, etp_group=None) -> None:
         super().__init__()
         moe = config.moe
         ffn = moe.moe_ffn_hidden_size or config.ffn_hidden_size
@@ -118,6 +150,21 @@ class LocalExperts(nn.Module):
                 experts[str(expert_id)] = Expert(config, ffn, device=device, etp_rank=etp_rank, etp_size=etp_size)
         self.local_experts = nn.ModuleDict(experts)
         self.add_fc2_bias = etp_rank == 0  # the replicated fc2 bias goes into the etp partial sum once
+        if fp8 is None:
+            fp8 = layer_fp8(config, layer_number) if layer_number is not None else moe_layers_fp8(config)
+        self.fp8, self.etp_group = fp8, etp_group
+        self.fp8_state = scaling_state(fp8, device=device, shape=(moe.num_moe_experts, 2))
+
+    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias, *, expert, fc: int) -> torch.Tensor:
+        """fc1 (``fc`` 0, column-split over etp) or fc2 (1, row-split) of ``expert`` (a global id, or an index
+        tensor of them for the grouped GEMM's ``[E, n, in]``); FP8 when configured. No collective but the
+        tensorwise recipe's amax MAX over etp_group."""
+        if self.fp8 is None:
+            return F.linear(x, weight, bias)
+        split = ("weight", "grad_output") if fc == 0 else ("input", "weight")
+        plan = layer_plan(self.fp8, self.fp8_state, training=self.training, tp_group=self.etp_group,
+                          split_roles=split, index=(expert, fc))
+        return fp8_linear(x, weight, bias, plan)
 
     def _fc2_bias(self, bias):
         """The fc2 bias on etp rank 0; zero elsewhere (a product, so the bias still gets a (zero) grad there)."""
@@ -135,10 +182,10 @@ class LocalExperts(nn.Module):
         if self.grouped:
             return self._grouped(tokens, counts)
         outputs = []
-        for expert, chunk in zip(self.local_experts.values(), tokens.split(counts)):
+        for expert_id, expert, chunk in zip(self.expert_ids, self.local_experts.values(), tokens.split(counts)):
             fc1, fc2 = expert.linear_fc1, expert.linear_fc2
-            outputs.append(F.linear(self.activation(F.linear(chunk, fc1.weight, fc1.bias)), fc2.weight,
-                                    self._fc2_bias(fc2.bias)))
+            hidden = self.activation(self._linear(chunk, fc1.weight, fc1.bias, expert=expert_id, fc=0))
+            outputs.append(self._linear(hidden, fc2.weight, self._fc2_bias(fc2.bias), expert=expert_id, fc=1))
         return torch.cat(outputs) if outputs else tokens[:0]
 
     def _stacked(self, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -154,10 +201,20 @@ class LocalExperts(nn.Module):
         padded = pad_sequence(list(tokens.split(counts)), batch_first=True)   # [E_local, max_n, h]
         w1, b1 = self._stacked("linear_fc1")
         w2, b2 = self._stacked("linear_fc2")
+        if self.fp8 is not None:  # per-expert scales; the bias added in the GEMM's fp32 epilogue
+            state_device = self.fp8_state.fp8_scale.device if self.fp8_state is not None else tokens.device
+            ids = torch.tensor(self.expert_ids, device=state_device)
+            hidden = self.activation(self._linear(padded, w1, b1, expert=ids, fc=0))
+            return self._linear(hidden, w2, None if b2 is None else self._fc2_bias(b2), expert=ids,
+                                fc=1)[self._valid(padded, counts)]
         hidden = torch.bmm(padded, w1.transpose(1, 2))                          # [E_local, max_n, f(*2)]
         hidden = self.activation(hidden if b1 is None else hidden + b1)
         out = torch.bmm(hidden, w2.transpose(1, 2))                             # [E_local, max_n, h]
         out = out if b2 is None else out + self._fc2_bias(b2)
-        valid = torch.arange(padded.shape[1], device=tokens.device)[None, :] < torch.tensor(
-            counts, device=tokens.device)[:, None]                              # [E_local, max_n]
-        return out[valid]                                                       # [N, h], expert-major
+        return out[self._valid(padded, counts)]                                 # [N, h], expert-major
+
+    @staticmethod
+    def _valid(padded: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """``[E_local, max_n]``: which rows of the padded groups are tokens."""
+        return torch.arange(padded.shape[1], device=padded.device)[None, :] < torch.tensor(
+            counts, device=padded.device)[:, None]

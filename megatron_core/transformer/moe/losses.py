@@ -45,6 +45,43 @@ def switch_aux_loss(scores: torch.Tensor, routing_map: torch.Tensor, *, topk: in
     return (scores.sum(dim=0) * counts).sum() * (num_experts * coeff / (topk * total * total))
 
 
+def global_aux_loss(scores: torch.Tensor, routing_map: torch.Tensor, *, topk: int, coeff: float,
+                    split_group: Optional[dist.ProcessGroup], dp_group: Optional[dist.ProcessGroup],
+                    running: "GlobalCounts") -> torch.Tensor:
+    """Megatron-LM's ``global_aux_loss``: the Switch loss with the expert counts of the whole global batch so
+    far, i.e. summed over the ranks splitting the sequence and the data-parallel replicas and averaged over the
+    step's micro-batches (``running`` accumulates them; ``GlobalCounts.reset`` after each optimizer step).
+
+    ``scores``, ``routing_map``: ``[T, E]`` of this rank's tokens. Returns this rank's partial sum (``P_e`` over
+    its tokens, with the global token total). Collective: all-reduces (sum, no gradient) of the counts over
+    ``split_group`` and ``dp_group`` in forward; nothing in backward.
+    """
+    counts = routing_map.sum(dim=0).to(torch.float64)
+    counts = _all_reduce_no_grad(_all_reduce_no_grad(counts, split_group), dp_group)             # [E]
+    ranks = (dist.get_world_size(split_group) if split_group is not None else 1) * (
+        dist.get_world_size(dp_group) if dp_group is not None else 1)
+    averaged = running.add(counts).to(scores.dtype)
+    total, num_experts = scores.shape[0] * ranks, scores.shape[1]
+    return (scores.sum(dim=0) * averaged).sum() * (num_experts * coeff / (topk * total * total))
+
+
+class GlobalCounts:
+    """The running expert counts of ``global_aux_loss`` over one optimizer step's micro-batches."""
+
+    def __init__(self) -> None:
+        self.sum: Optional[torch.Tensor] = None
+        self.steps = 0
+
+    def add(self, counts: torch.Tensor) -> torch.Tensor:
+        """Adds one micro-batch's global counts ``[E]``; returns their running mean."""
+        self.sum = counts.clone() if self.sum is None else self.sum + counts
+        self.steps += 1
+        return self.sum / self.steps
+
+    def reset(self) -> None:
+        self.sum, self.steps = None, 0
+
+
 def sequence_aux_loss(scores: torch.Tensor, routing_map: torch.Tensor, *, batch_size: int, topk: int, coeff: float,
                       split_group: Optional[dist.ProcessGroup]) -> torch.Tensor:
     """Per-sequence load balancing (DeepSeek-V2): the Switch loss of each sequence, averaged over the batch.

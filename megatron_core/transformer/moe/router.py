@@ -22,7 +22,14 @@ from megatron_core.parallel_state import ParallelState
 from megatron_core.tensor_parallel import init_method_normal, set_tensor_model_parallel_attributes
 from megatron_core.tensor_parallel.initialization import InitRecipe, init_method_constant, init_param_
 from megatron_core.transformer.moe.config import MoEConfig
-from megatron_core.transformer.moe.losses import attach_loss, sequence_aux_loss, switch_aux_loss, z_loss
+from megatron_core.transformer.moe.losses import (
+    GlobalCounts,
+    attach_loss,
+    global_aux_loss,
+    sequence_aux_loss,
+    switch_aux_loss,
+    z_loss,
+)
 
 
 def apply_capacity(probs: torch.Tensor, routing_map: torch.Tensor, *, capacity: int, policy: str,
@@ -148,6 +155,8 @@ class TopKRouter(nn.Module):
             set_tensor_model_parallel_attributes(self.bias, is_parallel=False, dim=-1, stride=1)
             self.bias.sequence_parallel = config.sequence_parallel
         self.rng_tracker = parallel_state.rng_tracker
+        self.dp_group = parallel_state.dp_group if parallel_state.dp_size > 1 else None  # global_aux_loss
+        self.global_counts = GlobalCounts()
         self.split_group = token_split_group(parallel_state, sequence_parallel=config.sequence_parallel)
         self.aux_loss_scale = 1.0
         self.loss_sums: dict[str, torch.Tensor] = {}
@@ -219,6 +228,10 @@ class TopKRouter(nn.Module):
         if self.moe.moe_router_load_balancing_type == "seq_aux_loss":
             return sequence_aux_loss(scores, routing_map, batch_size=batch_size, topk=self.topk, coeff=coeff,
                                      split_group=self.split_group)
+        if self.moe.moe_router_load_balancing_type == "global_aux_loss":
+            counts = self.global_counts if self.training and not self.rng_tracker.recomputing else GlobalCounts()
+            return global_aux_loss(scores, routing_map, topk=self.topk, coeff=coeff, split_group=self.split_group,
+                                   dp_group=self.dp_group, running=counts)
         return switch_aux_loss(scores, routing_map, topk=self.topk, coeff=coeff, split_group=self.split_group)
 
     def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

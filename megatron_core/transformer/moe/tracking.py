@@ -64,6 +64,12 @@ def moe_loss_report(chunks: Sequence[nn.Module], state: ParallelState, *, num_la
 
 
 @torch.no_grad()
+def reset_global_counts(chunks: Sequence[nn.Module]) -> None:
+    """Starts the next optimizer step's ``global_aux_loss`` counts (no collective)."""
+    for router in routers(chunks):
+        router.global_counts.reset()
+
+
 def update_expert_bias(chunks: Sequence[nn.Module], state: ParallelState) -> None:
     """Aux-loss-free balancing (DeepSeek-V3): ``bias += rate * sign(mean_count - count)`` per expert from the
     step's token counts over every rank of the stage; the counts are then zeroed. Collective: all-reduces of
