@@ -53,7 +53,7 @@ def global_named_buffers(chunks: Sequence[nn.Module], config: TransformerConfig,
     return named
 
 
-STATE_BUFFERS = ("expert_bias",)
+STATE_BUFFERS = ("expert_bias", "fp8_amax_history", "fp8_scale")  # + FP8 delayed scaling (megatron_core.fp8.state)
 
 
 def _non_persistent(module: nn.Module) -> set[str]:

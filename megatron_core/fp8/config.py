@@ -12,6 +12,10 @@ FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
 ``blockwise``: 1x128 activation / 128x128 weight blocks (DeepSeek-V3); ``mxfp8``: 32-element blocks with E8M0
 power-of-two scales (OCP MX, Blackwell)."""
 AMAX_COMPUTE_ALGOS = ("most_recent", "max")
+GEMM_BACKENDS = ("auto", "emulate", "scaled_mm")
+"""``auto``: ``torch._scaled_mm`` on FP8 tensor cores (CUDA, compute capability >= 8.9), the exact fp32
+emulation elsewhere; ``emulate``: always the emulation; ``scaled_mm``: ``torch._scaled_mm`` wherever torch runs it
+(its CPU kernel too) for per-tensor scales. See ``megatron_core.fp8.gemm``."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -29,10 +33,12 @@ class Fp8Config:
     first_last_layers_bf16: bool = False
     num_layers_at_start_in_bf16: int = 1
     num_layers_at_end_in_bf16: int = 1
+    fp8_gemm_backend: str = "auto"
+    """Which GEMM runs the FP8 products (``GEMM_BACKENDS``); the quantization is the same for all."""
 
     def __post_init__(self) -> None:
         for name, allowed in (("fp8_format", FP8_FORMATS), ("fp8_recipe", FP8_RECIPES),
-                              ("fp8_amax_compute_algo", AMAX_COMPUTE_ALGOS)):
+                              ("fp8_amax_compute_algo", AMAX_COMPUTE_ALGOS), ("fp8_gemm_backend", GEMM_BACKENDS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if self.fp8_amax_history_len < 1:

@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megatron_core.fp8.config import Fp8Config
+from megatron_core.fp8.linear import fp8_linear, layer_plan, scaling_state
 from megatron_core.tensor_parallel.comm_overlap import all_gather_linear, linear_reduce_scatter
 from megatron_core.tensor_parallel.initialization import (
     InitMethod,
@@ -100,6 +102,10 @@ class ColumnParallelLinear(nn.Module):
             GEMM, chunk by chunk (``comm_overlap``); needs sequence_parallel.
         weight_grad_store: the layout's ``WeightGradStore`` (``parallel_state.weight_grad_store``): under a
             zero-bubble pipeline schedule the weight-gradient GEMM waits for its W pass (not with tp_comm_overlap).
+        fp8: run the GEMMs in FP8 (``megatron_core.fp8``); the delayed recipe keeps its scaling state in
+            ``self.fp8_state``. The weight and the output grad are split over tp: the tensorwise recipe
+            all-reduces their amaxes with MAX over tp (forward / backward). With sequence parallelism the
+            gathered input is quantized; tp_comm_overlap then runs the plain (not overlapped) FP8 path.
 
     Communication: forward all-gathers the input along s when sequence_parallel (backward all-gathers it
     again, as only the local chunk is saved, and reduce-scatters its gradient), else backward all-reduces
@@ -114,7 +120,7 @@ class ColumnParallelLinear(nn.Module):
         skip_bias_add: bool = False, sequence_parallel: bool = False, init_method: Optional[InitMethod] = None,
         params_dtype: torch.dtype = torch.float32, device=None, stride: int = 1,
         skip_weight_param_allocation: bool = False, tp_comm_overlap: bool = False,
-        weight_grad_store: Optional[WeightGradStore] = None,
+        weight_grad_store: Optional[WeightGradStore] = None, fp8: Optional[Fp8Config] = None,
     ) -> None:
         super().__init__()
         if gather_output and sequence_parallel:
@@ -135,6 +141,7 @@ class ColumnParallelLinear(nn.Module):
                 init_method=init_method or init_method_normal(0.02), tp_rank=tp_rank, tp_size=self.tp_size)
         self.bias = (_zero_bias(self.output_size_per_partition, dtype=params_dtype, device=device,
                                 is_parallel=True, stride=stride) if bias else None)
+        self.fp8, self.fp8_state = fp8, scaling_state(fp8, device=device)
 
     def forward(self, input_: torch.Tensor, weight: Optional[torch.Tensor] = None):
         """``input_`` ``[..., input_size]`` (``[s/tp, b, input_size]`` with sequence_parallel)."""
@@ -146,7 +153,9 @@ class ColumnParallelLinear(nn.Module):
                              f"{(self.output_size_per_partition, self.input_size)}, got {tuple(weight.shape)}")
         _check_last_dim("ColumnParallelLinear", input_, self.input_size, "input_size")
         bias = None if self.skip_bias_add else self.bias
-        if self.sequence_parallel and self.tp_comm_overlap and self.tp_size > 1 and input_.shape[0] > 0:
+        if self.fp8 is not None:
+            output = self._fp8_forward(input_, weight, bias)
+        elif self.sequence_parallel and self.tp_comm_overlap and self.tp_size > 1 and input_.shape[0] > 0:
             output = all_gather_linear(input_, weight, bias, self.tp_group)  # [s, b, out/tp], chunked overlap
         elif self.sequence_parallel:  # all-gathers s; saves only the local [s/tp, b, in] chunk for backward
             output = sequence_parallel_linear(input_, weight, bias, self.tp_group, self.weight_grad_store)
@@ -160,10 +169,20 @@ class ColumnParallelLinear(nn.Module):
                 output_bias = gather_from_tensor_model_parallel_region(output_bias, self.tp_group)  # [out]
         return output, output_bias
 
+    def _fp8_forward(self, input_: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]):
+        """The FP8 GEMMs: ``[s/tp, b, in]`` all-gathered (sequence_parallel) or ``[..., in]`` -> ``[..., out/tp]``."""
+        plan = layer_plan(self.fp8, self.fp8_state, training=self.training, tp_group=self.tp_group,
+                          split_roles=("weight", "grad_output"))
+        if self.sequence_parallel:
+            return fp8_linear(input_, weight, bias, plan, gather_group=self.tp_group,
+                              weight_grad_store=self.weight_grad_store)
+        return fp8_linear(copy_to_tensor_model_parallel_region(input_, self.tp_group), weight, bias, plan,
+                          weight_grad_store=self.weight_grad_store)
+
     def extra_repr(self) -> str:
         return (f"input_size={self.input_size}, output_size={self.output_size}, tp={self.tp_size}, "
                 f"bias={self.bias is not None}, gather_output={self.gather_output}, "
-                f"sequence_parallel={self.sequence_parallel}")
+                f"sequence_parallel={self.sequence_parallel}" + _fp8_repr(self.fp8))
 
 
 class RowParallelLinear(nn.Module):
@@ -182,6 +201,9 @@ class RowParallelLinear(nn.Module):
         tp_comm_overlap: overlap the reduce-scatter (and backward's all-gather) with the GEMM, chunk by
             chunk (``comm_overlap``); needs sequence_parallel.
         weight_grad_store: as in ColumnParallelLinear.
+        fp8: as in ColumnParallelLinear; here the input and the weight are split over tp (the tensorwise
+            recipe all-reduces their amaxes with MAX over tp in forward), the output grad is whole on every
+            rank (all-gathered first under sequence parallelism).
 
     Communication: forward all-reduces the output over tp (reduce-scatter along s with sequence_parallel;
     backward then all-gathers the gradient); with ``input_is_parallel=False`` backward all-gathers the input
@@ -194,7 +216,7 @@ class RowParallelLinear(nn.Module):
         self, input_size: int, output_size: int, *, tp_group=None, bias: bool = True, input_is_parallel: bool = True,
         skip_bias_add: bool = False, sequence_parallel: bool = False, init_method: Optional[InitMethod] = None,
         params_dtype: torch.dtype = torch.float32, device=None, stride: int = 1, tp_comm_overlap: bool = False,
-        weight_grad_store: Optional[WeightGradStore] = None,
+        weight_grad_store: Optional[WeightGradStore] = None, fp8: Optional[Fp8Config] = None,
     ) -> None:
         super().__init__()
         if sequence_parallel and not input_is_parallel:
@@ -214,6 +236,7 @@ class RowParallelLinear(nn.Module):
         self.bias = _zero_bias(output_size, dtype=params_dtype, device=device, is_parallel=False) if bias else None
         if self.bias is not None and sequence_parallel:
             self.bias.sequence_parallel = True
+        self.fp8, self.fp8_state = fp8, scaling_state(fp8, device=device)
 
     def forward(self, input_: torch.Tensor):
         """``input_`` ``[..., input_size/tp]`` (or ``[..., input_size]`` when not input_is_parallel)."""
@@ -223,7 +246,9 @@ class RowParallelLinear(nn.Module):
         else:
             _check_last_dim("RowParallelLinear", input_, self.input_size, "input_size")
             input_parallel = scatter_to_tensor_model_parallel_region(input_, self.tp_group)
-        if self.sequence_parallel and self.tp_comm_overlap and self.tp_size > 1:
+        if self.fp8 is not None:
+            output = self._fp8_forward(input_parallel)
+        elif self.sequence_parallel and self.tp_comm_overlap and self.tp_size > 1:
             output = linear_reduce_scatter(input_parallel, self.weight, self.tp_group)  # [s/tp, b, out], chunked
         elif self.sequence_parallel:
             # [s, b, out], a partial sum on each tp rank
@@ -237,10 +262,23 @@ class RowParallelLinear(nn.Module):
             return output, (self.bias if self.skip_bias_add else None)
         return output + self.bias, None
 
+    def _fp8_forward(self, input_parallel: torch.Tensor) -> torch.Tensor:
+        """The FP8 GEMM on ``[..., in/tp]``, then the all-reduce (reduce-scatter along s) of the partial sums."""
+        plan = layer_plan(self.fp8, self.fp8_state, training=self.training, tp_group=self.tp_group,
+                          split_roles=("input", "weight"))
+        partial = fp8_linear(input_parallel, self.weight, None, plan, weight_grad_store=self.weight_grad_store)
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)  # [s/tp, b, out]
+        return reduce_from_tensor_model_parallel_region(partial, self.tp_group, inplace=True)
+
     def extra_repr(self) -> str:
         return (f"input_size={self.input_size}, output_size={self.output_size}, tp={self.tp_size}, "
                 f"bias={self.bias is not None}, input_is_parallel={self.input_is_parallel}, "
-                f"sequence_parallel={self.sequence_parallel}")
+                f"sequence_parallel={self.sequence_parallel}" + _fp8_repr(self.fp8))
+
+
+def _fp8_repr(fp8: Optional[Fp8Config]) -> str:
+    return "" if fp8 is None else f", fp8={fp8.fp8_recipe}/{fp8.fp8_format}"
 
 
 class VocabParallelEmbedding(nn.Module):

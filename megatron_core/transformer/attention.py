@@ -20,6 +20,7 @@ import kernels
 from megatron_core.config import TransformerConfig
 from megatron_core.context_parallel import context_parallel_attention
 from megatron_core.context_parallel.band import normalize_window
+from megatron_core.fp8.config import layer_fp8
 from megatron_core.parallel_state import ParallelState
 from megatron_core.tensor_parallel import (
     ColumnParallelLinear,
@@ -170,7 +171,8 @@ class SelfAttention(nn.Module):
     ``[s, b, h]`` (``[s/tp, b, h]``) all-reduced (reduce-scattered) over tp, and the projection bias (or
     None) left for the caller's bias-dropout-add. With an ``inference_cache`` the new tokens' keys and
     values are appended to the cache and the queries attend to every cached position (no sequence
-    parallelism, no explicit attention_mask).
+    parallelism, no explicit attention_mask). ``linear_qkv`` and ``linear_proj`` run in FP8 when
+    ``layer_fp8(config, layer_number)`` gives a config (the core attention stays in high precision).
     """
 
     def __init__(self, config: TransformerConfig, *, layer_number: int, parallel_state: ParallelState,
@@ -185,7 +187,7 @@ class SelfAttention(nn.Module):
         qkv_size = (config.num_attention_heads + 2 * config.num_query_groups) * config.kv_channels
         common = dict(tp_group=tp_group, sequence_parallel=config.sequence_parallel,
                       tp_comm_overlap=config.tp_comm_overlap, params_dtype=config.params_dtype, device=device,
-                      weight_grad_store=parallel_state.weight_grad_store)
+                      weight_grad_store=parallel_state.weight_grad_store, fp8=layer_fp8(config, layer_number))
         self.linear_qkv = ColumnParallelLinear(config.hidden_size, qkv_size, bias=config.add_qkv_bias,
                                                init_method=init_method_normal(config.init_method_std), **common)
         self.core_attention = core_attention(config, layer_number=layer_number, parallel_state=parallel_state)

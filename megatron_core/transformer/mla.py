@@ -31,6 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_core.config import TransformerConfig
+from megatron_core.fp8.config import Fp8Config, layer_fp8
+from megatron_core.fp8.linear import fp8_linear, layer_plan, scaling_state
 from megatron_core.parallel_state import ParallelState
 from megatron_core.tensor_parallel import (
     ColumnParallelLinear,
@@ -57,13 +59,20 @@ class ReplicatedLinear(nn.Module):
 
     Its parameters are tagged replicated (``tensor_model_parallel = False``) and, with ``sequence_parallel``
     (each tp rank feeds only its chunk of the sequence), ``sequence_parallel = True``: ``finalize_model_grads``
-    all-reduces their grads over tp. The weight gets a layout-independent init recipe (meta-device builds)."""
+    all-reduces their grads over tp. The weight gets a layout-independent init recipe (meta-device builds).
+
+    With ``fp8`` the GEMMs run in FP8 (``megatron_core.fp8``). Under sequence parallelism the input and the
+    output grad hold only this rank's tokens: the tensorwise recipe all-reduces their amaxes with MAX over
+    ``tp_group`` (forward / backward), so the scales are the whole sequence's, as at tp 1."""
 
     def __init__(self, input_size: int, output_size: int, *, init_method: InitMethod, sequence_parallel: bool,
                  bias: bool = False, params_dtype: torch.dtype = torch.float32, device=None,
-                 weight_grad_store: Optional[WeightGradStore] = None) -> None:
+                 weight_grad_store: Optional[WeightGradStore] = None, fp8: Optional[Fp8Config] = None,
+                 tp_group=None) -> None:
         super().__init__()
         self.input_size, self.output_size, self.weight_grad_store = input_size, output_size, weight_grad_store
+        self.sequence_parallel, self.tp_group = sequence_parallel, tp_group
+        self.fp8, self.fp8_state = fp8, scaling_state(fp8, device=device)
         self.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=params_dtype, device=device))
         init_param_(self.weight, (output_size, input_size), init_method=init_method)
         self.bias = None
@@ -78,6 +87,10 @@ class ReplicatedLinear(nn.Module):
         if input_.shape[-1] != self.input_size:
             raise ValueError(f"ReplicatedLinear expects an input whose last dim is input_size = {self.input_size}, "
                              f"got shape {tuple(input_.shape)}")
+        if self.fp8 is not None:
+            plan = layer_plan(self.fp8, self.fp8_state, training=self.training, tp_group=self.tp_group,
+                              split_roles=("input", "grad_output") if self.sequence_parallel else ())
+            return fp8_linear(input_, self.weight, self.bias, plan, weight_grad_store=self.weight_grad_store), None
         return linear_deferrable(input_, self.weight, self.bias, self.weight_grad_store), None
 
     def extra_repr(self) -> str:
@@ -106,6 +119,10 @@ class MLASelfAttention(nn.Module):
     (``kv_lora_rank``) and the roped shared key (``qk_pos_emb_head_dim``), not the per-head keys and values; the
     prompt's latents are up-projected, later steps attend over the latents with the up projection absorbed
     into the query and output (``decode``; no sequence or context parallelism, causal mask only).
+
+    FP8 (``layer_fp8(config, layer_number)``): every projection, the replicated down projections included, runs
+    its GEMMs in FP8; the norms, rope, core attention and the absorbed decoding (which reads
+    ``linear_kv_up_proj.weight`` itself) stay in high precision.
     """
 
     def __init__(self, config: TransformerConfig, *, layer_number: int, parallel_state: ParallelState,
@@ -121,7 +138,8 @@ class MLASelfAttention(nn.Module):
         self.q_head_dim = config.qk_head_dim + config.qk_pos_emb_head_dim
         common = dict(tp_group=parallel_state.tp_group, sequence_parallel=config.sequence_parallel,
                       tp_comm_overlap=config.tp_comm_overlap, params_dtype=config.params_dtype,
-                      device=parallel_state.device, weight_grad_store=parallel_state.weight_grad_store)
+                      device=parallel_state.device, weight_grad_store=parallel_state.weight_grad_store,
+                      fp8=layer_fp8(config, layer_number))
         self._build_query(config, parallel_state, common)
         self._build_key_value(config, parallel_state, common)
         self.core_attention = core_attention(config, layer_number=layer_number, parallel_state=parallel_state)
@@ -131,10 +149,12 @@ class MLASelfAttention(nn.Module):
             init_method=scaled_init_method_normal(config.init_method_std, config.num_layers), **common)
 
     @staticmethod
-    def _replicated(config: TransformerConfig, state: ParallelState, in_size: int, out_size: int) -> ReplicatedLinear:
+    def _replicated(config: TransformerConfig, state: ParallelState, in_size: int, out_size: int,
+                    fp8: Optional[Fp8Config]) -> ReplicatedLinear:
         return ReplicatedLinear(in_size, out_size, init_method=init_method_normal(config.init_method_std),
                                 sequence_parallel=config.sequence_parallel, params_dtype=config.params_dtype,
-                                device=state.device, weight_grad_store=state.weight_grad_store)
+                                device=state.device, weight_grad_store=state.weight_grad_store, fp8=fp8,
+                                tp_group=state.tp_group)
 
     @staticmethod
     def _norm(config: TransformerConfig, state: ParallelState, size: int) -> Optional[nn.Module]:
@@ -151,14 +171,15 @@ class MLASelfAttention(nn.Module):
             self.linear_q_proj = ColumnParallelLinear(config.hidden_size, out_size, bias=False, init_method=init,
                                                       **common)
             return
-        self.linear_q_down_proj = self._replicated(config, state, config.hidden_size, config.q_lora_rank)
+        self.linear_q_down_proj = self._replicated(config, state, config.hidden_size, config.q_lora_rank,
+                                                   common["fp8"])
         self.q_layernorm = self._norm(config, state, config.q_lora_rank)
         self.linear_q_up_proj = ColumnParallelLinear(config.q_lora_rank, out_size, bias=False, init_method=init,
                                                      **common)
 
     def _build_key_value(self, config: TransformerConfig, state: ParallelState, common: dict) -> None:
         self.linear_kv_down_proj = self._replicated(config, state, config.hidden_size,
-                                                    config.kv_lora_rank + config.qk_pos_emb_head_dim)
+                                                    config.kv_lora_rank + config.qk_pos_emb_head_dim, common["fp8"])
         self.kv_layernorm = self._norm(config, state, config.kv_lora_rank)
         self.linear_kv_up_proj = ColumnParallelLinear(
             config.kv_lora_rank, config.num_attention_heads * (config.qk_head_dim + config.v_head_dim), bias=False,

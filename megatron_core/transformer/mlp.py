@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_core.config import TransformerConfig
+from megatron_core.fp8.config import layer_fp8
 from megatron_core.parallel_state import ParallelState
 from megatron_core.tensor_parallel import (
     ColumnParallelLinear,
@@ -60,6 +61,8 @@ class MLP(nn.Module):
     rank holds matching halves of both: rank r has rows ``gate[r]`` and ``up[r]`` and computes
     ``act(gate_r) * (up_r + offset)`` (``mlp_activation``; elementwise, so the clamp needs no communication).
 
+    fc1 and fc2 run in FP8 when ``layer_fp8(config, layer_number)`` says so.
+
     forward: ``[s, b, h]`` (``[s/tp, b, h]`` with sequence parallelism) -> ``(output, bias)`` where output
     has the input's shape and is all-reduced (reduce-scattered) over tp, and bias is fc2's bias or None.
     """
@@ -71,7 +74,8 @@ class MLP(nn.Module):
         self.activation_options = activation_options(config)
         common = dict(tp_group=parallel_state.tp_group, sequence_parallel=config.sequence_parallel,
                       tp_comm_overlap=config.tp_comm_overlap, weight_grad_store=parallel_state.weight_grad_store,
-                      params_dtype=config.params_dtype, device=parallel_state.device, bias=config.add_bias_linear)
+                      params_dtype=config.params_dtype, device=parallel_state.device, bias=config.add_bias_linear,
+                      fp8=layer_fp8(config, layer_number))
         fc1_size = 2 * config.ffn_hidden_size if self.gated else config.ffn_hidden_size
         self.linear_fc1 = ColumnParallelLinear(config.hidden_size, fc1_size, stride=2 if self.gated else 1,
                                                init_method=init_method_normal(config.init_method_std), **common)

@@ -1,0 +1,225 @@
+"""The FP8 linear: ``y = x W^T + b`` with x and W quantized, and its backward (``dx = dy W``, ``dW = dy^T x``)
+with dy quantized, every GEMM ``nt_gemm`` (fp32 accumulation, output in the input's dtype).
+
+Each GEMM's operands are quantized along its reduction dim (``Fp8Plan.quantize``):
+
+    fprop  x [M, K]   . W [N, K]      input (E4M3), weight (E4M3)
+    dgrad  dy [M, N]  . W^T [K, N]    grad_output (E5M2 under "hybrid", E4M3 under "e4m3"), weight
+    wgrad  dy^T [N, M] . x^T [K, M]   grad_output, input
+
+Per-tensor recipes (delayed, tensorwise) quantize each tensor once (its transpose is the same bytes); block
+recipes quantize each orientation on its own (blockwise: 1x128 blocks for inputs and output grads, 128x128 for
+weights, so W and W^T share blocks; mxfp8: 1x32 blocks everywhere). ``fp8_wgrad=False`` computes dW from the
+unquantized dy and x. The bias and its grad stay in high precision.
+
+Reductions for layout parity (``Fp8Plan.split_roles``: the roles whose tensor is split over ``tp_group``): the
+tensorwise recipe all-reduces each such tensor's amax with MAX over tp (forward: input and/or weight;
+backward: grad_output), so every rank uses the scale of the whole tensor; delayed scaling records local amaxes
+and reduces them once per step (``state.update_fp8_scales``); block recipes use blocks local to the shard.
+
+Sequence parallelism (``gather_group``): forward all-gathers x along dim 0 and quantizes the gathered
+tensor; backward all-gathers the saved local chunk again (for dW) and reduce-scatters dx along dim 0.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_core.fp8.config import Fp8Config
+from megatron_core.fp8.formats import Fp8Format, role_format
+from megatron_core.fp8.gemm import nt_gemm
+from megatron_core.fp8.quantize import (
+    Quantized,
+    abs_amax,
+    quantize_blocks,
+    quantize_mxfp8,
+    quantize_with_scale,
+    scale_from_amax,
+)
+from megatron_core.fp8.state import Fp8ScalingState, ScalingView
+from megatron_core.tensor_parallel.utils import group_size
+from megatron_core.tensor_parallel.weight_grad_store import WeightGradStore, deferrable_target, deferring_forward
+
+BLOCKWISE_ACTIVATION_BLOCK = (1, 128)
+BLOCKWISE_WEIGHT_BLOCK = (128, 128)
+MXFP8_BLOCK = 32
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Plan:
+    """How one FP8 linear call quantizes.
+
+    config: the recipe. scaling: the delayed recipe's scales / amax slots (``ScalingView``), else None.
+    tp_group, split_roles: roles (of "input", "weight", "grad_output") whose tensor is split over tp_group.
+    record: take this call's amaxes into the delayed state (training forwards with grad only).
+    """
+    config: Fp8Config
+    scaling: Optional[ScalingView] = None
+    tp_group: object = None
+    split_roles: frozenset = frozenset()
+    record: bool = False
+
+    def __post_init__(self) -> None:
+        if self.config.fp8_recipe == "delayed" and self.scaling is None:
+            raise ValueError("the delayed FP8 recipe needs its scaling state: pass scaling=Fp8ScalingState(...).view()")
+
+    @property
+    def per_tensor(self) -> bool:
+        return self.config.fp8_recipe in ("delayed", "tensorwise")
+
+    def fmt(self, role: str) -> Fp8Format:
+        return role_format(self.config.fp8_format, role)
+
+    def scale(self, role: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Per-tensor recipes: the fp32 scale(s) ``role`` quantizes ``tensor`` ``[..., rows, cols]`` with (one
+        per leading index). Delayed: the state's (and records the amax); tensorwise: from the current amax,
+        all-reduced with MAX over tp for a split role."""
+        if self.config.fp8_recipe == "delayed":
+            if self.record:
+                self.scaling.record(role, abs_amax(tensor, (-2, -1)))
+            return self.scaling.scale(role)
+        amax = abs_amax(tensor, (-2, -1))
+        if role in self.split_roles and group_size(self.tp_group) > 1:
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.tp_group)
+        return scale_from_amax(amax, self.fmt(role), self.config.fp8_margin)
+
+    def quantize_blocks(self, role: str, tensor: torch.Tensor) -> Quantized:
+        """Block recipes: ``tensor`` quantized in blocks along its last dim (the GEMM's reduction dim)."""
+        if self.config.fp8_recipe == "mxfp8":
+            return quantize_mxfp8(tensor, self.fmt(role), MXFP8_BLOCK)
+        block = BLOCKWISE_WEIGHT_BLOCK if role == "weight" else BLOCKWISE_ACTIVATION_BLOCK
+        return quantize_blocks(tensor, self.fmt(role), block)
+
+    def quantize(self, role: str, tensor: torch.Tensor) -> tuple[Quantized, Optional[torch.Tensor]]:
+        """``(quantized, per-tensor scale or None)``."""
+        if self.per_tensor:
+            scale = self.scale(role, tensor)
+            return quantize_with_scale(tensor, scale, self.fmt(role)), scale
+        return self.quantize_blocks(role, tensor), None
+
+    def gemm(self, a: Quantized, b: Quantized, dtype: torch.dtype, bias=None) -> torch.Tensor:
+        return nt_gemm(a, b, out_dtype=dtype, bias=bias, backend=self.config.fp8_gemm_backend)
+
+
+def _all_gather(x: torch.Tensor, group) -> torch.Tensor:
+    out = torch.empty((group_size(group) * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.all_gather_single(out, x.contiguous(), group=group)
+    return out
+
+
+def _reduce_scatter(x: torch.Tensor, group) -> torch.Tensor:
+    out = torch.empty((x.shape[0] // group_size(group), *x.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.reduce_scatter_single(out, x.contiguous(), group=group)
+    return out
+
+
+def _matrices(t: torch.Tensor, grouped: bool) -> torch.Tensor:
+    """``[..., k]`` -> ``[M, k]`` (a grouped GEMM's ``[E, n, k]`` stays as it is)."""
+    return t if grouped else t.reshape(-1, t.shape[-1])
+
+
+class _Fp8Linear(torch.autograd.Function):
+    """x ``[..., K]`` (``[E, n, K]`` with a grouped weight ``[E, N, K]``), weight ``[N, K]``, bias ``[N]`` (or
+    ``[E, 1, N]``) -> ``[..., N]``. Collectives: see the module docstring."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, plan: Fp8Plan, gather_group, store: Optional[WeightGradStore]):
+        grouped = weight.dim() == 3
+        total = _all_gather(x, gather_group) if gather_group is not None else x
+        x2 = _matrices(total, grouped)
+        qx, scale_x = plan.quantize("input", x2)
+        qw, scale_w = plan.quantize("weight", weight)
+        out = plan.gemm(qx, qw, x.dtype, bias)
+        keep_fp8 = plan.per_tensor and gather_group is None and plan.config.fp8_wgrad
+        ctx.save_for_backward(qx.data if keep_fp8 else x, weight, scale_x, scale_w)
+        ctx.plan, ctx.group, ctx.store, ctx.keep_fp8 = plan, gather_group, store, keep_fp8
+        ctx.grouped, ctx.x_shape, ctx.x_dtype, ctx.has_bias = grouped, total.shape, x.dtype, bias is not None
+        ctx.weight_target = deferrable_target(weight) if store is not None else None
+        return out if grouped else out.view(*total.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        saved_x, weight, scale_x, scale_w = ctx.saved_tensors
+        plan, grouped = ctx.plan, ctx.grouped
+        needs_input, needs_weight, needs_bias = ctx.needs_input_grad[:3]
+        dy = _matrices(grad_output, grouped)
+        qdy, _ = plan.quantize("grad_output", dy) if plan.per_tensor else (None, None)
+        grad_input = grad_weight = grad_bias = None
+        if needs_input:
+            grad_input = _input_grad(plan, dy, qdy, weight, scale_w, ctx.x_dtype).view(ctx.x_shape)
+            if ctx.group is not None:
+                grad_input = _reduce_scatter(grad_input, ctx.group)
+        if needs_weight:
+            def weight_grad() -> torch.Tensor:
+                return _weight_grad(ctx_values, dy, qdy, weight)
+            ctx_values = (plan, saved_x, scale_x, ctx.group, ctx.keep_fp8, grouped)
+            if ctx.weight_target is not None and ctx.store.deferring:
+                ctx.store.defer(ctx.weight_target, weight_grad)
+            else:
+                grad_weight = weight_grad()
+        if ctx.has_bias and needs_bias:
+            grad_bias = dy.sum(-2, keepdim=True) if grouped else dy.sum(0)
+        return grad_input, grad_weight, grad_bias, None, None, None
+
+
+def _input_grad(plan: Fp8Plan, dy, qdy: Optional[Quantized], weight, scale_w, dtype) -> torch.Tensor:
+    """``dy W`` ``[..., M, K]``: dy along N, W^T along N (per tensor: the forward's scale, no new amax)."""
+    if plan.per_tensor:
+        qw_t = quantize_with_scale(weight, scale_w, plan.fmt("weight")).t()
+        return plan.gemm(qdy, qw_t, dtype)
+    return plan.gemm(plan.quantize_blocks("grad_output", dy),
+                     plan.quantize_blocks("weight", weight.transpose(-1, -2).contiguous()), dtype)
+
+
+def _weight_grad(values, dy, qdy: Optional[Quantized], weight) -> torch.Tensor:
+    """``dy^T x`` ``[..., N, K]`` in the weight's dtype (re-gathers x under sequence parallelism)."""
+    plan, saved_x, scale_x, group, keep_fp8, grouped = values
+    if keep_fp8:
+        qx = Quantized(saved_x, torch.reciprocal(scale_x.reshape(*scale_x.shape, 1, 1)), plan.fmt("input"))
+        return plan.gemm(qdy.t(), qx.t(), weight.dtype)
+    x2 = _matrices(_all_gather(saved_x, group) if group is not None else saved_x, grouped)
+    if not plan.config.fp8_wgrad:
+        return torch.matmul(dy.transpose(-1, -2), x2.to(dy.dtype)).to(weight.dtype)
+    if plan.per_tensor:
+        qx = quantize_with_scale(x2, scale_x, plan.fmt("input"))
+        return plan.gemm(qdy.t(), qx.t(), weight.dtype)
+    return plan.gemm(plan.quantize_blocks("grad_output", dy.transpose(-1, -2).contiguous()),
+                     plan.quantize_blocks("input", x2.transpose(-1, -2).contiguous()), weight.dtype)
+
+
+def scaling_state(fp8: Optional[Fp8Config], *, device=None, shape=()) -> Optional[Fp8ScalingState]:
+    """A layer's delayed-scaling state (``shape`` linears), None without FP8 or for current-scaling recipes."""
+    if fp8 is None or fp8.fp8_recipe != "delayed":
+        return None
+    return Fp8ScalingState(fp8, shape, device=device)
+
+
+def layer_plan(fp8: Fp8Config, state: Optional[Fp8ScalingState], *, training: bool, tp_group=None,
+               split_roles=(), index=()) -> Fp8Plan:
+    """The plan of one call of a layer: amaxes are recorded in training forwards with grad enabled (not in
+    evaluation); ``split_roles`` count only when ``tp_group`` has more than one rank."""
+    split = frozenset(split_roles) if group_size(tp_group) > 1 else frozenset()
+    return Fp8Plan(fp8, state.view(index) if state is not None else None, tp_group, split,
+                   record=training and torch.is_grad_enabled())
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], plan: Fp8Plan, *,
+               gather_group=None, weight_grad_store: Optional[WeightGradStore] = None) -> torch.Tensor:
+    """``x W^T + b`` through FP8 GEMMs (see the module docstring).
+
+    x ``[..., K]`` (``[s/tp, b, K]`` with ``gather_group``, which all-gathers it along dim 0 in forward and
+    reduce-scatters dx in backward), weight ``[N, K]``, bias ``[N]`` or None -> ``[..., N]`` (``[s, b, N]``).
+    A grouped GEMM passes x ``[E, n, K]``, weight ``[E, N, K]``, bias ``[E, 1, N]`` (per-expert scales).
+    Inside ``weight_grad_store.deferrable_forward()`` the weight-gradient GEMM is deferred to the W pass.
+    """
+    if gather_group is not None and (group_size(gather_group) == 1 or x.shape[0] == 0):
+        gather_group = None
+    store = weight_grad_store if deferring_forward(weight_grad_store) else None
+    return _Fp8Linear.apply(x, weight, bias, plan, gather_group, store)
+
+
+__all__ = ["Fp8Plan", "fp8_linear", "scaling_state", "layer_plan", "BLOCKWISE_ACTIVATION_BLOCK",
+           "BLOCKWISE_WEIGHT_BLOCK", "MXFP8_BLOCK"]
