@@ -74,7 +74,7 @@ def scale_from_amax(amax: torch.Tensor, fmt: Fp8Format, margin: int = 0) -> torc
     """``fmt.max / amax / 2**margin`` in fp32; 1 where amax is 0 or not finite, fp32 max where it would
     overflow (Transformer Engine's rule)."""
     amax = amax.float()
-    scale = (fmt.max / amax) / (2.0 ** margin)
+    scale = torch.full_like(amax, fmt.max) / amax / (2.0 ** margin)  # a true division (``max / t`` is t^-1 * max)
     scale = torch.where(torch.isinf(scale), torch.full_like(scale, FP32_MAX), scale)
     usable = (amax > 0) & torch.isfinite(amax)
     return torch.where(usable, scale, torch.ones_like(scale))
