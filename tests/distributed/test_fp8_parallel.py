@@ -1,0 +1,164 @@
+"""FP8 training across layouts: a tiny GPTModel at tp 2 with sequence parallelism equals tp 1 (tensorwise, and
+delayed over 3 steps with the per-step ``update_fp8_scales``): loss, every gathered grad and the scaling state;
+dp 2 (each rank half the micro-batches) equals one process seeing them all under delayed scaling; the MoE layer
+at ep 2 in FP8 (delayed, loop and grouped GEMM) equals the single-process layer over 3 steps."""
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.model_helpers import build_model, full_grads, make_batch, tiny_config
+
+LOSS_TOL = dict(rtol=1e-5, atol=1e-6)
+GRAD_TOL = dict(rtol=1e-4, atol=1e-6)
+BASE = dict(num_query_groups=4, num_attention_heads=8, position_embedding_type="rope", activation="swiglu",
+            normalization="RMSNorm")
+RECIPES = {
+    "tensorwise": dict(fp8_recipe="tensorwise"),
+    "delayed": dict(fp8_recipe="delayed", fp8_amax_history_len=2, fp8_amax_compute_algo="max", fp8_margin=1),
+}
+
+
+def _grads(model):
+    return {name: (p.grad.clone(), p.partition_dim if p.tensor_model_parallel else None, p.partition_stride)
+            for name, p in model.named_parameters()}
+
+
+def _sgd(model, lr=0.1):
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(p.grad, alpha=-lr)
+            p.grad = None
+
+
+def _scales(model):
+    from megatron_core.fp8.state import scaling_states
+    return [state.fp8_scale.clone() for state in scaling_states([model])]
+
+
+def _tp_steps(tp, recipe, overrides, steps=3):
+    """``steps`` training steps at tp (this process's world size, or 1): per step (loss, grads); the scales."""
+    from megatron_core import initialize_model_parallel
+    from megatron_core.distributed import finalize_model_grads
+    from megatron_core.fp8 import Fp8Config, update_fp8_scales
+    state = initialize_model_parallel(tensor_model_parallel_size=tp)
+    config = tiny_config(tensor_model_parallel_size=tp, fp8=Fp8Config(**RECIPES[recipe]), **BASE, **overrides)
+    model = build_model(config, state)
+    results = []
+    for step in range(steps):
+        input_ids, positions, labels = make_batch(seed=step)
+        loss = model(input_ids, positions, labels=labels)
+        loss.mean().backward()
+        finalize_model_grads(model, state)
+        results.append((loss.detach(), _grads(model)))
+        _sgd(model)
+        update_fp8_scales([model], state)
+    return results, _scales(model)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_tp2_sequence_parallel_matches_tp1(distributed, recipe, overlap):
+    steps = 3 if recipe == "delayed" else 1
+    reference, ref_scales = _tp_steps(1, recipe, {}, steps)
+    per_rank = distributed(2, _tp_steps, 2, recipe, dict(sequence_parallel=True, tp_comm_overlap=overlap), steps)
+    for step in range(steps):
+        ref_loss, ref_grads = reference[step]
+        gathered = full_grads([results[step][1] for results, _ in per_rank])
+        for results, _ in per_rank:
+            torch.testing.assert_close(results[step][0], ref_loss, **LOSS_TOL)
+        assert gathered.keys() == ref_grads.keys()
+        for name, grad in gathered.items():
+            torch.testing.assert_close(grad, ref_grads[name][0], **GRAD_TOL,
+                                       msg=lambda m: f"{recipe} step {step} grad {name}: {m}")
+    for _, scales in per_rank:  # the delayed state is replicated over tp and equals tp 1's
+        for mine, ref in zip(scales, ref_scales):
+            torch.testing.assert_close(mine, ref, rtol=1e-6, atol=0)
+    if recipe == "delayed":
+        assert any((s != 1).any() for s in ref_scales)
+
+
+MICRO_BATCHES = 4
+
+
+def _dp_steps(steps=3):
+    """Delayed FP8 over ``steps``: each of this process's dp ranks runs every dp-th of MICRO_BATCHES micro-batches;
+    grads summed over dp. Per step: the summed grads and loss; at the end the scales."""
+    from megatron_core import initialize_model_parallel
+    from megatron_core.fp8 import Fp8Config, update_fp8_scales
+    state = initialize_model_parallel(tensor_model_parallel_size=1)
+    config = tiny_config(fp8=Fp8Config(**RECIPES["delayed"]), **BASE)
+    model = build_model(config, state)
+    results = []
+    for step in range(steps):
+        total = torch.zeros(())
+        for micro in range(state.dp_rank, MICRO_BATCHES, state.dp_size):
+            input_ids, positions, labels = make_batch(seed=MICRO_BATCHES * step + micro)
+            loss = model(input_ids, positions, labels=labels).mean() / MICRO_BATCHES
+            loss.backward()
+            total += loss.detach()
+        grads = {n: p.grad for n, p in model.named_parameters()}
+        if state.dp_size > 1:
+            for grad in [*grads.values(), total]:
+                dist.all_reduce(grad, group=state.dp_group)
+        results.append((total, {n: g.clone() for n, g in grads.items()}))
+        _sgd(model)
+        update_fp8_scales([model], state)
+    return results, _scales(model)
+
+
+def test_dp2_delayed_scaling_matches_one_process(distributed):
+    reference, ref_scales = _dp_steps()
+    for results, scales in distributed(2, _dp_steps):
+        for (loss, grads), (ref_loss, ref_grads) in zip(results, reference):
+            torch.testing.assert_close(loss, ref_loss, **LOSS_TOL)
+            for name, grad in grads.items():
+                torch.testing.assert_close(grad, ref_grads[name], **GRAD_TOL, msg=lambda m: f"{name}: {m}")
+        for mine, ref in zip(scales, ref_scales):
+            torch.testing.assert_close(mine, ref, rtol=1e-6, atol=0)
+    assert any((s != 1).any() for s in ref_scales)
+
+
+def _ep_fp8_body(options, steps=3):
+    """MoELayer at ep 2 with delayed FP8 against this rank's single-process layer (every expert, its own tokens),
+    both updated after each step."""
+    import dataclasses
+
+    from megatron_core import destroy_model_parallel, initialize_model_parallel
+    from megatron_core.fp8 import Fp8Config, update_fp8_scales
+    from megatron_core.transformer.moe import MoELayer
+    from tests.distributed.test_moe_parallel import B, H, S, _config, _run, _single, _sum_over
+    state = initialize_model_parallel(expert_model_parallel_size=2)
+    fp8 = Fp8Config(**RECIPES["delayed"])
+    try:
+        config = dataclasses.replace(_config(**options), fp8=fp8)
+        torch.manual_seed(5)
+        layer = MoELayer(config, layer_number=1, parallel_state=state)
+        torch.manual_seed(5)
+        ref = MoELayer(config, layer_number=1, parallel_state=_single(state))
+        assert layer.experts.fp8 == fp8 and ref.experts.fp8_state.fp8_scale.shape == (4, 2, 3)
+        gen = torch.Generator().manual_seed(100 + state.rank)
+        for step in range(steps):
+            x, g = torch.randn(S, B, H, generator=gen), torch.randn(S, B, H, generator=gen)
+            out, dx, grads, _ = _run(layer, x, g)
+            ref_out, ref_dx, ref_grads, _ = _run(ref, x, g)
+            torch.testing.assert_close(out, ref_out, **LOSS_TOL, msg=lambda m: f"step {step} output: {m}")
+            torch.testing.assert_close(dx, ref_dx, **GRAD_TOL, msg=lambda m: f"step {step} input grad: {m}")
+            summed = {n: _sum_over(v, state.ep_group) if ".local_experts." in n else v for n, v in ref_grads.items()}
+            for name, grad in grads.items():
+                torch.testing.assert_close(grad, summed[name], **GRAD_TOL, msg=lambda m: f"step {step} {name}: {m}")
+            for module in (layer, ref):
+                module.zero_grad()
+                update_fp8_scales([module], state)
+            torch.testing.assert_close(layer.experts.fp8_state.fp8_scale, ref.experts.fp8_state.fp8_scale,
+                                       rtol=0, atol=0)
+        return ref.experts.fp8_state.fp8_scale
+    finally:
+        destroy_model_parallel(state)
+
+
+@pytest.mark.parametrize("options", [{"moe_token_dispatcher_type": "alltoall"},
+                                     {"moe_token_dispatcher_type": "allgather", "moe_grouped_gemm": True}])
+def test_moe_ep2_fp8_matches_single_process(distributed, options):
+    tables = distributed(2, _ep_fp8_body, options)
+    torch.testing.assert_close(tables[0], tables[1], rtol=0, atol=0)  # replicated over the stage
+    assert (tables[0] != 1).all()  # every expert's every role saw tokens and got its scale
