@@ -12,6 +12,14 @@ LOSS_TOL = dict(rtol=1e-5, atol=1e-6)
 GRAD_TOL = dict(rtol=1e-4, atol=1e-6)
 BASE = dict(num_query_groups=4, num_attention_heads=8, position_embedding_type="rope", activation="swiglu",
             normalization="RMSNorm")
+MLA = dict(multi_latent_attention=True, q_lora_rank=12, kv_lora_rank=8, qk_head_dim=4, qk_pos_emb_head_dim=4,
+           v_head_dim=6, normalization="RMSNorm", qk_layernorm=True, position_embedding_type="rope",
+           add_bias_linear=False, rotary_interleaved=True)  # tests/unit/test_mla.py's MLA_GPT, without YaRN
+TP_CASES = {
+    "gqa-sp": {**BASE, "sequence_parallel": True},
+    "gqa-sp-overlap": {**BASE, "sequence_parallel": True, "tp_comm_overlap": True},
+    "mla-sp": {**MLA, "sequence_parallel": True},  # the replicated down projections see half the tokens
+}
 RECIPES = {
     "tensorwise": dict(fp8_recipe="tensorwise"),
     "delayed": dict(fp8_recipe="delayed", fp8_amax_history_len=2, fp8_amax_compute_algo="max", fp8_margin=1),
@@ -41,7 +49,7 @@ def _tp_steps(tp, recipe, overrides, steps=3):
     from megatron_core.distributed import finalize_model_grads
     from megatron_core.fp8 import Fp8Config, update_fp8_scales
     state = initialize_model_parallel(tensor_model_parallel_size=tp)
-    config = tiny_config(tensor_model_parallel_size=tp, fp8=Fp8Config(**RECIPES[recipe]), **BASE, **overrides)
+    config = tiny_config(tensor_model_parallel_size=tp, fp8=Fp8Config(**RECIPES[recipe]), **overrides)
     model = build_model(config, state)
     results = []
     for step in range(steps):
@@ -55,12 +63,13 @@ def _tp_steps(tp, recipe, overrides, steps=3):
     return results, _scales(model)
 
 
-@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("case", list(TP_CASES))
 @pytest.mark.parametrize("recipe", list(RECIPES))
-def test_tp2_sequence_parallel_matches_tp1(distributed, recipe, overlap):
+def test_tp2_sequence_parallel_matches_tp1(distributed, recipe, case):
     steps = 3 if recipe == "delayed" else 1
-    reference, ref_scales = _tp_steps(1, recipe, {}, steps)
-    per_rank = distributed(2, _tp_steps, 2, recipe, dict(sequence_parallel=True, tp_comm_overlap=overlap), steps)
+    overrides = {k: v for k, v in TP_CASES[case].items() if k not in ("sequence_parallel", "tp_comm_overlap")}
+    reference, ref_scales = _tp_steps(1, recipe, overrides, steps)
+    per_rank = distributed(2, _tp_steps, 2, recipe, TP_CASES[case], steps)
     for step in range(steps):
         ref_loss, ref_grads = reference[step]
         gathered = full_grads([results[step][1] for results, _ in per_rank])
@@ -69,7 +78,7 @@ def test_tp2_sequence_parallel_matches_tp1(distributed, recipe, overlap):
         assert gathered.keys() == ref_grads.keys()
         for name, grad in gathered.items():
             torch.testing.assert_close(grad, ref_grads[name][0], **GRAD_TOL,
-                                       msg=lambda m: f"{recipe} step {step} grad {name}: {m}")
+                                       msg=lambda m: f"{recipe} {case} step {step} grad {name}: {m}")
     for _, scales in per_rank:  # the delayed state is replicated over tp and equals tp 1's
         for mine, ref in zip(scales, ref_scales):
             torch.testing.assert_close(mine, ref, rtol=1e-6, atol=0)
