@@ -57,6 +57,8 @@ def use_scaled_mm(a: Quantized, b: Quantized, backend: str) -> bool:
         raise ValueError(f"fp8_gemm_backend must be one of {GEMM_BACKENDS}, got {backend!r}")
     if backend == "emulate" or (backend == "auto" and not _fp8_tensor_cores(a.data.device)):
         return False
+    if a.passthrough is not None or b.passthrough is not None:  # delayed scaling's calibration: no warning
+        return False
     reason = _scaled_mm_fits(a, b)
     if reason is not None:
         warnings.warn(f"FP8 GEMM emulated in fp32 on {a.data.device} ({reason}); numerics unchanged",

@@ -73,18 +73,24 @@ class Fp8Plan:
     def fmt(self, role: str) -> Fp8Format:
         return role_format(self.config.fp8_format, role)
 
-    def scale(self, role: str, tensor: torch.Tensor) -> torch.Tensor:
-        """Per-tensor recipes: the fp32 scale(s) ``role`` quantizes ``tensor`` ``[..., rows, cols]`` with (one
-        per leading index). Delayed: the state's (and records the amax); tensorwise: from the current amax,
-        all-reduced with MAX over tp for a split role."""
+    def scale(self, role: str, tensor: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Per-tensor recipes: ``(scale, ready)``, the fp32 scale(s) ``role`` quantizes ``tensor`` ``[..., rows,
+        cols]`` with (one per leading index) and, for delayed scaling while some are not calibrated yet, the bool
+        mask of those that are (else None). Delayed: the state's (and records the amax); tensorwise: from the
+        current amax, all-reduced with MAX over tp for a split role."""
         if self.config.fp8_recipe == "delayed":
             if self.record:
                 self.scaling.record(role, abs_amax(tensor, (-2, -1)))
-            return self.scaling.scale(role)
+            return self.scaling.scale(role), self.scaling.ready(role)
         amax = abs_amax(tensor, (-2, -1))
         if role in self.split_roles and group_size(self.tp_group) > 1:
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.tp_group)
-        return scale_from_amax(amax, self.fmt(role), self.config.fp8_margin)
+        return scale_from_amax(amax, self.fmt(role), self.config.fp8_margin), None
+
+    def with_scale(self, role: str, tensor: torch.Tensor, scale: torch.Tensor,
+                   ready: Optional[torch.Tensor]) -> Quantized:
+        """``tensor`` quantized with a per-tensor ``scale`` (unquantized where ``ready`` is False)."""
+        return quantize_with_scale(tensor, scale, self.fmt(role)).with_calibration(tensor, ready)
 
     def quantize_blocks(self, role: str, tensor: torch.Tensor) -> Quantized:
         """Block recipes: ``tensor`` quantized in blocks along its last dim (the GEMM's reduction dim)."""
@@ -93,12 +99,12 @@ class Fp8Plan:
         block = BLOCKWISE_WEIGHT_BLOCK if role == "weight" else BLOCKWISE_ACTIVATION_BLOCK
         return quantize_blocks(tensor, self.fmt(role), block)
 
-    def quantize(self, role: str, tensor: torch.Tensor) -> tuple[Quantized, Optional[torch.Tensor]]:
-        """``(quantized, per-tensor scale or None)``."""
+    def quantize(self, role: str, tensor: torch.Tensor):
+        """``(quantized, per-tensor scale or None, ready mask or None)``."""
         if self.per_tensor:
-            scale = self.scale(role, tensor)
-            return quantize_with_scale(tensor, scale, self.fmt(role)), scale
-        return self.quantize_blocks(role, tensor), None
+            scale, ready = self.scale(role, tensor)
+            return self.with_scale(role, tensor, scale, ready), scale, ready
+        return self.quantize_blocks(role, tensor), None, None
 
     def gemm(self, a: Quantized, b: Quantized, dtype: torch.dtype, bias=None) -> torch.Tensor:
         return nt_gemm(a, b, out_dtype=dtype, bias=bias, backend=self.config.fp8_gemm_backend)
@@ -130,11 +136,11 @@ class _Fp8Linear(torch.autograd.Function):
         grouped = weight.dim() == 3
         total = _all_gather(x, gather_group) if gather_group is not None else x
         x2 = _matrices(total, grouped)
-        qx, scale_x = plan.quantize("input", x2)
-        qw, scale_w = plan.quantize("weight", weight)
+        qx, scale_x, ready_x = plan.quantize("input", x2)
+        qw, scale_w, ready_w = plan.quantize("weight", weight)
         out = plan.gemm(qx, qw, x.dtype, bias)
-        keep_fp8 = plan.per_tensor and gather_group is None and plan.config.fp8_wgrad
-        ctx.save_for_backward(qx.data if keep_fp8 else x, weight, scale_x, scale_w)
+        keep_fp8 = plan.per_tensor and gather_group is None and plan.config.fp8_wgrad and qx.passthrough is None
+        ctx.save_for_backward(qx.data if keep_fp8 else x, weight, scale_x, scale_w, ready_x, ready_w)
         ctx.plan, ctx.group, ctx.store, ctx.keep_fp8 = plan, gather_group, store, keep_fp8
         ctx.grouped, ctx.x_shape, ctx.x_dtype, ctx.has_bias = grouped, total.shape, x.dtype, bias is not None
         ctx.weight_target = deferrable_target(weight) if store is not None else None
@@ -142,20 +148,20 @@ class _Fp8Linear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        saved_x, weight, scale_x, scale_w = ctx.saved_tensors
+        saved_x, weight, scale_x, scale_w, ready_x, ready_w = ctx.saved_tensors
         plan, grouped = ctx.plan, ctx.grouped
         needs_input, needs_weight, needs_bias = ctx.needs_input_grad[:3]
         dy = _matrices(grad_output, grouped)
-        qdy, _ = plan.quantize("grad_output", dy) if plan.per_tensor else (None, None)
+        qdy = plan.quantize("grad_output", dy)[0] if plan.per_tensor else None
         grad_input = grad_weight = grad_bias = None
         if needs_input:
-            grad_input = _input_grad(plan, dy, qdy, weight, scale_w, ctx.x_dtype).view(ctx.x_shape)
+            grad_input = _input_grad(plan, dy, qdy, weight, (scale_w, ready_w), ctx.x_dtype).view(ctx.x_shape)
             if ctx.group is not None:
                 grad_input = _reduce_scatter(grad_input, ctx.group)
         if needs_weight:
             def weight_grad() -> torch.Tensor:
                 return _weight_grad(ctx_values, dy, qdy, weight)
-            ctx_values = (plan, saved_x, scale_x, ctx.group, ctx.keep_fp8, grouped)
+            ctx_values = (plan, saved_x, (scale_x, ready_x), ctx.group, ctx.keep_fp8, grouped)
             if ctx.weight_target is not None and ctx.store.deferring:
                 ctx.store.defer(ctx.weight_target, weight_grad)
             else:
@@ -166,9 +172,10 @@ class _Fp8Linear(torch.autograd.Function):
 
 
 def _input_grad(plan: Fp8Plan, dy, qdy: Optional[Quantized], weight, scale_w, dtype) -> torch.Tensor:
-    """``dy W`` ``[..., M, K]``: dy along N, W^T along N (per tensor: the forward's scale, no new amax)."""
+    """``dy W`` ``[..., M, K]``: dy along N, W^T along N (per tensor: the forward's ``(scale, ready)``, no new
+    amax)."""
     if plan.per_tensor:
-        qw_t = quantize_with_scale(weight, scale_w, plan.fmt("weight")).t()
+        qw_t = plan.with_scale("weight", weight, *scale_w).t()
         return plan.gemm(qdy, qw_t, dtype)
     return plan.gemm(plan.quantize_blocks("grad_output", dy),
                      plan.quantize_blocks("weight", weight.transpose(-1, -2).contiguous()), dtype)
@@ -178,14 +185,14 @@ def _weight_grad(values, dy, qdy: Optional[Quantized], weight) -> torch.Tensor:
     """``dy^T x`` ``[..., N, K]`` in the weight's dtype (re-gathers x under sequence parallelism)."""
     plan, saved_x, scale_x, group, keep_fp8, grouped = values
     if keep_fp8:
-        qx = Quantized(saved_x, torch.reciprocal(scale_x.reshape(*scale_x.shape, 1, 1)), plan.fmt("input"))
+        scale = scale_x[0]
+        qx = Quantized(saved_x, torch.reciprocal(scale.reshape(*scale.shape, 1, 1)), plan.fmt("input"))
         return plan.gemm(qdy.t(), qx.t(), weight.dtype)
     x2 = _matrices(_all_gather(saved_x, group) if group is not None else saved_x, grouped)
     if not plan.config.fp8_wgrad:
         return torch.matmul(dy.transpose(-1, -2), x2.to(dy.dtype)).to(weight.dtype)
     if plan.per_tensor:
-        qx = quantize_with_scale(x2, scale_x, plan.fmt("input"))
-        return plan.gemm(qdy.t(), qx.t(), weight.dtype)
+        return plan.gemm(qdy.t(), plan.with_scale("input", x2, *scale_x).t(), weight.dtype)
     return plan.gemm(plan.quantize_blocks("grad_output", dy.transpose(-1, -2).contiguous()),
                      plan.quantize_blocks("input", x2.transpose(-1, -2).contiguous()), weight.dtype)
 
@@ -218,7 +225,15 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     if gather_group is not None and (group_size(gather_group) == 1 or x.shape[0] == 0):
         gather_group = None
     store = weight_grad_store if deferring_forward(weight_grad_store) else None
+    if not plan.per_tensor:  # the block quantizers' padded reshapes run eager inside compiled layers
+        return _apply_eager(x, weight, bias, plan, gather_group, store)
     return _Fp8Linear.apply(x, weight, bias, plan, gather_group, store)
+
+
+@torch.compiler.disable
+def _apply_eager(*args):
+    """``_Fp8Linear.apply`` outside torch.compile's graph (inductor mis-sizes the blocked views, torch 2.13)."""
+    return _Fp8Linear.apply(*args)
 
 
 __all__ = ["Fp8Plan", "fp8_linear", "scaling_state", "layer_plan", "BLOCKWISE_ACTIVATION_BLOCK",

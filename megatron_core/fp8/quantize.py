@@ -30,12 +30,16 @@ class Quantized:
     ``data``: ``[..., rows, cols]`` in ``fmt.dtype``. ``scale_inv``: fp32, ``[..., 1, 1]`` for a per-tensor scale
     (one per leading index: a grouped GEMM's experts), else ``[..., ceil(rows / br), ceil(cols / bc)]`` for
     ``block`` = ``(br, bc)``. ``scale_e8m0``: the MX scales as E8M0 bytes (``uint8``, bias 127), mxfp8 only.
+    ``passthrough`` / ``ready``: delayed scaling's calibration (``with_calibration``): where ``ready`` (bool, one
+    per leading index) is False the operand is ``passthrough``, the unquantized tensor.
     """
     data: torch.Tensor
     scale_inv: torch.Tensor
     fmt: Fp8Format
     block: Optional[tuple[int, int]] = None
     scale_e8m0: Optional[torch.Tensor] = None
+    passthrough: Optional[torch.Tensor] = None
+    ready: Optional[torch.Tensor] = None
 
     @property
     def per_tensor(self) -> bool:
@@ -50,15 +54,26 @@ class Quantized:
         return full[..., :rows, :cols]
 
     def dequantize(self) -> torch.Tensor:
-        """fp32 ``q * scale_inv``, ``data``'s shape."""
-        return self.data.float() * self.expanded_scale_inv()
+        """fp32 ``q * scale_inv``, ``data``'s shape (the passthrough tensor where not ``ready``)."""
+        values = self.data.float() * self.expanded_scale_inv()
+        if self.passthrough is None:
+            return values
+        return torch.where(self.ready.reshape(*self.ready.shape, 1, 1), values, self.passthrough.float())
 
     def t(self) -> "Quantized":
         """The transpose of the last two dims (same bytes and scales, blocks swapped)."""
         block = None if self.block is None else (self.block[1], self.block[0])
         e8m0 = None if self.scale_e8m0 is None else self.scale_e8m0.transpose(-1, -2)
         scale_inv = self.scale_inv if self.block is None else self.scale_inv.transpose(-1, -2)
-        return Quantized(self.data.transpose(-1, -2), scale_inv, self.fmt, block, e8m0)
+        passthrough = None if self.passthrough is None else self.passthrough.transpose(-1, -2)
+        return Quantized(self.data.transpose(-1, -2), scale_inv, self.fmt, block, e8m0, passthrough, self.ready)
+
+    def with_calibration(self, source: torch.Tensor, ready: Optional[torch.Tensor]) -> "Quantized":
+        """This quantization, with ``source`` (unquantized) standing in where ``ready`` is False; itself when
+        ``ready`` is None or all True."""
+        if ready is None or bool(ready.all()):
+            return self
+        return dataclasses.replace(self, passthrough=source, ready=ready.to(self.data.device))
 
 
 def abs_amax(x: torch.Tensor, dims: Optional[tuple[int, ...]] = None) -> torch.Tensor:

@@ -5,8 +5,13 @@ the next optimizer step's GEMMs use, and the once-per-step update with its reduc
 MoE layer's fc1 / fc2 of every global expert):
 
     fp8_amax_history  [*shape, 3, history_len]  persistent (checkpointed: ``STATE_BUFFERS``), most recent first
-    fp8_scale         [*shape, 3]               persistent, initially 1 (Transformer Engine's)
+    fp8_scale         [*shape, 3]               persistent; 0 = not calibrated yet (see below)
     fp8_amax_step     [*shape, 3]               not persistent: max of the amaxes seen since the last update
+
+Calibration: a role whose scale is still 0 (the first step; an expert that has seen no token yet) is not
+quantized: its GEMM operand is the unquantized tensor while its amax is recorded (Transformer Engine's
+calibration), so the first step neither depends on an arbitrary initial scale nor on the layout (a fixed scale
+would quantize a dp-dependent loss scaling differently), and every later scale comes from real amaxes.
 
 Every forward and backward of the step (micro-batches, recompute) takes the max into ``fp8_amax_step``; the
 scales stay fixed for the whole step. ``update_fp8_scales`` then, once per optimizer step, all-reduces the
@@ -14,7 +19,8 @@ step amaxes with MAX over the tensor-parallel group (a split tensor's amax is th
 replicated tensors give the same value on every rank) and over the data x context parallel group (each
 replica saw other micro-batches / sequence chunks), pushes them into the histories and recomputes
 ``scale = fp8_max / amax / 2**margin`` with ``amax`` the newest entry (``most_recent``) or the history's max
-(``max``); a zero or non-finite amax keeps the previous scale, one whose scale overflows gets fp32's max.
+(``max``); a zero or non-finite amax keeps the previous scale (0 before the first real amax), one whose scale
+overflows gets fp32's max.
 Both groups together are every rank of a pipeline stage, so the MoE table (each rank fills the rows of its own
 experts, zeros elsewhere) comes out whole and identical on every rank: replicated over tp, dp, cp and ep,
 like the other state buffers, and independent of the layout.
@@ -22,7 +28,7 @@ like the other state buffers, and independent of the layout.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence, Union
+from typing import Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -47,13 +53,26 @@ class Fp8ScalingState(nn.Module):
         device = None if device is not None and torch.device(device).type == "meta" else device
         full = (*self.shape, len(ROLES))
         self.register_buffer("fp8_amax_history", torch.zeros(*full, config.fp8_amax_history_len, device=device))
-        self.register_buffer("fp8_scale", torch.ones(*full, device=device))
+        self.register_buffer("fp8_scale", torch.zeros(*full, device=device))
+        self._ready_version: Optional[int] = None
         self.register_buffer("fp8_amax_step", torch.zeros(*full, device=device), persistent=False)
 
     def fp8_max(self) -> torch.Tensor:
         """``[3]`` the largest finite value of each role's format."""
         return torch.tensor([role_format(self.config.fp8_format, r).max for r in ROLES],
                             dtype=torch.float32, device=self.fp8_scale.device)
+
+    def ready(self) -> Optional[torch.Tensor]:
+        """None when every scale is set (checked once per change of ``fp8_scale``: its version counter), else the
+        bool mask ``[*shape, 3]`` of the calibrated ones."""
+        version = self.fp8_scale._version
+        if self._ready_version == version:
+            return None
+        mask = self.fp8_scale > 0
+        if bool(mask.all()):
+            self._ready_version = version
+            return None
+        return mask
 
     def view(self, index: Index = ()) -> "ScalingView":
         """The scales and amax slots of the linears at ``index`` of ``shape`` (ints, or index tensors)."""
@@ -81,6 +100,11 @@ class ScalingView:
     """The part of an ``Fp8ScalingState`` one GEMM call uses (a linear, or a grouped GEMM's experts)."""
     state: Fp8ScalingState
     index: Index = ()
+
+    def ready(self, role: str) -> Optional[torch.Tensor]:
+        """None when ``role``'s scales are all set, else the bool mask (0-dim or one per index entry)."""
+        mask = self.state.ready()
+        return None if mask is None else mask[(*self.index, ROLE_INDEX[role])]
 
     def scale(self, role: str) -> torch.Tensor:
         """fp32 scale(s) of ``role``: 0-dim, or one per index entry (a copy: the buffer changes at the update)."""

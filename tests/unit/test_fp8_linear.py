@@ -109,6 +109,29 @@ def test_fp8_wgrad_off_uses_unquantized_operands(recipe):
     torch.testing.assert_close(dw, dy.t() @ x, **CLOSE)
 
 
+def test_delayed_first_step_calibrates_unquantized():
+    """Before a role has a scale (fp8_scale 0) its operand is the unquantized tensor while the amax is recorded;
+    after the update the GEMMs quantize."""
+    torch.manual_seed(2)
+    layer = ColumnParallelLinear(24, 40, fp8=Fp8Config(fp8_recipe="delayed"))
+    x, dy = torch.randn(6, 24), torch.randn(6, 40)
+    out, dx, dw, _ = _run_layer(layer, x, dy)
+    w = layer.weight.detach()
+    torch.testing.assert_close(out, x @ w.t() + layer.bias.detach(), **CLOSE)
+    torch.testing.assert_close(dx, dy @ w, **CLOSE)
+    torch.testing.assert_close(dw, dy.t() @ x, **CLOSE)
+    state = initialize_model_parallel(tensor_model_parallel_size=1)
+    update_fp8_scales([layer], state)
+    scales = layer.fp8_state.fp8_scale.tolist()
+    maxima = ((448.0, x), (448.0, w), (57344.0, dy))  # hybrid: E4M3 input and weight, E5M2 output grad
+    assert scales == [float(np.float32(m) / np.float32(t.abs().max())) for m, t in maxima]
+    layer.weight.grad = None
+    out, dx, dw, _ = _run_layer(layer, x, dy)
+    y, hand_dx, hand_dw = hand_linear(x, layer.weight, layer.bias, dy, "delayed", "hybrid", scales)
+    torch.testing.assert_close(out, y.detach(), **CLOSE)
+    torch.testing.assert_close(dw, hand_dw.detach(), **CLOSE)
+
+
 def test_bf16_input_gives_bf16_outputs_and_no_record_in_eval():
     layer = RowParallelLinear(32, 16, params_dtype=torch.bfloat16, fp8=Fp8Config(fp8_recipe="delayed"))
     x = torch.randn(4, 32, dtype=torch.bfloat16, requires_grad=True)
@@ -225,3 +248,35 @@ def test_moe_gpt_model_trains_in_fp8():
     assert all(np.isfinite(losses)) and losses[-1] < losses[0], losses
     table = global_named_buffers([model], config, state)["decoder.layers.0.mlp.experts.fp8_state.fp8_scale"]
     assert table.shape == (4, 2, 3) and (table != 1).any()
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "mxfp8"])
+def test_weight_grad_waits_for_the_zero_bubble_weight_pass(recipe):
+    from megatron_core.tensor_parallel.weight_grad_store import WeightGradStore
+    store = WeightGradStore()
+    layer = ColumnParallelLinear(24, 40, fp8=Fp8Config(fp8_recipe=recipe), weight_grad_store=store)
+    x, dy = torch.randn(6, 24), torch.randn(6, 40)
+    _, expected_dx, expected_dw, _ = _run_layer(layer, x, dy)
+    layer.zero_grad()
+    x = x.clone().requires_grad_(True)
+    with store.schedule():
+        with store.deferrable_forward():
+            out, _ = layer(x)
+        with store.backward_pass():
+            out.backward(dy)
+        assert layer.weight.grad is None and torch.equal(x.grad, expected_dx)
+        store.run_weight_pass()
+    assert torch.equal(layer.weight.grad, expected_dw)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "mxfp8"])
+def test_compiled_layer_matches_eager(recipe):
+    """Under torch.compile (``--compile``'s layers): per-tensor recipes are traced, block recipes run eager."""
+    layer = RowParallelLinear(40, 24, fp8=Fp8Config(fp8_recipe=recipe))
+    x, dy = torch.randn(6, 40), torch.randn(6, 24)
+    expected = _run_layer(layer, x, dy)
+    layer.zero_grad()
+    compiled = _run_layer(torch.compile(layer), x, dy)
+    for mine, ref in zip(compiled, expected):
+        if ref is not None:
+            torch.testing.assert_close(mine, ref, rtol=1e-6, atol=1e-7)

@@ -235,9 +235,10 @@ def test_mxfp8_scale_exponent_follows_the_spec():
 def test_delayed_history_and_scales(algo):
     config = Fp8Config(fp8_recipe="delayed", fp8_amax_history_len=3, fp8_amax_compute_algo=algo, fp8_margin=1)
     state = Fp8ScalingState(config)
-    assert state.fp8_scale.tolist() == [1.0, 1.0, 1.0]
-    steps = [[4.0, 2.0, 8.0], [1.0, 0.0, 16.0], [2.0, 0.5, math.inf], [0.5, 0.25, 1.0]]
-    history, scale = [[0.0] * 3 for _ in range(3)], [1.0, 1.0, 1.0]
+    assert state.fp8_scale.tolist() == [0.0, 0.0, 0.0]  # not calibrated: the first step runs unquantized
+    assert state.view().ready("weight").item() is False
+    steps = [[0.0, 2.0, 8.0], [1.0, 0.0, 16.0], [2.0, 0.5, math.inf], [0.5, 0.25, 1.0]]
+    history, scale = [[0.0] * 3 for _ in range(3)], [0.0, 0.0, 0.0]
     maxima = (448.0, 448.0, 57344.0)
     for amax in steps:
         view = state.view()
@@ -253,6 +254,7 @@ def test_delayed_history_and_scales(algo):
         assert state.fp8_amax_history.tolist() == history
         assert state.fp8_scale.tolist() == scale
         assert (state.fp8_amax_step == 0).all()
+        assert (state.view().ready("input") is None) == all(s > 0 for s in scale)
     assert {name for name, _ in state.named_buffers()} >= {"fp8_amax_history", "fp8_scale"}
     assert set(state.state_dict()) == {"fp8_amax_history", "fp8_scale"}  # the step's amaxes are not persistent
 
