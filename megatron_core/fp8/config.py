@@ -79,4 +79,5 @@ def layer_fp8(config, layer_number: int) -> Optional[Fp8Config]:
     return fp8 if fp8.applies_to_layer(min(layer_number, config.num_layers), config.num_layers) else None
 
 
-__all__ = ["Fp8Config", "layer_fp8", "fp8_runs_emulated", "FP8_FORMATS", "FP8_RECIPES", "AMAX_COMPUTE_ALGOS"]
+__all__ = ["Fp8Config", "layer_fp8", "fp8_runs_emulated", "FP8_FORMATS", "FP8_RECIPES", "AMAX_COMPUTE_ALGOS",
+           "GEMM_BACKENDS"]

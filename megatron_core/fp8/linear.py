@@ -225,6 +225,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     if gather_group is not None and (group_size(gather_group) == 1 or x.shape[0] == 0):
         gather_group = None
     store = weight_grad_store if deferring_forward(weight_grad_store) else None
+    if plan.scaling is not None:
+        plan.scaling.state.follow(x.device)
     if not plan.per_tensor:  # the block quantizers' padded reshapes run eager inside compiled layers
         return _apply_eager(x, weight, bias, plan, gather_group, store)
     return _Fp8Linear.apply(x, weight, bias, plan, gather_group, store)

@@ -62,6 +62,13 @@ class Fp8ScalingState(nn.Module):
         return torch.tensor([role_format(self.config.fp8_format, r).max for r in ROLES],
                             dtype=torch.float32, device=self.fp8_scale.device)
 
+    def follow(self, device: torch.device) -> None:
+        """Moves the buffers to the compute ``device`` if they are elsewhere (a meta-device build makes them on
+        the CPU, like the router's expert bias), so the update's all-reduces run on the groups' device."""
+        if self.fp8_scale.device != device:
+            self.to(device)
+            self._ready_version = None
+
     def ready(self) -> Optional[torch.Tensor]:
         """None when every scale is set (checked once per change of ``fp8_scale``: its version counter), else the
         bool mask ``[*shape, 3]`` of the calibrated ones."""

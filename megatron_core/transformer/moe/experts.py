@@ -202,8 +202,9 @@ class LocalExperts(nn.Module):
         w1, b1 = self._stacked("linear_fc1")
         w2, b2 = self._stacked("linear_fc2")
         if self.fp8 is not None:  # per-expert scales; the bias added in the GEMM's fp32 epilogue
-            state_device = self.fp8_state.fp8_scale.device if self.fp8_state is not None else tokens.device
-            ids = torch.tensor(self.expert_ids, device=state_device)
+            if self.fp8_state is not None:
+                self.fp8_state.follow(tokens.device)
+            ids = torch.tensor(self.expert_ids, device=tokens.device)
             hidden = self.activation(self._linear(padded, w1, b1, expert=ids, fc=0))
             return self._linear(hidden, w2, None if b2 is None else self._fc2_bias(b2), expert=ids,
                                 fc=1)[self._valid(padded, counts)]
