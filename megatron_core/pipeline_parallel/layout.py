@@ -14,10 +14,11 @@ pipeline_model_parallel_layout``); chunks of zero layers are allowed (``"E|t*4|t
 from __future__ import annotations
 
 import re
+from types import MappingProxyType
 from typing import Optional, Sequence
 
-LAYER_CHARS = {"E": "the embedding", "t": "a transformer layer", "m": "a multi-token-prediction layer",
-               "L": "the output layer and loss"}
+LAYER_CHARS = MappingProxyType({"E": "the embedding", "t": "a transformer layer", "m": "a multi-token-prediction layer",
+                               "L": "the output layer and loss"})
 _SYNTAX = "chunks of E, t, m, L separated by '|', X*N and (...)*N repeats, e.g. 'Et*3|(tt|)*6tmL'"
 
 
