@@ -35,7 +35,7 @@ from megatron_core.transformer.attention_variants import (
     softmax_offset_parameter,
     variant_attention,
 )
-from megatron_core.transformer.inference_cache import InferenceCache
+from megatron_core.transformer.inference_cache import InferenceCache, check_cache_inputs
 from megatron_core.transformer.norms import Norm
 from megatron_core.transformer.rope import apply_rotary_pos_emb
 
@@ -182,6 +182,7 @@ class SelfAttention(nn.Module):
         self.config, self.layer_number = config, layer_number
         self.rng_tracker = parallel_state.rng_tracker  # replayed by selective recompute of the core attention
         self.cp_size = parallel_state.cp_size
+        self.rope_mscale = config.rope_attention_factor  # YaRN's cos/sin factor (1 without YaRN), once
         self.groups_per_rank = config.num_query_groups // parallel_state.tp_size
         self.heads_per_group = config.num_heads_per_group
         qkv_size = (config.num_attention_heads + 2 * config.num_query_groups) * config.kv_channels
@@ -220,13 +221,11 @@ class SelfAttention(nn.Module):
         if self.q_layernorm is not None:
             query, key = self.q_layernorm(query), self.k_layernorm(key)
         if rotary_pos_emb is not None:
-            rope = dict(interleaved=self.config.rotary_interleaved, mscale=self.config.rope_attention_factor)
+            rope = dict(interleaved=self.config.rotary_interleaved, mscale=self.rope_mscale)
             query = apply_rotary_pos_emb(query, rotary_pos_emb, **rope)
             key = apply_rotary_pos_emb(key, rotary_pos_emb, **rope)
         if inference_cache is not None:
-            if attention_mask is not None or self.config.sequence_parallel or self.cp_size > 1:
-                raise ValueError("an inference cache works with the causal mask (attention_mask=None) and "
-                                 "without sequence or context parallelism")
+            check_cache_inputs(attention_mask, sequence_parallel=self.config.sequence_parallel, cp_size=self.cp_size)
             attention_mask = cache_attention_mask(inference_cache, query.shape[0], query.device,
                                                   window=normalize_window(self.config.window_for(self.layer_number)),
                                                   layer_number=self.layer_number)

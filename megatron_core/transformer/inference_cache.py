@@ -9,6 +9,14 @@ from typing import Optional
 import torch
 
 
+def check_cache_inputs(attention_mask, *, sequence_parallel: bool, cp_size: int) -> None:
+    """ValueError unless decoding with an inference cache can run: the causal mask (no explicit
+    attention_mask), no sequence or context parallelism."""
+    if attention_mask is not None or sequence_parallel or cp_size > 1:
+        raise ValueError("an inference cache works with the causal mask (attention_mask=None) and "
+                         "without sequence or context parallelism")
+
+
 @dataclasses.dataclass
 class InferenceCache:
     """The keys and values of this rank's layers (its pipeline stage, its tp share of the groups).
@@ -94,4 +102,4 @@ class InferenceCache:
         return masked.view(1, 1, s_new, self.offset + s_new)
 
 
-__all__ = ["InferenceCache"]
+__all__ = ["InferenceCache", "check_cache_inputs"]

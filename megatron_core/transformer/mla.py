@@ -47,7 +47,7 @@ from megatron_core.tensor_parallel import (
 from megatron_core.tensor_parallel.initialization import InitMethod, InitRecipe, init_method_constant, init_param_
 from megatron_core.tensor_parallel.weight_grad_store import WeightGradStore, linear_deferrable
 from megatron_core.transformer.attention import DotProductAttention
-from megatron_core.transformer.inference_cache import InferenceCache
+from megatron_core.transformer.inference_cache import InferenceCache, check_cache_inputs
 from megatron_core.transformer.norms import Norm
 from megatron_core.transformer.rope import apply_rotary_pos_emb
 
@@ -134,6 +134,7 @@ class MLASelfAttention(nn.Module):
         self.config, self.layer_number = config, layer_number
         self.rng_tracker = parallel_state.rng_tracker  # replayed by selective recompute
         self.tp_group, self.cp_size = parallel_state.tp_group, parallel_state.cp_size
+        self.rope_mscale = config.rope_attention_factor  # YaRN's cos/sin factor, computed once
         self.heads_per_rank = config.num_attention_heads // parallel_state.tp_size
         self.q_head_dim = config.qk_head_dim + config.qk_pos_emb_head_dim
         common = dict(tp_group=parallel_state.tp_group, sequence_parallel=config.sequence_parallel,
@@ -209,7 +210,7 @@ class MLASelfAttention(nn.Module):
         if rotary_pos_emb is None:
             return x
         return apply_rotary_pos_emb(x, rotary_pos_emb, interleaved=self.config.rotary_interleaved,
-                                    mscale=self.config.rope_attention_factor)
+                                    mscale=self.rope_mscale)
 
     def project_query(self, q_input: torch.Tensor, rotary_pos_emb: Optional[torch.Tensor]) -> torch.Tensor:
         """``[s_local, b, q_lora_rank or h]`` -> query ``[s, b, heads/tp, qk_head_dim + qk_pos_emb_head_dim]``,
@@ -304,18 +305,13 @@ class MLASelfAttention(nn.Module):
         """One recompute region for "mla_up_proj" with "core_attn": ``[s, b, heads/tp * v_head_dim]``."""
         return self.attend(*self.expand(q_input, kv_latent, k_pe, rotary_pos_emb), attention_mask)
 
-    def _check_cache(self, attention_mask: Optional[torch.Tensor]) -> None:
-        if attention_mask is not None or self.config.sequence_parallel or self.cp_size > 1:
-            raise ValueError("an inference cache works with the causal mask (attention_mask=None) and "
-                             "without sequence or context parallelism")
-
     def forward(self, hidden: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 rotary_pos_emb: Optional[torch.Tensor] = None, inference_cache: Optional[InferenceCache] = None):
         latents = self.compress(hidden)
         up_proj = self.config.recomputes("mla_up_proj") and torch.is_grad_enabled()
         core_attn = self.config.recomputes("core_attn")
         if inference_cache is not None:
-            self._check_cache(attention_mask)
+            check_cache_inputs(attention_mask, sequence_parallel=self.config.sequence_parallel, cp_size=self.cp_size)
             context = self.decode(*latents, rotary_pos_emb, inference_cache)
         elif up_proj and core_attn:
             context = checkpoint(self._expand_and_attend, *latents, rotary_pos_emb, attention_mask,

@@ -26,7 +26,7 @@ from types import MappingProxyType
 from typing import Collection
 
 from megatron_core.models.hf.base import GATE_UP, Adapter, Rule, refuse
-from megatron_core.models.hf.llama import OUTPUT, TOP, dense_flags, rope_flags
+from megatron_core.models.hf.llama import OUTPUT, TOP, dense_flags, rope_flags, yarn_flags, yarn_rope_parameters
 from megatron_core.models.hf.mixtral import DENSE_MLP, moe_layer_pattern
 
 REQUIRED = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size",
@@ -67,12 +67,7 @@ def _rope(config: dict, path: str) -> dict:
         raise refuse(path, "rope_parameters", params, "YaRN with only one of mscale / mscale_all_dim scales rope and "
                      "the softmax differently in transformers; give both or neither")
     base = rope_flags({**config, "rope_parameters": {**params, "rope_type": "default"}}, path)
-    return {**base, "rope_type": "yarn", "rotary_scaling_factor": float(params["factor"]),
-            "mscale": float(params.get("mscale") or 1.0), "mscale_all_dim": float(params.get("mscale_all_dim") or 0.0),
-            "yarn_original_max_position_embeddings": int(params.get("original_max_position_embeddings", 4096)),
-            "yarn_beta_fast": float(params.get("beta_fast") or 32.0),
-            "yarn_beta_slow": float(params.get("beta_slow") or 1.0),
-            "yarn_correction_range_round_to_int": bool(params.get("truncate", True))}
+    return {**base, **yarn_flags(params)}
 
 
 def _moe_flags(config: dict, path: str, layers: int) -> dict:
@@ -171,11 +166,7 @@ def _export_rules(flags: dict) -> list[Rule]:
 def _rope_config(flags: dict) -> dict:
     rope = {"rope_type": "default", "rope_theta": float(flags.get("rotary_base", 10000.0))}
     if (flags.get("rope_type") or "yarn") == "yarn":
-        rope.update(rope_type="yarn", factor=flags.get("rotary_scaling_factor", 1.0), mscale=flags.get("mscale", 1.0),
-                    mscale_all_dim=flags.get("mscale_all_dim", 0.0),
-                    original_max_position_embeddings=flags.get("yarn_original_max_position_embeddings") or 4096,
-                    beta_fast=flags.get("yarn_beta_fast") or 32.0, beta_slow=flags.get("yarn_beta_slow") or 1.0,
-                    truncate=flags.get("yarn_correction_range_round_to_int", True) is not False)
+        rope.update(yarn_rope_parameters(flags, with_mscale=True))
     return rope
 
 

@@ -21,7 +21,7 @@ from types import MappingProxyType
 from typing import Collection
 
 from megatron_core.models.hf.base import INTERLEAVED_GATE_UP, QKV, TRANSPOSE, Adapter, Rule, refuse
-from megatron_core.models.hf.llama import OUTPUT, TOP, dense_flags, dense_hf_config
+from megatron_core.models.hf.llama import OUTPUT, TOP, dense_flags, dense_hf_config, yarn_flags, yarn_rope_parameters
 from megatron_core.models.hf.llama import QKV_BIAS as _QKV_BIAS
 
 REQUIRED = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size",
@@ -70,12 +70,7 @@ def _flags(config: dict, path: str) -> dict:
     flags = dense_flags({**config, "rope_parameters": {"rope_type": "default",
                                                        "rope_theta": params.get("rope_theta", 150000.0)}}, path)
     if params.get("rope_type", "default") == "yarn":
-        flags.update(rope_type="yarn", rotary_scaling_factor=float(params["factor"]),
-                     mscale=float(params.get("mscale") or 1.0), mscale_all_dim=float(params.get("mscale_all_dim") or 0),
-                     yarn_original_max_position_embeddings=int(params.get("original_max_position_embeddings", 4096)),
-                     yarn_beta_fast=float(params.get("beta_fast") or 32.0),
-                     yarn_beta_slow=float(params.get("beta_slow") or 1.0),
-                     yarn_correction_range_round_to_int=bool(params.get("truncate", True)))
+        flags.update(yarn_flags(params))
     elif params.get("rope_type", "default") != "default":
         raise refuse(path, "rope_parameters.rope_type", params.get("rope_type"), "gpt-oss uses yarn (or default)")
     window = config.get("sliding_window")
@@ -120,10 +115,7 @@ def _config(flags: dict, vocab: int) -> dict:
         pattern = [int(probe.window_for(i + 1) is not None) for i in range(layers)]
     rope = config["rope_parameters"]
     if (flags.get("rope_type") or "rope") == "yarn":
-        rope.update(rope_type="yarn", factor=flags.get("rotary_scaling_factor", 1.0),
-                    original_max_position_embeddings=flags.get("yarn_original_max_position_embeddings") or 4096,
-                    beta_fast=flags.get("yarn_beta_fast") or 32.0, beta_slow=flags.get("yarn_beta_slow") or 1.0,
-                    truncate=flags.get("yarn_correction_range_round_to_int", True) is not False)
+        rope.update(yarn_rope_parameters(flags, with_mscale=False))
     return {**config, "attention_bias": True, "num_local_experts": flags["num_experts"],
             "num_experts_per_tok": flags.get("moe_router_topk", 2), "sliding_window": window[0] + 1 if window else None,
             "layer_types": ["sliding_attention" if p else "full_attention" for p in pattern],

@@ -65,6 +65,27 @@ def rope_flags(config: dict, path: str) -> dict:
     return flags
 
 
+def yarn_flags(params: dict) -> dict:
+    """Our YaRN flags from a ``rope_parameters`` dict of rope type "yarn" (DeepSeek-V3, gpt-oss)."""
+    return {"rope_type": "yarn", "rotary_scaling_factor": float(params["factor"]),
+            "mscale": float(params.get("mscale") or 1.0), "mscale_all_dim": float(params.get("mscale_all_dim") or 0.0),
+            "yarn_original_max_position_embeddings": int(params.get("original_max_position_embeddings", 4096)),
+            "yarn_beta_fast": float(params.get("beta_fast") or 32.0),
+            "yarn_beta_slow": float(params.get("beta_slow") or 1.0),
+            "yarn_correction_range_round_to_int": bool(params.get("truncate", True))}
+
+
+def yarn_rope_parameters(flags: dict, *, with_mscale: bool) -> dict:
+    """The ``rope_parameters`` entries of the run flags' YaRN (``with_mscale``: also mscale / mscale_all_dim)."""
+    rope = {"rope_type": "yarn", "factor": flags.get("rotary_scaling_factor", 1.0),
+            "original_max_position_embeddings": flags.get("yarn_original_max_position_embeddings") or 4096,
+            "beta_fast": flags.get("yarn_beta_fast") or 32.0, "beta_slow": flags.get("yarn_beta_slow") or 1.0,
+            "truncate": flags.get("yarn_correction_range_round_to_int", True) is not False}
+    if with_mscale:
+        rope.update(mscale=flags.get("mscale", 1.0), mscale_all_dim=flags.get("mscale_all_dim", 0.0))
+    return rope
+
+
 def dense_flags(config: dict, path: str, *, qkv_bias: bool = False, qk_norm: bool = False) -> dict:
     """Run flags of a llama-shaped config.json (the family-specific refusals are the callers')."""
     if config.get("hidden_act", "silu") != "silu":
