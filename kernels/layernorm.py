@@ -186,7 +186,8 @@ def _forward_triton(x, weight, bias, eps, rms, backend):
 def _backward_programs(device: torch.device) -> int:
     """Backward programs: a few row chunks per SM keep every SM busy and the partial dw / db buffers small."""
     if device.type == "cuda":
-        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+        from megatron_core.utils import accelerator  # the dry run's simulated GPU answers too
+        return 4 * accelerator.multi_processor_count(device)
     return 4
 
 

@@ -53,6 +53,8 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_core.utils import accelerator
+
 ProcessGroup = dist.ProcessGroup
 
 # The grid axes, slowest first; ``torch.arange(world).view(pp, dp, cp, tp)``.
@@ -291,8 +293,8 @@ def layout_groups(world_size: int, tp: int, pp: int, cp: int = 1,
 
 
 def _device_for_backend(backend: Optional[str]) -> torch.device:
-    if backend == "nccl":  # CUDA-only path: nccl runs only with CUDA devices.
-        return torch.device("cuda", torch.cuda.current_device())
+    if accelerator.is_device_backend(backend):  # nccl (or a dry run's fake backend) moves CUDA tensors
+        return torch.device("cuda", accelerator.current_device())
     return torch.device("cpu")
 
 

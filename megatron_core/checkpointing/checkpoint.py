@@ -46,6 +46,7 @@ from megatron_core.checkpointing.shard_reader import (
 )
 from megatron_core.config import TransformerConfig
 from megatron_core.parallel_state import ParallelState
+from megatron_core.utils import accelerator
 
 LATEST = "latest_checkpointed_iteration.txt"
 logger = logging.getLogger(__name__)
@@ -237,8 +238,8 @@ def _write_metadata(folder: str, gathered: list[dict], **info) -> None:
 
 def _rng_tensors(state: ParallelState) -> dict[str, torch.Tensor]:
     tensors = {"cpu": torch.get_rng_state()}
-    if state.device.type == "cuda":  # CUDA-only path
-        tensors["cuda"] = torch.cuda.get_rng_state(state.device)
+    if state.device.type == "cuda":
+        tensors["cuda"] = accelerator.get_rng_state(state.device)
     tensors.update({f"tracker/{name}": t for name, t in state.rng_tracker.get_states().items()})
     return tensors
 

@@ -23,6 +23,7 @@ from megatron_core.checkpointing.optimizer_state import restore_optimizer_state
 from megatron_core.checkpointing.shard_reader import VOCAB_PARAMS, ShardReader, open_safetensors, verify_once
 from megatron_core.config import TransformerConfig
 from megatron_core.parallel_state import ParallelState
+from megatron_core.utils import accelerator
 
 logger = logging.getLogger(__name__)
 
@@ -131,8 +132,8 @@ def load_rng(folder: str, metadata: dict, *, state: ParallelState, layout_extra:
     _verify(folder, metadata, {file}, require_checksums=require_checksums)
     with open_safetensors(os.path.join(folder, file)) as handle:
         torch.set_rng_state(handle.get_tensor("cpu"))
-        if state.device.type == "cuda" and "cuda" in handle.keys():  # CUDA-only path
-            torch.cuda.set_rng_state(handle.get_tensor("cuda"), state.device)
+        if state.device.type == "cuda" and "cuda" in handle.keys():
+            accelerator.set_rng_state(handle.get_tensor("cuda"), state.device)
         tracker = {k.split("/", 1)[1]: handle.get_tensor(k) for k in handle.keys() if k.startswith("tracker/")}
         if tracker:
             state.rng_tracker.set_states(tracker)

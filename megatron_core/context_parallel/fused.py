@@ -20,6 +20,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from megatron_core.utils import accelerator
+
 _CPU_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 _HALF = (torch.bfloat16, torch.float16)
 _EFFICIENT_LSE_ROWS = 32
@@ -35,7 +37,7 @@ def kernel_for(q: torch.Tensor) -> Optional[str]:
         return "cpu" if q.dtype in _CPU_DTYPES else None
     if q.device.type != "cuda":
         return None
-    if q.dtype in _HALF and d % 8 == 0 and d <= 256 and torch.cuda.get_device_capability(q.device)[0] >= 8:
+    if q.dtype in _HALF and d % 8 == 0 and d <= 256 and accelerator.device_capability(q.device)[0] >= 8:
         return "cuda_flash"
     if (q.dtype == torch.float32 and d % 4 == 0) or (q.dtype in _HALF and d % 8 == 0):
         return "cuda_efficient"

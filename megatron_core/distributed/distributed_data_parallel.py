@@ -47,6 +47,7 @@ from megatron_core.distributed.param_and_grad_buffer import Bucket, BucketKind
 from megatron_core.distributed.zero3 import ParameterGatherer, plan_units
 from megatron_core.tensor_parallel.initialization import init_flat_values, logical_shape, swap_meta_parameters_
 from megatron_core.tensor_parallel.utils import group_size
+from megatron_core.utils import accelerator
 
 logger = logging.getLogger(__name__)
 
@@ -168,8 +169,8 @@ class DistributedDataParallel(nn.Module):
                              f"(each rank its shard); got zero_stage {self.config.zero_stage}: build the model on "
                              "a real device or use zero_stage=3 (--use-megatron-fsdp)")
         if device is None:
-            nccl = self.dp_group is not None and dist.get_backend(self.dp_group) == "nccl"
-            device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+            on_device = self.dp_group is not None and accelerator.is_device_backend(dist.get_backend(self.dp_group))
+            device = torch.device("cuda", accelerator.current_device()) if on_device else torch.device("cpu")
         swap_meta_parameters_(self.module, device=device)
         return device
 

@@ -254,7 +254,7 @@ class Bucket:
             self.grad_data, self._unwritten = None, set()
             for param in self.params:
                 param.main_grad = None
-        elif self.reduce_scatter and self._recv.data_ptr() != self.grad_shard.data_ptr():
+        elif self.reduce_scatter and not _same_memory(self._recv, self.grad_shard):
             self.grad_shard.copy_(self._recv)  # (reduced in place, the shard is there already)
         self._grad_work, self._recv, self.launched = None, None, False
         self.reset_pending()
@@ -404,3 +404,9 @@ class _Done:
 
     def wait(self) -> bool:
         return True
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors start at the same place of the same storage (without ``data_ptr``, which fake
+    tensors of a dry run do not have)."""
+    return a.untyped_storage()._cdata == b.untyped_storage()._cdata and a.storage_offset() == b.storage_offset()

@@ -61,10 +61,10 @@ class Fp8Config:
 def fp8_runs_emulated() -> Optional[str]:
     """Why FP8 GEMMs run emulated here (no CUDA device, or compute capability below 8.9), or None when this
     process's CUDA device has FP8 tensor cores."""
-    import torch
-    if not torch.cuda.is_available():
+    from megatron_core.utils import accelerator
+    if not accelerator.cuda_available():
         return "no CUDA device"
-    major, minor = torch.cuda.get_device_capability()
+    major, minor = accelerator.device_capability()
     if (major, minor) < (8, 9):
         return f"compute capability {major}.{minor} has no FP8 tensor cores (8.9+: Ada, Hopper, Blackwell)"
     return None

@@ -24,6 +24,7 @@ import torch
 
 from megatron_core.fp8.config import GEMM_BACKENDS
 from megatron_core.fp8.quantize import Quantized
+from megatron_core.utils import accelerator
 
 MIN_SCALED_MM_CAPABILITY = (8, 9)
 """Ada / Hopper and later have FP8 tensor cores."""
@@ -36,7 +37,7 @@ class Fp8EmulationWarning(UserWarning):
 def _fp8_tensor_cores(device: torch.device) -> bool:
     if device.type != "cuda":
         return False
-    return torch.cuda.get_device_capability(device) >= MIN_SCALED_MM_CAPABILITY
+    return accelerator.device_capability(device) >= MIN_SCALED_MM_CAPABILITY
 
 
 def _scaled_mm_fits(a: Quantized, b: Quantized) -> Optional[str]:

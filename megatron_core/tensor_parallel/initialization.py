@@ -19,6 +19,9 @@ from typing import Callable, Optional, Sequence
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
+
+from megatron_core.utils.accelerator import holds_no_data
 
 InitMethod = Callable[[torch.Tensor], torch.Tensor]
 _ROW_SEED_STRIDE = 2 ** 32  # row r of a parameter with seed s uses generator seed s * 2**32 + r
@@ -138,6 +141,8 @@ def init_param_(param: torch.Tensor, full_shape: tuple[int, ...], *, init_method
     """
     seed = int(torch.randint(0, 2 ** 31 - 1, (1,)).item())
     if not getattr(init_method, "elementwise", False):
+        if is_fake(param):
+            return
         if param.is_meta:
             raise ValueError(f"init_method {init_method!r} is not elementwise, so a shard cannot be drawn alone: "
                              "build the model on a real device, or use an init method of "
@@ -147,7 +152,7 @@ def init_param_(param: torch.Tensor, full_shape: tuple[int, ...], *, init_method
         return
     recipe = InitRecipe(seed, init_method, tuple(full_shape), partition_dim, stride, tp_rank, tp_size)
     param.init_recipe = recipe
-    if not param.is_meta:
+    if not holds_no_data(param):  # meta, or a dry run's fake tensor: the recipe alone
         with torch.no_grad():
             rows = recipe.local_shape[0] if len(full_shape) > 1 else 1
             param.copy_(recipe.local_rows(0, rows).reshape(param.shape))

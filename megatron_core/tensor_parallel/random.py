@@ -16,19 +16,21 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import torch.utils.checkpoint
 
+from megatron_core.utils import accelerator
+
 MODEL_PARALLEL_RNG = "model-parallel-rng"
 _TP_SEED_OFFSET = 2718  # Megatron's offset between the default seed and the tensor-parallel seed.
 
 
 def _get_rng_state(device: torch.device) -> torch.Tensor:
-    if device.type == "cuda":  # CUDA-only path.
-        return torch.cuda.get_rng_state(device)
+    if device.type == "cuda":
+        return accelerator.get_rng_state(device)
     return torch.get_rng_state()
 
 
 def _set_rng_state(state: torch.Tensor, device: torch.device) -> None:
-    if device.type == "cuda":  # CUDA-only path.
-        torch.cuda.set_rng_state(state, device)
+    if device.type == "cuda":
+        accelerator.set_rng_state(state, device)
     else:
         torch.set_rng_state(state)
 
@@ -65,9 +67,7 @@ class RNGStatesTracker:
             raise ValueError(f"RNG state {name!r} already exists")
         if seed in self._seeds:
             raise ValueError(f"seed {seed} is already used by another RNG state; pick a distinct seed")
-        generator = torch.Generator(device=self.device)
-        generator.manual_seed(seed)
-        self._states[name] = generator.get_state()
+        self._states[name] = accelerator.seeded_rng_state(self.device, seed)
         self._seeds.add(seed)
 
     @contextlib.contextmanager

@@ -51,6 +51,7 @@ from megatron_core.transformer.moe.tracking import (
     update_expert_bias,
 )
 from megatron_core.transformer.specs import layer_spec_for
+from megatron_core.utils import accelerator
 from megatron_core.utils.affinity import bind_cores_to_rank
 from megatron_core.utils.progress import progress_bar
 
@@ -71,9 +72,9 @@ def initialize_distributed(args: argparse.Namespace) -> None:
     """Process group from torchrun's environment (or a single process); nccl with CUDA, gloo without."""
     if dist.is_initialized():
         return
-    backend = args.distributed_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    backend = args.distributed_backend or ("nccl" if accelerator.cuda_available() else "gloo")
     if backend == "nccl":  # CUDA-only path
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        accelerator.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     timeout = datetime.timedelta(minutes=args.distributed_timeout_minutes)
     if "RANK" not in os.environ:  # one process, no launcher: an in-memory store, no port to collide on
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
@@ -85,8 +86,9 @@ def initialize_distributed(args: argparse.Namespace) -> None:
         print(f" rank {dist.get_rank()} (local rank {local[0]} of {local[1]}) bound to cores {cores}", flush=True)
 
 
-def build_run(args: argparse.Namespace) -> Run:
-    """Everything a training run holds, from the flags (collective: every rank calls it)."""
+def build_run(args: argparse.Namespace, *, announce: bool = True) -> Run:
+    """Everything a training run holds, from the flags (collective: every rank calls it). ``announce=False``
+    skips the start banner (its gathers of Python objects; ``tools/dry_run.py`` runs one rank of a fake world)."""
     initialize_distributed(args)
     if args.elastic_layout:
         check_elastic_world(args, dist.get_world_size())
@@ -130,7 +132,7 @@ def build_run(args: argparse.Namespace) -> Run:
               local_parameters=local_parameters)
     run.set_global_batch(0)
     eval_batch_size(run)  # a bad --eval-global-batch-size stops the run before the first step
-    banner = start_banner(run)
+    banner = start_banner(run) if announce else None
     if banner:
         print(banner, flush=True)
     return run
@@ -334,7 +336,7 @@ def _recorded_flags(run: Run) -> dict:
 def pretrain(args: argparse.Namespace) -> list[float]:
     """Trains as the flags say; returns the training losses (the same on every rank)."""
     exit_with_parent()
-    with deterministic_mode(args.deterministic_mode, cuda=torch.cuda.is_available()):
+    with deterministic_mode(args.deterministic_mode, cuda=accelerator.cuda_available()):
         run = build_run(args)
         try:
             return _train(run)

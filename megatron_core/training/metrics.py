@@ -12,6 +12,7 @@ from typing import Optional, Sequence
 import torch
 
 from megatron_core.config import TransformerConfig
+from megatron_core.utils import accelerator
 
 logger = logging.getLogger(__name__)
 PEAK_TFLOPS_BF16 = MappingProxyType({"B200": 2250.0, "H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0,
@@ -131,7 +132,7 @@ def peak_tflops_per_device(device: torch.device, override: Optional[float] = Non
         return override
     if device.type != "cuda":
         return None
-    return peak_for_device_name(torch.cuda.get_device_name(device), fp8=fp8)  # CUDA-only path
+    return peak_for_device_name(accelerator.device_name(device), fp8=fp8)
 
 
 def peak_for_device_name(name: str, *, fp8: bool = False) -> Optional[float]:
@@ -147,7 +148,7 @@ def peak_for_device_name(name: str, *, fp8: bool = False) -> Optional[float]:
 def memory_bytes(device: torch.device) -> int:
     """Peak allocated device memory on CUDA; the process's peak resident set on the CPU."""
     if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))  # CUDA-only path
+        return accelerator.max_memory_allocated(device) or 0
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 

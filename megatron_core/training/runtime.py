@@ -13,6 +13,7 @@ from typing import Any, Optional
 import torch
 
 from megatron_core.parallel_state import ParallelState
+from megatron_core.utils import accelerator
 
 logger = logging.getLogger(__name__)
 
@@ -71,15 +72,15 @@ class RuntimeHooks:
             self._write_trace()
         if self.args.manual_gc and self.args.manual_gc_interval and iteration % self.args.manual_gc_interval == 0:
             gc.collect()
-        if self.on_cuda and self.args.empty_unused_memory_level >= 1:  # CUDA-only path
-            torch.cuda.empty_cache()
+        if self.on_cuda and self.args.empty_unused_memory_level >= 1:
+            accelerator.empty_cache()
 
     def around_evaluation(self) -> None:
         """Before and after an evaluation: manual collection (unless --no-manual-gc-eval), cache release (level 2)."""
         if self.args.manual_gc and self.args.manual_gc_eval:
             gc.collect()
-        if self.on_cuda and self.args.empty_unused_memory_level >= 2:  # CUDA-only path
-            torch.cuda.empty_cache()
+        if self.on_cuda and self.args.empty_unused_memory_level >= 2:
+            accelerator.empty_cache()
 
     def _write_trace(self) -> None:
         profiler, self.profiler = self.profiler, None

@@ -99,6 +99,8 @@ class RotaryEmbedding(nn.Module):
         self.seq_len_interpolation_factor = seq_len_interpolation_factor
 
     def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
+        if self.inv_freq.device != position_ids.device:  # built on the host: moved once to the positions' device
+            self.inv_freq = self.inv_freq.to(position_ids.device)  # (a CUDA run failed here: cuda x cpu)
         positions = position_ids.t().to(torch.float32)  # [s, b]
         if self.seq_len_interpolation_factor is not None:
             positions = positions / self.seq_len_interpolation_factor

@@ -34,6 +34,8 @@ class LiveMemoryTracker(TorchDispatchMode):
         categories: returns the tensors whose storages belong to a named category (called at every sample).
         on_sample: called with ``(totals_by_category, tracker)`` after every sample (e.g. to check a bound
             at every point of a backward).
+        device_type: count only storages on this device type (``"cuda"``: a dry run's fake GPU tensors, not
+            the host-side batches and bookkeeping); None counts every device but meta.
 
     Attributes:
         peak_total: the largest sum of live bytes seen; ``peak_breakdown`` its split by category.
@@ -43,9 +45,10 @@ class LiveMemoryTracker(TorchDispatchMode):
     """
 
     def __init__(self, *, categories: Optional[Categories] = None,
-                 on_sample: Optional[Callable[[dict[str, int], "LiveMemoryTracker"], None]] = None) -> None:
+                 on_sample: Optional[Callable[[dict[str, int], "LiveMemoryTracker"], None]] = None,
+                 device_type: Optional[str] = None) -> None:
         super().__init__()
-        self.categories, self.on_sample = categories, on_sample
+        self.categories, self.on_sample, self.device_type = categories, on_sample, device_type
         self._storages: dict[int, StorageWeakRef] = {}
         self.peak_total = 0
         self.peak_breakdown: dict[str, int] = {}
@@ -56,7 +59,7 @@ class LiveMemoryTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for tensor in tree_leaves(out):
-            if isinstance(tensor, torch.Tensor) and tensor.device.type != "meta":
+            if isinstance(tensor, torch.Tensor) and self._counts(tensor):
                 storage = tensor.untyped_storage()
                 known = self._storages.get(storage._cdata)
                 if known is None or known.expired():
@@ -70,6 +73,8 @@ class LiveMemoryTracker(TorchDispatchMode):
         totals: dict[str, int] = collections.defaultdict(int)
         seen: set[int] = set()
         for category, tensor in (self.categories() if self.categories else ()):
+            if not self._counts(tensor):
+                continue
             storage = tensor.untyped_storage()
             if storage._cdata not in seen:
                 seen.add(storage._cdata)
@@ -88,6 +93,10 @@ class LiveMemoryTracker(TorchDispatchMode):
         if self.on_sample is not None:
             self.on_sample(self.current, self)
         return self.current
+
+    def _counts(self, tensor: torch.Tensor) -> bool:
+        device = tensor.device.type
+        return device != "meta" and (self.device_type is None or device == self.device_type)
 
     def reset_peaks(self) -> None:
         """Starts the peaks again from the current live bytes."""
