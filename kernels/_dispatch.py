@@ -121,9 +121,11 @@ class KernelBackend:
             self.capture = previous
 
     def launch(self, kernel, grid: tuple, *args, **kwargs) -> None:
-        """``kernel[grid](*args, **kwargs)``, or its record under ``capture_launches``."""
+        """``kernel[grid](*args, **kwargs)``, or its record under ``capture_launches`` (tensors recorded as
+        empty meta tensors of their dtype: a record must not keep a run's activations alive)."""
         if self.capture is not None:
-            self.capture.append((kernel, args, kwargs))
+            self.capture.append((kernel, tuple(_stand_in(a) for a in args),
+                                 {k: _stand_in(v) for k, v in kwargs.items()}))
         else:
             kernel[grid](*args, **kwargs)
 
@@ -193,3 +195,9 @@ def block_size(n: int, max_block: int) -> tuple[int, bool]:
 def num_warps(block: int) -> int:
     """Warps for a program working on ``block`` elements at a time: about 8 elements per thread, 1 to 16."""
     return max(1, min(16, block // 256))
+
+
+def _stand_in(value):
+    """A launch argument as ``capture_launches`` records it: a tensor becomes an empty meta tensor of its dtype
+    (what ahead-of-time compilation needs: the pointer type), anything else stays."""
+    return torch.empty(0, dtype=value.dtype, device="meta") if isinstance(value, torch.Tensor) else value

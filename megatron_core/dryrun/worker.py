@@ -18,7 +18,6 @@ import sys
 import time
 from typing import Optional, Sequence
 
-import torch
 import torch.distributed as dist
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -80,7 +79,8 @@ def _train(run, steps: int, recorder: CollectiveRecorder) -> dict:
     """``steps`` training steps under the memory tracker (peak over all), FLOPs and collectives of the last."""
     iterator = micro_batches(run.train_dataset, consumed_samples=0, state=run.state,
                              micro_batch_size=run.args.micro_batch_size, device=run.state.device)
-    tracker = LiveMemoryTracker(categories=lambda: memory_categories(run.chunks, run.optimizer), device_type="cuda")
+    tracker = LiveMemoryTracker(categories=lambda: memory_categories(run.chunks, run.optimizer), device_type="cuda",
+                                every_op=False)
     step_seconds = []
     with run.state.kernel_backend.capture_launches() as launches, tracker:
         for step in range(steps):

@@ -34,6 +34,12 @@ class LiveMemoryTracker(TorchDispatchMode):
         categories: returns the tensors whose storages belong to a named category (called at every sample).
         on_sample: called with ``(totals_by_category, tracker)`` after every sample (e.g. to check a bound
             at every point of a backward).
+        every_op: sample after every op (default). False samples only after an op that created a storage or
+            ran a collective (``c10d``; the ZeRO-3 gather fills a buffer it resized): a peak can only be
+            reached there. Storages outside ``categories`` then keep the size they were created with, and
+            the scan for freed ones is skipped while the live bytes of the last scan plus everything created
+            since cannot exceed the peak: the same peaks, without a scan of thousands of live activations
+            after every op (a dry run at full scale). ``on_sample`` implies ``every_op``.
         device_type: count only storages on this device type (``"cuda"``: a dry run's fake GPU tensors, not
             the host-side batches and bookkeeping); None counts every device but meta.
 
@@ -46,10 +52,14 @@ class LiveMemoryTracker(TorchDispatchMode):
 
     def __init__(self, *, categories: Optional[Categories] = None,
                  on_sample: Optional[Callable[[dict[str, int], "LiveMemoryTracker"], None]] = None,
-                 device_type: Optional[str] = None) -> None:
+                 device_type: Optional[str] = None, every_op: bool = True) -> None:
         super().__init__()
         self.categories, self.on_sample, self.device_type = categories, on_sample, device_type
+        self.every_op = every_op or on_sample is not None
         self._storages: dict[int, StorageWeakRef] = {}
+        self._created_bytes: dict[int, int] = {}
+        self._scanned_activations = 0  # every_op=False: the activations of the last scan, bytes created since
+        self._created_since = 0
         self.peak_total = 0
         self.peak_breakdown: dict[str, int] = {}
         self.peak_by_category: dict[str, int] = collections.defaultdict(int)
@@ -58,14 +68,19 @@ class LiveMemoryTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        created = False
         for tensor in tree_leaves(out):
             if isinstance(tensor, torch.Tensor) and self._counts(tensor):
                 storage = tensor.untyped_storage()
                 known = self._storages.get(storage._cdata)
                 if known is None or known.expired():
                     self._storages[storage._cdata] = StorageWeakRef(storage)
+                    self._created_bytes[storage._cdata] = storage.nbytes()
+                    self._created_since += storage.nbytes()
                     self.allocations.append((storage.nbytes(), storage._cdata))
-        self.sample()
+                    created = True
+        if self.every_op or created or func.namespace == "c10d":
+            self.sample()
         return out
 
     def sample(self) -> dict[str, int]:
@@ -79,11 +94,19 @@ class LiveMemoryTracker(TorchDispatchMode):
             if storage._cdata not in seen:
                 seen.add(storage._cdata)
                 totals[category] += storage.nbytes()
+        if not self.every_op and \
+                sum(totals.values()) + self._scanned_activations + self._created_since <= self.peak_total:
+            for category, value in totals.items():  # no new total peak is possible before a scan: skip it
+                self.peak_by_category[category] = max(self.peak_by_category[category], value)
+            return self.current
+        live_size = self.every_op
         for key, ref in list(self._storages.items()):
             if ref.expired():
-                del self._storages[key]
+                del self._storages[key], self._created_bytes[key]
             elif key not in seen:
-                totals[ACTIVATIONS] += torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes()
+                totals[ACTIVATIONS] += (torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes() if live_size
+                                        else self._created_bytes[key])
+        self._scanned_activations, self._created_since = totals[ACTIVATIONS], 0
         total = sum(totals.values())
         if total > self.peak_total:
             self.peak_total, self.peak_breakdown = total, dict(totals)
