@@ -15,7 +15,8 @@ setup(
     description="Megatron-style 3D-parallel GPT training with ZeRO, testable on CPU",
     packages=find_packages(include=["megatron_core", "megatron_core.*", "kernels", "kernels.*"]),
     # Megatron-LM's pretraining flags (scripts/extract_megatron_flags.py): pretrain_gpt.py recognizes each one.
-    package_data={"megatron_core.training": ["megatron_lm_flags.json"]},
+    package_data={"megatron_core.training": ["megatron_lm_flags.json"],
+                  "megatron_core.dryrun": ["fake_cuda_hooks.cpp"]},
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.3",
