@@ -203,7 +203,9 @@ def test_fp8_deepseek_import_matches_transformers_dequantizing_loader(tmp_path, 
     reference = _fp8_folder(directory, 256, seed=3)  # every dimension <= 128 or a multiple of 128
     loaded = _transformers_dequantized(directory, transformers.FineGrainedFP8Config(dequantize=True))
     torch.testing.assert_close(loaded, reference, rtol=0, atol=1e-5)
-    torch.testing.assert_close(_import(capsys, directory, tmp_path / "ours"), loaded, rtol=0, atol=1e-5)
+    # ours vs transformers' forward: YaRN's mscale folded into cos/sin once per layer (not per forward) rounds
+    # differently in fp32; 1.3e-5 is the largest difference seen on these logits
+    torch.testing.assert_close(_import(capsys, directory, tmp_path / "ours"), loaded, rtol=0, atol=3e-5)
 
 
 def test_fp8_partial_edge_blocks_import_and_export_unquantized(fp8_edge, tmp_path, capsys):
