@@ -23,10 +23,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Optional, Sequence
 
+from megatron_core.utils.accelerator import SIMULATED_GPUS
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BOOTSTRAP = ROOT / "megatron_core" / "dryrun" / "fake_cuda.py"
 GIB = 2**30
-TARGETS = ("sm_80", "sm_89", "sm_90", "sm_100")
+TARGETS = tuple(SIMULATED_GPUS)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -121,7 +123,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ValueError as error:
         print(f"tools/dry_run.py: {error}", file=sys.stderr)
         return 2
-    from megatron_core.utils.accelerator import SIMULATED_GPUS
     bound = opts.memory_per_device_gb * 1e9 if opts.memory_per_device_gb else SIMULATED_GPUS[opts.target].total_memory
     with tempfile.TemporaryDirectory(prefix="dry_run_") as folder, ThreadPoolExecutor(max(1, opts.jobs)) as pool:
         results = list(pool.map(lambda r: _run_rank(r, opts, flags, folder), ranks))

@@ -12,6 +12,7 @@ with ``--compile-kernels sm_90`` compiled for that target.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -88,21 +89,18 @@ def _train(run, steps: int, recorder: CollectiveRecorder) -> dict:
             last = step == steps - 1
             if last:
                 recorder.seen.clear()
-            counter = FlopCounterMode(display=False) if last else None
+                counter = FlopCounterMode(display=False)
             begin = time.perf_counter()
-            if counter is not None:
-                with counter:
-                    train_step(run, batches)
-            else:
+            with counter if last else contextlib.nullcontext():
                 train_step(run, batches)
             step_seconds.append(time.perf_counter() - begin)
-    return {"tracker": tracker, "launches": list(launches), "flops": counter.get_total_flops() if counter else 0,
+    return {"tracker": tracker, "launches": list(launches), "flops": counter.get_total_flops(),
             "step_seconds": step_seconds}
 
 
 def _compile(launches: list, target: Optional[str]) -> Optional[dict]:
-    if not target or not launches:
-        return None if not target else {"target": target, "kernels": 0, "cubin_bytes": 0}
+    if not target:
+        return None
     from kernels.aot import compile_launch, unique
     capability = int(target.removeprefix("sm_"))
     distinct = unique(launches)

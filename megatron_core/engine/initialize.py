@@ -28,6 +28,7 @@ from megatron_core.engine.zero_init import materialize_
 from megatron_core.optimizer import get_optimizer
 from megatron_core.optimizer.offload import offload_parameters
 from megatron_core.parallel_state import ParallelState, initialize_model_parallel
+from megatron_core.utils import accelerator
 
 logger = logging.getLogger(__name__)
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)  # DeepSpeed's default_pg_timeout
@@ -65,7 +66,7 @@ def init_distributed(dist_backend: Optional[str] = None, auto_mpi_discovery: boo
         logger.info("initializing torch.distributed: backend %s, rank %d of %d", backend, rank, world_size)
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout)
     if backend == "nccl":  # CUDA-only path
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % max(1, torch.cuda.device_count()))))
+        accelerator.set_device(int(os.environ.get("LOCAL_RANK", rank % max(1, accelerator.device_count()))))
 
 
 def _free_port() -> int:

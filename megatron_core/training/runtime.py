@@ -47,8 +47,8 @@ class RuntimeHooks:
             gc.collect()
         if self.on_cuda and args.disable_bf16_reduced_precision_matmul:  # CUDA-only path
             torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
-        if self.on_cuda and args.record_memory_history:  # CUDA-only path
-            torch.cuda.memory._record_memory_history()
+        if self.on_cuda and args.record_memory_history:
+            accelerator.record_memory_history()
         elif args.record_memory_history and state.rank == 0:
             logger.warning("--record-memory-history records CUDA allocations; ignored on %s", state.device.type)
 
@@ -95,8 +95,8 @@ class RuntimeHooks:
         """End of the run: writes an unfinished trace, the CUDA memory snapshot, re-enables automatic gc."""
         if self.profiler is not None:
             self._write_trace()
-        if self.on_cuda and self.args.record_memory_history:  # CUDA-only path
-            torch.cuda.memory._dump_snapshot(self.args.memory_snapshot_path)
+        if self.on_cuda and self.args.record_memory_history:
+            accelerator.dump_memory_snapshot(self.args.memory_snapshot_path)
         if self.args.manual_gc:
             gc.enable()
 

@@ -18,7 +18,8 @@ from typing import Optional
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-FAKE_CUDA_ENV = "MEGATRON_CORE_FAKE_CUDA"
+from megatron_core.dryrun.fake_cuda import TARGET_ENV as FAKE_CUDA_ENV
+
 GIB = 2**30
 
 
@@ -101,6 +102,17 @@ def max_memory_allocated(device=None) -> Optional[int]:
 def empty_cache() -> None:
     if not is_dry_run():
         torch.cuda.empty_cache()
+
+
+def record_memory_history() -> None:
+    """Starts CUDA's allocation history (``--record-memory-history``); nothing in a dry run (no allocator)."""
+    if not is_dry_run():
+        torch.cuda.memory._record_memory_history()
+
+
+def dump_memory_snapshot(path: str) -> None:
+    if not is_dry_run():
+        torch.cuda.memory._dump_snapshot(path)
 
 
 def get_rng_state(device=None) -> torch.Tensor:

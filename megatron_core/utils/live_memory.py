@@ -75,9 +75,10 @@ class LiveMemoryTracker(TorchDispatchMode):
                 known = self._storages.get(storage._cdata)
                 if known is None or known.expired():
                     self._storages[storage._cdata] = StorageWeakRef(storage)
-                    self._created_bytes[storage._cdata] = storage.nbytes()
-                    self._created_since += storage.nbytes()
-                    self.allocations.append((storage.nbytes(), storage._cdata))
+                    nbytes = storage.nbytes()
+                    self._created_bytes[storage._cdata] = nbytes
+                    self._created_since += nbytes
+                    self.allocations.append((nbytes, storage._cdata))
                     created = True
         if self.every_op or created or func.namespace == "c10d":
             self.sample()
