@@ -22,6 +22,7 @@ from torch import nn
 from megatron_core.distributed import DistributedDataParallel
 from megatron_core.optimizer.clip_grads import clip_by_norm_, counts_once, found_inf_or_nan, global_norm_and_zeros
 from megatron_core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
+from megatron_core.optimizer.muon import Muon, MuonSettings, matrix_of, muon_parameters
 from megatron_core.optimizer.offload.nvme_adam import NvmeAdam
 from megatron_core.optimizer.optimizer_config import OptimizerConfig
 from megatron_core.parallel_state import ParallelState
@@ -41,11 +42,12 @@ class _Piece:
     param_range: tuple[int, int]                     # the flat elements [lo, hi) of the parameter it covers
     param_shape: tuple[int, ...]                     # the parameter's (tp-local) shape, even when freed (ZeRO-3)
     is_expert: bool = False                          # an MoE expert's: sharded over expert-dp, normed apart
+    bucket: Optional[object] = None                  # the DDP bucket the piece's storage lies in (None: plain)
     master_grad: Optional[torch.Tensor] = None       # the fp32 grad on the master's device, during step()
 
 
 def _chunk_pieces(chunk: nn.Module) -> list[tuple]:
-    """``(param, model_view, grad_fn, is_shard, (param_lo, param_hi), param_shape)`` of a model chunk."""
+    """``(param, model_view, grad_fn, is_shard, (param_lo, param_hi), param_shape, bucket)`` of a model chunk."""
     pieces = []
     if isinstance(chunk, DistributedDataParallel):
         for bucket in chunk.buckets:
@@ -54,16 +56,16 @@ def _chunk_pieces(chunk: nn.Module) -> list[tuple]:
                 for param, (lo, hi) in bucket.ranges.items():
                     grad = bucket.grad_data[lo:hi]
                     pieces.append((param, bucket.param_data[lo:hi], lambda g=grad: g, False, (0, hi - lo),
-                                   tuple(shapes[param])))
+                                   tuple(shapes[param]), bucket))
             else:
                 for param, p_lo, p_hi, s_lo, s_hi in bucket.shard_pieces():
                     grad = bucket.grad_shard[s_lo:s_hi]
                     pieces.append((param, bucket.param_shard[s_lo:s_hi], lambda g=grad: g, True, (p_lo, p_hi),
-                                   tuple(shapes[param])))
+                                   tuple(shapes[param]), bucket))
         return pieces
     for param in dict.fromkeys(p for p in chunk.parameters() if p.requires_grad):
         grad_fn = lambda p=param: None if p.grad is None else p.grad.view(-1)  # noqa: E731
-        pieces.append((param, param.data.view(-1), grad_fn, False, (0, param.numel()), tuple(param.shape)))
+        pieces.append((param, param.data.view(-1), grad_fn, False, (0, param.numel()), tuple(param.shape), None))
     return pieces
 
 
@@ -120,14 +122,14 @@ class MegatronOptimizer:
     def _build_pieces(self, host: Optional[torch.device]) -> list[_Piece]:
         pieces = []
         for chunk in self.chunks:
-            for param, model, grad_fn, is_shard, param_range, shape in _chunk_pieces(chunk):
+            for param, model, grad_fn, is_shard, param_range, shape, bucket in _chunk_pieces(chunk):
                 aliased = model.dtype == torch.float32 and host is None
                 master = model if aliased else None if self.nvme else \
                     model.detach().to(host or model.device, torch.float32).clone()
                 exempt = self._no_weight_decay(param) if self._no_weight_decay else len(shape) < 2
                 pieces.append(_Piece(param, model, grad_fn, master, aliased, is_shard, decay=not exempt,
                                      param_range=param_range, param_shape=shape,
-                                     is_expert=bool(getattr(param, "is_expert", False))))
+                                     is_expert=bool(getattr(param, "is_expert", False)), bucket=bucket))
         return pieces
 
     def _any_rank_has_experts(self) -> bool:
@@ -162,6 +164,8 @@ class MegatronOptimizer:
         groups = [{"params": [p.master for p in self.pieces if p.decay], "weight_decay": config.weight_decay},
                   {"params": [p.master for p in self.pieces if not p.decay], "weight_decay": 0.0}]
         groups = [g for g in groups if g["params"]]
+        if config.optimizer == "muon":
+            return self._build_muon()
         if config.optimizer == "adam":
             if config.optimizer_cpu_offload:
                 fused = config.optimizer_host_adam == "fused"
@@ -170,6 +174,28 @@ class MegatronOptimizer:
             return torch.optim.AdamW(groups, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2),
                                      eps=config.adam_eps, fused=fused or None)
         return torch.optim.SGD(groups, lr=config.lr, momentum=config.sgd_momentum)
+
+    def _build_muon(self) -> Muon:
+        """Muon over the weight matrices, AdamW (the run's Adam settings) over the rest: ``optimizer.muon``."""
+        config = self.config
+        tp_group = self.parallel_state.tp_group if self.parallel_state is not None else None
+        eligible = muon_parameters(self.chunks, split_qkv=config.muon_split_qkv)
+        matrices = {p.master: matrix_of(p, eligible[id(p.param)], tp_mode=config.muon_tp_mode, tp_group=tp_group)
+                    for p in self.pieces if id(p.param) in eligible}
+        groups = [{"params": [p.master for p in self.pieces if p.decay == decay and (p.master in matrices) == muon],
+                   "weight_decay": config.weight_decay if decay else 0.0, "muon": muon}
+                  for muon in (True, False) for decay in (True, False)]
+        buckets = [b for chunk in self.ddp_chunks for b in chunk.buckets
+                   if chunk.config.zero_stage >= 1 and any(id(p) in eligible for p in b.params)]
+        settings = MuonSettings(
+            momentum=config.muon_momentum, nesterov=config.muon_use_nesterov, num_ns_steps=config.muon_num_ns_steps,
+            coefficient_type=config.muon_coefficient_type, scale_mode=config.muon_scale_mode,
+            extra_scale_factor=config.muon_extra_scale_factor, bf16=config.muon_fp32_matmul_prec != "high",
+            tp_mode=config.muon_tp_mode)
+        fused = config.fused_adam and _fused_adam_covers(self.pieces)
+        return Muon([g for g in groups if g["params"]], matrices=matrices, buckets=buckets, settings=settings,
+                    lr=config.lr, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
+                    fused=fused or None)
 
     # ----------------------------------------------------------------------------------------------------------
     # loss scaling

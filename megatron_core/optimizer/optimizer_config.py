@@ -4,7 +4,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-OPTIMIZERS = ("adam", "sgd")
+from megatron_core.optimizer.muon import COEFFICIENTS, MATMUL_PRECISIONS, SCALE_MODES, TP_MODES
+
+OPTIMIZERS = ("adam", "sgd", "muon")
 HOST_ADAMS = ("exact", "fused")
 
 
@@ -14,7 +16,9 @@ class OptimizerConfig:
 
     optimizer: str = "adam"
     """``adam``: AdamW (decoupled weight decay), as Megatron's ``--optimizer adam``. ``sgd``: SGD with momentum
-    (L2 weight decay added to the grad, as ``torch.optim.SGD``)."""
+    (L2 weight decay added to the grad, as ``torch.optim.SGD``). ``muon``: Muon for the weight matrices, AdamW
+    (the ``adam_*`` settings) for embeddings, output layer, norms and biases, as Megatron's ``--optimizer muon``
+    (``megatron_core.optimizer.muon``)."""
     lr: float = 1e-3
     weight_decay: float = 0.01
     """Applied to parameters with 2 or more dims only: biases and norm weights (1-D) get none, as Megatron's
@@ -58,6 +62,25 @@ class OptimizerConfig:
     uses a fused Adam. False (``--no-fused-adam``): the per-op update, bit-identical to ``torch.optim.AdamW()``
     and to ``optimizer_host_adam="exact"`` offload. Devices the fused kernel does not cover run the per-op
     update."""
+    muon_momentum: float = 0.9
+    """Muon's momentum EMA coefficient (``--muon-momentum``; the default of Megatron-LM's flag)."""
+    muon_use_nesterov: bool = False
+    """Nesterov momentum (``--muon-nesterov``)."""
+    muon_split_qkv: bool = True
+    """Orthogonalize the q, k and v rows of ``linear_qkv.weight`` apart (``--muon-no-split-qkv``: whole)."""
+    muon_num_ns_steps: int = 5
+    """Newton-Schulz iterations (``--muon-num-ns-steps``)."""
+    muon_coefficient_type: str = "quintic"
+    """The iterations' coefficient set (``--muon-coefficient-type``): a key of ``muon.COEFFICIENTS``."""
+    muon_scale_mode: str = "spectral"
+    """The update's shape scale (``--muon-scale-mode``): spectral, unit_rms_norm or shape_scaling."""
+    muon_extra_scale_factor: float = 1.0
+    """A further factor on the update (``--muon-extra-scale-factor``; 0.2 matches AdamW's update RMS)."""
+    muon_fp32_matmul_prec: str = "medium"
+    """``low`` / ``medium``: the Newton-Schulz GEMMs in bf16 (Megatron's default); ``high``: in fp32."""
+    muon_tp_mode: str = "duplicated"
+    """A tp-split matrix: ``duplicated`` (gathered and orthogonalized whole on every tp rank), ``distributed``
+    (Gram matrices all-reduced over tp) or ``blockwise`` (each tp part on its own)."""
     log_num_zeros_in_grad: bool = False
     """Count zero grad elements (``--log-num-zeros-in-grad``); else ``step()`` returns None for it."""
 
@@ -81,6 +104,8 @@ class OptimizerConfig:
                                  f"{self.optimizer_cpu_offload}): NVMe offload already updates on the host")
             if self.optimizer_nvme_chunk_elements < 1:
                 raise ValueError(f"optimizer_nvme_chunk_elements {self.optimizer_nvme_chunk_elements} must be >= 1")
+        if self.optimizer == "muon":
+            self._validate_muon()
         if self.loss_scale is not None and self.loss_scale <= 0:
             raise ValueError(f"loss_scale {self.loss_scale} must be > 0 (or None for dynamic scaling)")
         if self.initial_loss_scale <= 0 or self.min_loss_scale <= 0:
@@ -89,3 +114,17 @@ class OptimizerConfig:
         if self.loss_scale_window < 1 or self.hysteresis < 1:
             raise ValueError(f"loss_scale_window {self.loss_scale_window} and hysteresis {self.hysteresis} "
                              "must be >= 1")
+
+    def _validate_muon(self) -> None:
+        choices = {"muon_coefficient_type": tuple(COEFFICIENTS), "muon_scale_mode": SCALE_MODES,
+                   "muon_tp_mode": TP_MODES, "muon_fp32_matmul_prec": MATMUL_PRECISIONS}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} {getattr(self, name)!r} is not one of {allowed}")
+        if not 0.0 <= self.muon_momentum < 1.0:
+            raise ValueError(f"muon_momentum {self.muon_momentum} must be in [0, 1)")
+        if self.muon_num_ns_steps < 1:
+            raise ValueError(f"muon_num_ns_steps {self.muon_num_ns_steps} must be >= 1")
+        if self.optimizer_cpu_offload or self.optimizer_nvme_offload_dir is not None:
+            raise ValueError("optimizer='muon' with optimizer_cpu_offload or optimizer_nvme_offload_dir is not built "
+                             "(the Newton-Schulz iterations run where the weights are): drop the offload or use adam")
