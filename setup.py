@@ -43,6 +43,10 @@ setup(
         # NVIDIA's megatron-core, installed beside us: tests that both import side by side (issue 15, part 6).
         # Light: torch, numpy and packaging only; its wheel runs on CPU.
         "megatron-core==0.16.1",
+        # tests/*/test_muon*.py compare our Muon with megatron-core's TensorParallelMuon on NVIDIA's
+        # Emerging-Optimizers (scripts/setup.sh installs emerging-optimizers 0.3.0 itself: its wheel declares
+        # Python >= 3.12 for typing.override alone), which logs through absl.
+        "absl-py",
         # TikTokenizer (tests compare with megatron-core's TikTokenTokenizer); at runtime imported lazily.
         "tiktoken",
         # Lint: scripts/test.sh runs `ruff check .` (ruff.toml) before the tests.

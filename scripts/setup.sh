@@ -12,4 +12,8 @@ if ! "$VENV/bin/python" -c 'import torch, sys; sys.exit(torch.__version__.split(
   "${PIP[@]}" torch==2.13.0
 fi
 "${PIP[@]}" -e '.[test]'
+# Emerging-Optimizers (the library megatron-core's Muon is built on; the Muon tests compare with it): its
+# wheel says Python >= 3.12, for typing.override only, which the tests backport from typing_extensions.
+"$VENV/bin/python" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("emerging_optimizers") is None)' \
+  || "${PIP[@]}" --no-deps --ignore-requires-python emerging-optimizers==0.3.0
 "$VENV/bin/python" -c 'import torch, megatron_core; print(f"megatron_core {megatron_core.__version__} with torch {torch.__version__}")'

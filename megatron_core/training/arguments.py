@@ -21,6 +21,7 @@ from megatron_core.training import arguments_megatron as megatron_flags
 from megatron_core.training import megatron_table
 from megatron_core.training.arguments_fp8 import add_fp8_flags, fp8_config, validate_fp8_flags
 from megatron_core.training.arguments_moe import add_moe_flags, moe_config, validate_moe_flags
+from megatron_core.training.arguments_muon import add_muon_flags, resolve_muon_flags
 from megatron_core.training.arguments_pipeline import (  # noqa: F401 (pipeline_split: re-exported)
     check_pipeline_flags,
     pipeline_layout,
@@ -168,7 +169,9 @@ def _training_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--fp16", action="store_true")
     g.add_argument("--loss-scale", type=float, default=None, help="static fp16 loss scale (default: dynamic)")
     g.add_argument("--initial-loss-scale", type=float, default=2.0**32)
-    g.add_argument("--optimizer", choices=["adam", "sgd"], default="adam")
+    g.add_argument("--optimizer", choices=["adam", "sgd", "muon", "dist_muon"], default="adam",
+                   help="muon: Muon for the weight matrices, AdamW for the rest (see --muon-*); dist_muon: the same "
+                        "with the optimizer states sharded over dp")
     g.add_argument("--lr", type=float, default=3e-3)
     g.add_argument("--min-lr", type=float, default=0.0)
     g.add_argument("--decoupled-lr", type=float, default=None, help="lr of the input embedding and output layer")
@@ -279,6 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_moe_flags(parser)
     add_variant_flags(parser)
     add_fp8_flags(parser)
+    add_muon_flags(parser)
     add_elastic_flags(parser)
     megatron_table.add_no_op_flags(parser)
     parser.widened_choices = megatron_table.widen_choices(parser)
@@ -416,6 +420,7 @@ def validate_args(args: argparse.Namespace) -> None:
         raise ValueError("--ignore-mismatched-sizes changes shapes on purpose and needs --finetune (a resumed run "
                          "must match its checkpoint)")
     check_pipeline_flags(args)
+    resolve_muon_flags(args)
     args.zero_stage = zero_stage(args)
     _check_zero_bubble(args)
     if args.overlap_param_gather and args.zero_stage == 0:

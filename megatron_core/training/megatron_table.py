@@ -12,7 +12,7 @@ other one is classified here by ``RULES`` (ordered patterns, the first that matc
   default, the run exits 2 with one paragraph naming the flag and the reason. A flag no rule matches is
   refused as not built, so a new Megatron flag is never silently ignored.
 
-Values of our own flags that Megatron accepts but we do not build (``--optimizer muon``) parse, then are
+Values of our own flags that Megatron accepts but we do not build (``--optimizer lion``) parse, then are
 refused the same way (``refused_values``).
 """
 from __future__ import annotations
@@ -37,7 +37,7 @@ _LOG = "an extra log or profiler detail; the log line, TensorBoard and --profile
 _OTHER_MODEL = "another model family (BERT, T5, vision, retrieval, Mamba/hybrid, RL): pretrain_gpt.py trains GPT"
 _FP8 = ("fp4 training and Transformer Engine's quantizer factories / precision files need Transformer Engine, which "
         "this framework does not use (the --fp8-* recipes are built: emulated on CPU, torch._scaled_mm on GPUs)")
-_OPT = "this optimizer option is not built (adam and sgd with fp32 master weights are)"
+_OPT = "this optimizer option is not built (adam, sgd and muon with fp32 master weights are)"
 _OFFLOAD = ("fine-grained activation/CPU offloading of modules is not built; --optimizer-cpu-offload and "
             "--param-offload are")
 _DATA = "this data option is not built (--data-path with --split, or --mock-data, and --per-split data paths are)"
@@ -98,7 +98,7 @@ RULES: tuple[tuple[str, str, str], ...] = (
      r"--vocab-extra-ids|--rl-.*|--no-rl-.*|--grpo-.*|--perform-rl-step|--langrl-env-config|--refit-method|"
      r"--logits-(save|load)-.*|--export-.*|--sft.*|--experimental-attention-variant|--attention-output-gate|"
      r"--heterogeneous-layers-.*|--spec|--sample-rate|--use-kitchen-attention", REFUSE, _OTHER_MODEL),
-    (r"--muon-.*|--lion-.*|--exp-avg(-sq)?-dtype|--main-(grads|params)-dtype|--use-precision-aware-optimizer|"
+    (r"--lion-.*|--exp-avg(-sq)?-dtype|--main-(grads|params)-dtype|--use-precision-aware-optimizer|"
      r"--optimizer-offload-fraction|--use-torch-optimizer-for-cpu-offload|--overlap-cpu-optimizer-d2h-h2d|"
      r"--(start|end)-weight-decay|--weight-decay-incr-style|--head-lr-mult|--no-weight-decay-cond-type|"
      r"--apply-wd-to-qk-layernorm|--optimizer-cuda-graph|--qk-clip.*|--use-mup|--mup-.*|--megatron-fsdp-(main|grad).*",

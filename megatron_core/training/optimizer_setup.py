@@ -11,6 +11,7 @@ from megatron_core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron_core.optimizer import OptimizerConfig, get_optimizer
 from megatron_core.optimizer.offload import offload_parameters
 from megatron_core.parallel_state import ParallelState
+from megatron_core.training.arguments_muon import muon_config_kwargs
 
 
 def ddp_config(args: argparse.Namespace) -> DistributedDataParallelConfig:
@@ -44,7 +45,7 @@ def build_optimizer(args: argparse.Namespace, chunks: list[nn.Module], state: Pa
         optimizer_cpu_offload=args.optimizer_cpu_offload, log_num_zeros_in_grad=args.log_num_zeros_in_grad,
         optimizer_nvme_offload_dir=args.optimizer_nvme_offload_dir,
         optimizer_nvme_chunk_elements=args.optimizer_nvme_chunk_elements, optimizer_host_adam=args.optimizer_host_adam,
-        fused_adam=args.fused_adam)
+        fused_adam=args.fused_adam, **muon_config_kwargs(args))
     optimizer = get_optimizer(config, chunks, parallel_state=state)
     if args.decoupled_lr is not None:
         split_decoupled_groups(optimizer, chunks)

@@ -162,7 +162,8 @@ def test_every_megatron_lm_flag_acts_is_a_documented_no_op_or_is_refused(capsys)
         if kind == NO_OP:
             assert option in help_text, option
     assert kinds["--use-persistent-ckpt-worker"] == NO_OP and kinds["--deterministic-mode"] == "ours"
-    assert kinds["--rerun-mode"] == "refuse" and kinds["--muon-momentum"] == "refuse"
+    assert kinds["--rerun-mode"] == "refuse" and kinds["--lion-beta1"] == "refuse"
+    assert kinds["--muon-momentum"] == kinds["--muon-tp-mode"] == "ours"
     assert classify("--some-future-megatron-flag") == ("refuse", "a Megatron-LM option this framework has not built")
 
 
@@ -176,9 +177,9 @@ def test_no_ops_are_accepted_with_one_warning_and_refusals_name_the_flag(capsys,
     err = _error(["--rerun-mode", "report_stats", "--save-activations-interval", "5"], capsys)
     assert "--rerun-mode report_stats: Megatron's rerun state machine" in err
     assert "--save-activations-interval 5: saving activations, gradients or parameters" in err
-    err = _error(["--optimizer", "muon", "--muon-momentum", "0.5"], capsys)  # (its default is 0.95)
-    assert "--optimizer muon: a --optimizer Megatron-LM has, not built here (built: adam, sgd)" in err
-    assert "--muon-momentum 0.5: this optimizer option is not built" in err
+    err = _error(["--optimizer", "lion", "--lion-beta1", "0.5"], capsys)  # (its default is 0.95)
+    assert "--optimizer lion: a --optimizer Megatron-LM has, not built here (built: adam, sgd, muon, dist_muon)" in err
+    assert "--lion-beta1 0.5: this optimizer option is not built" in err
 
 
 def test_docs_list_every_no_op_and_refusal_with_its_reason():
