@@ -18,8 +18,10 @@ if not hasattr(typing, "override"):
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # megatron-core: "Transformer Engine and Apex are not installed"
     import megatron.core.optimizer.muon as megatron_muon
-from emerging_optimizers.orthogonalized_optimizers import muon_utils  # noqa: E402
-from emerging_optimizers.orthogonalized_optimizers import orthogonalized_optimizer  # noqa: E402
+from emerging_optimizers.orthogonalized_optimizers import (
+    muon_utils,  # noqa: E402
+    orthogonalized_optimizer,  # noqa: E402
+)
 
 _BASE_INIT = orthogonalized_optimizer.OrthogonalizedOptimizer.__init__
 

@@ -252,8 +252,9 @@ def _is_table_or_output(name: str, module: torch.nn.Module) -> bool:
 
 
 def muon_parameters(chunks: list[torch.nn.Module], *, split_qkv: bool) -> dict[int, Optional[tuple[int, int, int]]]:
-    """``{id(param): qkv_split or None}`` of the parameters Muon updates: trainable, 2 dims, not in an embedding
-    table or the output layer; ``qkv_split`` the q, k, v rows per query group of a ``linear_qkv.weight``."""
+    """``{id(param): qkv_split or None}`` of the parameters Muon may update: trainable, not in an embedding table
+    or the output layer (the caller keeps those of 2 dims: a ZeRO-3 parameter's own shape is empty between
+    gathers); ``qkv_split`` the q, k, v rows per query group of a ``linear_qkv.weight``."""
     found: dict[int, Optional[tuple[int, int, int]]] = {}
     excluded: set[int] = set()
     for chunk in chunks:
@@ -263,7 +264,7 @@ def muon_parameters(chunks: list[torch.nn.Module], *, split_qkv: bool) -> dict[i
             if _is_table_or_output(name, module):
                 excluded.update(id(p) for p in module.parameters())
         for name, param in model.named_parameters():
-            if not param.requires_grad or id(param) in excluded or len(_shape(param)) != 2:
+            if not param.requires_grad or id(param) in excluded:
                 continue
             qkv = None
             if split_qkv and name.endswith("linear_qkv.weight") and config is not None:
@@ -271,11 +272,6 @@ def muon_parameters(chunks: list[torch.nn.Module], *, split_qkv: bool) -> dict[i
                 qkv = (config.num_attention_heads // config.num_query_groups * kv, kv, kv)
             found[id(param)] = qkv
     return found
-
-
-def _shape(param: torch.Tensor) -> tuple[int, ...]:
-    shape = getattr(param, "unmaterialized_shape", None)  # a ZeRO-3 parameter whose storage was freed
-    return tuple(param.shape if shape is None else shape)
 
 
 def matrix_of(piece: Any, qkv_split: Optional[tuple[int, int, int]], *, tp_mode: str, tp_group) -> Matrix:

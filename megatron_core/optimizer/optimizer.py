@@ -181,12 +181,12 @@ class MegatronOptimizer:
         tp_group = self.parallel_state.tp_group if self.parallel_state is not None else None
         eligible = muon_parameters(self.chunks, split_qkv=config.muon_split_qkv)
         matrices = {p.master: matrix_of(p, eligible[id(p.param)], tp_mode=config.muon_tp_mode, tp_group=tp_group)
-                    for p in self.pieces if id(p.param) in eligible}
+                    for p in self.pieces if id(p.param) in eligible and len(p.param_shape) == 2}
         groups = [{"params": [p.master for p in self.pieces if p.decay == decay and (p.master in matrices) == muon],
                    "weight_decay": config.weight_decay if decay else 0.0, "muon": muon}
                   for muon in (True, False) for decay in (True, False)]
-        buckets = [b for chunk in self.ddp_chunks for b in chunk.buckets
-                   if chunk.config.zero_stage >= 1 and any(id(p) in eligible for p in b.params)]
+        buckets = [b for chunk in self.ddp_chunks for b in chunk.buckets if chunk.config.zero_stage >= 1
+                   and any(id(p) in eligible and len(b.shapes[p]) == 2 for p in b.params)]
         settings = MuonSettings(
             momentum=config.muon_momentum, nesterov=config.muon_use_nesterov, num_ns_steps=config.muon_num_ns_steps,
             coefficient_type=config.muon_coefficient_type, scale_mode=config.muon_scale_mode,
