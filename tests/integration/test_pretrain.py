@@ -65,7 +65,9 @@ def test_bf16_stays_close_to_fp32(distributed, reference):
 @pytest.mark.parametrize("world, layout", [
     (2, _layout(1, 2, 1)),
     (2, _layout(1, 1, 2, ["--zero-stage", "2", "--bf16"])),
-], ids=["pp2", "dp2-zero2-bf16"])
+    (2, _layout(2, 1, 1, ["--optimizer", "muon", "--muon-nesterov"])),
+    (2, _layout(1, 1, 2, ["--optimizer", "dist_muon", "--bf16"])),  # Muon momentum buffers in the checkpoint
+], ids=["pp2", "dp2-zero2-bf16", "tp2-muon", "dp2-dist-muon-bf16"])
 def test_resume_is_exact(distributed, tmp_path, world, layout):
     straight = distributed(world, _train, [*layout, "--train-iters", "20"])[0]
     save = ["--save", str(tmp_path), "--train-iters", "20", "--exit-interval", "10"]
