@@ -79,6 +79,8 @@ RULES: tuple[tuple[str, str, str], ...] = (
      r"--disable-log-loss-scale-to-tensorboard|--disable-manual-gc-eval", NO_OP, _LOG),
     (r"--num-dataset-builder-threads|--dataloader-defer-npy-index-mmap|--dataloader-fast-cache-load|--no-data-sharding",
      NO_OP, "the dataset index is built once per node and memory-mapped; samples are read in the training process"),
+    (r"--no-use-layer-wise-param-layout", NO_OP, "the parameter layout of Megatron's layer-wise distributed Muon: "
+     "dist_muon here shards the states by ZeRO bucket, with the same updates"),
     (r"--apply-query-key-layer-scaling", NO_OP, "it rescales the attention scores by the layer number and back "
      "inside the softmax to avoid fp16 overflow; our softmax computes in fp32, so the result is the same"),
     (r"--fp16-lm-cross-entropy", NO_OP, "the cross entropy always computes in fp32"),
