@@ -1,14 +1,12 @@
 """Muon under tp 2 x dp 2 (sequence parallel, ZeRO 1-3, tp modes duplicated and distributed) equals
 megatron-core's TensorParallelMuon + torch's AdamW run in one process on the full batch, over several steps."""
-import contextlib
-
 import pytest
 import torch
 
 from megatron_core import initialize_model_parallel
-from megatron_core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron_core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron_core.optimizer import OptimizerConfig, get_optimizer
-from tests.distributed.test_optimizer_parity import MICRO, _gpt_loss, _max_diff
+from tests.distributed.test_optimizer_parity import _gpt_loss, _max_diff, train_gpt_steps
 from tests.model_helpers import build_model, tiny_config, unshard
 from tests.unit.test_muon import GQA, STEPS, _reference
 
@@ -27,15 +25,7 @@ def train_gpt_muon(stage: int, tp_mode: str):
         optimizer="muon", lr=SETTINGS["lr"], weight_decay=SETTINGS["weight_decay"], clip_grad=0.0,
         muon_momentum=SETTINGS["momentum"], muon_use_nesterov=True, muon_fp32_matmul_prec="high",
         muon_tp_mode=tp_mode), ddp, parallel_state=state)
-    rows = 4 // state.dp_size
-    for step in range(STEPS):
-        optimizer.zero_grad()
-        for i in range(MICRO):
-            lo = state.dp_rank * rows + i * rows // MICRO
-            with ddp.no_sync() if i < MICRO - 1 else contextlib.nullcontext():
-                (_gpt_loss(ddp, step, slice(lo, lo + rows // MICRO)) / MICRO).backward()
-        finalize_model_grads([ddp], state)
-        assert optimizer.step()[0]
+    train_gpt_steps(ddp, optimizer, state, STEPS)
     split = sum(piece.is_shard for piece in optimizer.pieces if piece.master in optimizer.optimizer.matrices)
     return {n: (t, *dims[n]) for n, t in ddp.state_dict().items() if n in dims}, split
 

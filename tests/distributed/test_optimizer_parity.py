@@ -149,16 +149,21 @@ def train_gpt(stage: int, tp: int):
     ddp = DistributedDataParallel(model, config=DistributedDataParallelConfig(zero_stage=stage, bucket_size=500),
                                   dp_group=state.dp_group)
     optimizer = get_optimizer(OptimizerConfig(**OPT), ddp, parallel_state=state)
+    train_gpt_steps(ddp, optimizer, state)
+    return {n: (t, *dims[n]) for n, t in ddp.state_dict().items() if n in dims}
+
+
+def train_gpt_steps(ddp, optimizer, state, steps: int = STEPS) -> None:
+    """``steps`` steps on this dp rank's rows of each 4-row batch, in MICRO accumulated micro-batches."""
     rows = 4 // state.dp_size
-    for step in range(STEPS):
+    for step in range(steps):
         optimizer.zero_grad()
         for i in range(MICRO):
             lo = state.dp_rank * rows + i * rows // MICRO
             with ddp.no_sync() if i < MICRO - 1 else contextlib.nullcontext():
                 (_gpt_loss(ddp, step, slice(lo, lo + rows // MICRO)) / MICRO).backward()
         finalize_model_grads([ddp], state)
-        optimizer.step()
-    return {n: (t, *dims[n]) for n, t in ddp.state_dict().items() if n in dims}
+        assert optimizer.step()[0]
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
