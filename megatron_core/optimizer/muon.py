@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 from itertools import chain, cycle, islice, repeat
+from types import MappingProxyType
 from typing import Any, Optional
 
 import torch
@@ -48,7 +49,7 @@ import torch.distributed as dist
 from megatron_core.tensor_parallel.utils import group_rank, group_size
 
 # (a, b, c) per Newton-Schulz step: the published sets Emerging-Optimizers ships (its ``_COEFFICIENT_SETS``)
-COEFFICIENTS: dict[str, tuple[tuple[float, float, float], ...]] = {
+COEFFICIENTS: MappingProxyType = MappingProxyType({
     "simple": ((3.4445, -4.7750, 2.0315),),  # Jordan's original quintic
     "quintic": ((4.0848, -6.8946, 2.9270), (3.9505, -6.3029, 2.6377), (3.7418, -5.5913, 2.3037),
                 (2.8769, -3.1427, 1.2046), (2.8366, -3.0525, 1.2012)),  # modded-nanogpt's per-step set
@@ -60,7 +61,7 @@ COEFFICIENTS: dict[str, tuple[tuple[float, float, float], ...]] = {
     "aol": ((4.0098, -7.0585, 2.4635), (3.4585, -5.5479, 2.5959), (2.7573, -3.2939, 1.4254),
             (2.7215, -3.0494, 1.3169)),
     "deepseekv4": ((3.4445, -4.7750, 2.0315),) * 8 + ((2.0, -1.5, 0.5),) * 2,
-}
+})
 REPEAT_LAST = ("polar_express", "cans", "deepseekv4")  # past its end a schedule repeats its last step (else cycles)
 SCALE_MODES = ("spectral", "unit_rms_norm", "shape_scaling")
 TP_MODES = ("blockwise", "duplicated", "distributed")
