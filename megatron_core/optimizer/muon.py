@@ -46,7 +46,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_core.tensor_parallel.utils import group_rank, group_size
+from megatron_core.tensor_parallel.mappings import _all_gather, _split
+from megatron_core.tensor_parallel.utils import group_size
 
 # (a, b, c) per Newton-Schulz step: the published sets Emerging-Optimizers ships (its ``_COEFFICIENT_SETS``)
 COEFFICIENTS: MappingProxyType = MappingProxyType({
@@ -140,12 +141,6 @@ class Matrix:
     param_range: tuple[int, int] = (0, 0)         # the piece's flat elements inside the parameter
 
 
-def _gather_tp(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    parts = [torch.empty_like(x) for _ in range(group_size(group))]
-    dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.cat(parts, dim=dim)
-
-
 def orthogonalize_matrix(update: torch.Tensor, spec: Matrix, settings: MuonSettings) -> torch.Tensor:
     """``scale * extra * NS(update)`` of one tp-local matrix ``update`` (fp32, ``spec.shape``), tp-local out.
     Collectives: over ``spec.tp_group`` when the matrix is split (see the module docstring)."""
@@ -158,8 +153,8 @@ def orthogonalize_matrix(update: torch.Tensor, spec: Matrix, settings: MuonSetti
     if tp == 1:
         return newton_schulz(update, **ns) * scale
     if settings.tp_mode == "duplicated":
-        full = newton_schulz(_gather_tp(update, spec.split_dim, spec.tp_group), **ns)
-        return full.chunk(tp, dim=spec.split_dim)[group_rank(spec.tp_group)] * scale
+        full = newton_schulz(_all_gather(update, spec.split_dim, spec.tp_group), **ns)
+        return _split(full, spec.split_dim, spec.tp_group) * scale
     # distributed: the split dim becomes the column (contracted) dim of the Gram matrices
     return newton_schulz(update, **ns, tp_group=spec.tp_group, transpose=spec.split_dim == 0) * scale
 

@@ -161,11 +161,11 @@ class MegatronOptimizer:
                             betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
                             weight_decay=config.weight_decay, pin_memory=self.device.type == "cuda",
                             fused=config.optimizer_host_adam == "fused")
+        if config.optimizer == "muon":
+            return self._build_muon()
         groups = [{"params": [p.master for p in self.pieces if p.decay], "weight_decay": config.weight_decay},
                   {"params": [p.master for p in self.pieces if not p.decay], "weight_decay": 0.0}]
         groups = [g for g in groups if g["params"]]
-        if config.optimizer == "muon":
-            return self._build_muon()
         if config.optimizer == "adam":
             if config.optimizer_cpu_offload:
                 fused = config.optimizer_host_adam == "fused"
