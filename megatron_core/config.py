@@ -14,9 +14,9 @@ import torch
 
 from megatron_core.config_variants import ArchitectureVariants
 
-CP_COMM_TYPES = ("p2p", "a2a", "allgather")
+CP_COMM_TYPES = ("p2p", "a2a", "allgather", "a2a+p2p")
 """Context-parallel attention schemes (Megatron's ``--cp-comm-type``): ring attention, all-to-all (Ulysses),
-all-gather of K/V."""
+all-gather of K/V, and hierarchical (all-to-all inside the inner cp level, ring across the outer one)."""
 
 if TYPE_CHECKING:
     from megatron_core.fp8.config import Fp8Config
@@ -85,6 +85,9 @@ class ModelParallelConfig:
         query groups and ffn divisible by tp, layers by pp x vpp, a2a heads by cp)."""
         sizes = {"tensor_model_parallel_size": state.tp_size, "pipeline_model_parallel_size": state.pp_size,
                  "context_parallel_size": state.cp_size, "virtual_pipeline_model_parallel_size": state.vpp_size}
+        if getattr(self, "cp_comm_type", None) == "a2a+p2p" and state.cp_size > 1:
+            from megatron_core.context_parallel.hierarchical import hierarchical_levels
+            hierarchical_levels(state)  # ValueError naming the flag when the state has no two levels
         for name, in_state in sizes.items():
             given = getattr(self, name)
             if given is not None and given != in_state:

@@ -39,6 +39,14 @@ expert-mp groups (ep x etp x pp) hold one copy of every expert. World size 8, tp
     expert-dp groups:  [0, 4] [1, 5] [2, 6] [3, 7]
     expert-mp groups:  [0, 1, 2, 3] [4, 5, 6, 7]
 
+Hierarchical context parallelism (``cp_comm_type`` "a2a+p2p", Megatron-LM's
+``--hierarchical-context-parallel-sizes a p``, ``a x p = cp``) cuts every cp group into levels: level 0 groups
+``a`` consecutive ranks of the cp group (the all-to-all, on the fast intra-node link), level 1 the ranks ``a``
+apart (the p2p ring, across nodes). A cp group ``[0, 1, 2, 3]`` with sizes ``(2, 2)``::
+
+    level 0 (a2a):  [0, 1] [2, 3]
+    level 1 (p2p):  [0, 2] [1, 3]
+
 Nothing in megatron_core reads a global to find its group: the ``ParallelState`` returned here is passed to
 the layers, schedules and optimizers that need it, so two layouts can live in one process.
 """
@@ -121,6 +129,12 @@ class ParallelState:
     expert_mp_group: Optional[ProcessGroup] = None
     """ep x etp x pp ranks holding one copy of every expert (expert grad norms are summed over it)."""
     expert_mp_ranks: tuple[int, ...] = (0,)
+    hierarchical_cp_sizes: Optional[tuple[int, ...]] = None
+    """Sizes of the levels of each cp group (product cp; innermost first), or None without hierarchical cp."""
+    hierarchical_cp_groups: tuple[Optional[ProcessGroup], ...] = ()
+    """This rank's group at each level (None for a level of size 1); see the module docstring."""
+    hierarchical_cp_ranks: tuple[tuple[int, ...], ...] = ()
+    """Global ranks of each level's group, in group-rank order."""
     etp_size: int = 1
     """Expert tensor-parallel size: 1 (whole experts) or tp (each expert's fc1 / fc2 split over the tp group,
     which is then also the expert-tp group)."""
@@ -292,6 +306,30 @@ def layout_groups(world_size: int, tp: int, pp: int, cp: int = 1,
     return groups
 
 
+def hierarchical_groups(cp_groups: Sequence[tuple[int, ...]],
+                        sizes: Sequence[int]) -> list[list[tuple[int, ...]]]:
+    """Per level, the groups of hierarchical context parallelism (Megatron-LM's ``create_hierarchical_groups``):
+    level ``l`` of a cp group holds the ranks that differ only in digit ``l`` of their cp rank written in the
+    mixed radix ``sizes`` (innermost first), so level 0 is ``sizes[0]`` consecutive ranks."""
+    levels = []
+    for level, size in enumerate(sizes):
+        inner, outer = math.prod(sizes[:level]), math.prod(sizes[level + 1:])
+        levels.append([tuple(row.tolist()) for ranks in cp_groups
+                       for row in torch.tensor(ranks).view(outer, size, inner).permute(0, 2, 1).reshape(-1, size)])
+    return levels
+
+
+def _check_hierarchical_sizes(sizes: Optional[Sequence[int]], cp: int) -> Optional[tuple[int, ...]]:
+    if sizes is None:
+        return None
+    sizes = tuple(sizes)
+    if not sizes or any(not isinstance(n, int) or n < 1 for n in sizes) or math.prod(sizes) != cp:
+        raise ValueError(f"hierarchical_context_parallel_sizes {list(sizes)} must be integers >= 1 whose product is "
+                         f"context_parallel_size {cp}; e.g. --hierarchical-context-parallel-sizes 2 {max(cp // 2, 1)} "
+                         "for an all-to-all over 2 ranks and a p2p ring over the rest")
+    return sizes
+
+
 def _device_for_backend(backend: Optional[str]) -> torch.device:
     if accelerator.is_device_backend(backend):  # nccl (or a dry run's fake backend) moves CUDA tensors
         return torch.device("cuda", accelerator.current_device())
@@ -306,6 +344,7 @@ def initialize_model_parallel(
     *,
     expert_model_parallel_size: int = 1,
     expert_tensor_parallel_size: int = 1,
+    hierarchical_context_parallel_sizes: Optional[Sequence[int]] = None,
     timeout: Optional[datetime.timedelta] = None,
     kernel_backend: Any = "auto",
 ) -> ParallelState:
@@ -322,6 +361,9 @@ def initialize_model_parallel(
     ``expert_tensor_parallel_size`` (etp, 1 or tp) splits each expert over the tp group; ep x etp must divide
     tp * cp * dp.
 
+    ``hierarchical_context_parallel_sizes`` (levels of each cp group, innermost first, product cp) adds the
+    hierarchical cp groups that ``cp_comm_type`` "a2a+p2p" runs over (module docstring).
+
     ``kernel_backend`` (``"auto"``, ``"torch"``, ``"triton"`` or a ``kernels.KernelBackend``) is the fused-op
     choice of the modules built with this state (``state.kernel_backend``).
 
@@ -331,6 +373,7 @@ def initialize_model_parallel(
     """
     tp, pp, cp = tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size
     vpp, ep, etp = virtual_pipeline_model_parallel_size, expert_model_parallel_size, expert_tensor_parallel_size
+    hcp_sizes = _check_hierarchical_sizes(hierarchical_context_parallel_sizes, cp)
     if not dist.is_initialized():
         _validate_sizes(1, tp, pp, cp, vpp, ep, etp)
         return _single_process_state(vpp, kernel_backend)
@@ -348,6 +391,8 @@ def initialize_model_parallel(
                 group = dist.new_group(list(ranks), timeout=timeout)
             if rank in ranks:
                 fields[f"{kind}_group"], fields[f"{kind}_ranks"] = group, ranks
+    if hcp_sizes is not None:
+        fields.update(_hierarchical_fields(rank, layout_groups(world_size, tp, pp, cp)["cp"], hcp_sizes, timeout))
     pipeline = fields["pp_ranks"]
     fields["embedding_ranks"] = tuple(sorted({pipeline[0], pipeline[-1]}))
     for kind in ("tp", "cp", "dp", "pp", "ep", "expert_dp"):
@@ -357,6 +402,20 @@ def initialize_model_parallel(
         world_size=world_size, rank=rank, backend=backend, device=_device_for_backend(backend),
         vpp_size=vpp, kernel_backend=kernel_backend, **fields,
     )
+
+
+def _hierarchical_fields(rank: int, cp_groups: Sequence[tuple[int, ...]], sizes: tuple[int, ...],
+                         timeout: Optional[datetime.timedelta]) -> dict:
+    """The ``hierarchical_cp_*`` fields of ``rank`` (creates every level's groups: collective)."""
+    groups, ranks = [], []
+    for level_groups in hierarchical_groups(cp_groups, sizes):
+        for members in level_groups:  # same order on every rank
+            group = dist.new_group(list(members), timeout=timeout) if len(members) > 1 else None
+            if rank in members:
+                groups.append(group)
+                ranks.append(members)
+    return {"hierarchical_cp_sizes": sizes, "hierarchical_cp_groups": tuple(groups),
+            "hierarchical_cp_ranks": tuple(ranks)}
 
 
 def _single_process_state(vpp: Optional[int], kernel_backend: Any = "auto") -> ParallelState:
@@ -376,7 +435,9 @@ def destroy_model_parallel(state: ParallelState) -> None:
         return
     seen = set()
     for field in dataclasses.fields(state):
-        group = getattr(state, field.name)
-        if field.name.endswith("_group") and group is not None and id(group) not in seen:
-            seen.add(id(group))
-            dist.destroy_process_group(group)
+        value = getattr(state, field.name)
+        groups = [value] if field.name.endswith("_group") else list(value) if field.name.endswith("_groups") else []
+        for group in groups:
+            if group is not None and id(group) not in seen:
+                seen.add(id(group))
+                dist.destroy_process_group(group)

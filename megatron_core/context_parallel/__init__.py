@@ -4,6 +4,8 @@
 - ``ring``: p2p ring attention (K/V blocks around the cp ring, online-softmax merge), cp_comm_type "p2p".
 - ``ulysses``: all-to-all between sequence- and head-sharding (DeepSpeed-Ulysses), cp_comm_type "a2a".
 - ``allgather``: K/V all-gathered over cp, the simple baseline, cp_comm_type "allgather".
+- ``hierarchical``: Ulysses inside the inner cp level, ring attention across the outer one, cp_comm_type
+  "a2a+p2p" (with ``initialize_model_parallel(hierarchical_context_parallel_sizes=...)``).
 - ``attention``: ``context_parallel_attention``, which ``DotProductAttention`` calls when cp > 1.
 - ``blocks`` / ``fused``: one block's attention with its log-sum-exp (tiled torch math or fused kernels);
   ``band``: sliding windows over global positions for them; ``sinks``: attention sinks and ``BlockAttention``.
@@ -14,6 +16,7 @@ of a micro-batch is normalized by its token count over every cp rank (``training
 """
 from megatron_core.context_parallel.allgather import allgather_attention
 from megatron_core.context_parallel.attention import CP_COMM_TYPES, check_cp_comm_type, context_parallel_attention
+from megatron_core.context_parallel.hierarchical import hierarchical_attention
 from megatron_core.context_parallel.ring import ring_attention
 from megatron_core.context_parallel.split import (
     check_sequence_split,
@@ -29,6 +32,6 @@ from megatron_core.context_parallel.ulysses import check_heads_divisible, ulysse
 
 __all__ = [
     "CP_COMM_TYPES", "allgather_attention", "check_cp_comm_type", "check_heads_divisible", "check_sequence_split",
-    "chunk_ids", "context_parallel_attention", "local_positions", "rank_chunk_order", "ring_attention",
-    "split_batch", "split_sequence", "to_natural_order", "to_rank_chunk_order", "ulysses_attention",
+    "chunk_ids", "context_parallel_attention", "hierarchical_attention", "local_positions", "rank_chunk_order",
+    "ring_attention", "split_batch", "split_sequence", "to_natural_order", "to_rank_chunk_order", "ulysses_attention",
 ]

@@ -8,6 +8,7 @@ import torch
 
 from megatron_core.config import CP_COMM_TYPES
 from megatron_core.context_parallel.allgather import allgather_attention
+from megatron_core.context_parallel.hierarchical import hierarchical_attention
 from megatron_core.context_parallel.ring import ring_attention
 from megatron_core.context_parallel.split import check_sequence_split
 from megatron_core.context_parallel.ulysses import ulysses_attention
@@ -47,7 +48,8 @@ def context_parallel_attention(query: torch.Tensor, key: torch.Tensor, value: to
         query: ``[s/cp, b, hq, d]`` (hq: heads of this tp rank); key, value: ``[s/cp, b, hk, d]``.
         attention_mask: None (causal) or boolean ``[b|1, 1, s, s]`` over global positions, True = masked out.
         parallel_state: its cp group, ranks and rank.
-        cp_comm_type: "p2p" (ring attention), "a2a" (Ulysses) or "allgather".
+        cp_comm_type: "p2p" (ring attention), "a2a" (Ulysses), "allgather", or "a2a+p2p" (Ulysses over the
+            inner level of the state's hierarchical cp groups, ring attention over the outer one).
         scale: multiplies the scores; dropout_p: attention dropout probability (0 in eval).
         local_attention: the single-rank core attention that "a2a" runs over the whole sequence (for its
             ``heads/cp`` heads: the caller's local_attention applies their window and sinks itself).
@@ -64,6 +66,9 @@ def context_parallel_attention(query: torch.Tensor, key: torch.Tensor, value: to
         return ring_attention(query, key, value, attention_mask, cp_group=state.cp_group, cp_ranks=state.cp_ranks,
                               cp_rank=state.cp_rank, scale=scale, dropout_p=dropout_p, rng_tracker=state.rng_tracker,
                               window=window, sink=sink)
+    if cp_comm_type == "a2a+p2p":
+        return hierarchical_attention(query, key, value, attention_mask, parallel_state=state, scale=scale,
+                                      dropout_p=dropout_p, window=window, sink=sink)
     if cp_comm_type == "a2a":
         return ulysses_attention(query, key, value, attention_mask, cp_group=state.cp_group, cp_size=state.cp_size,
                                  local_attention=local_attention)

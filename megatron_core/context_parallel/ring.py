@@ -209,7 +209,7 @@ def _backward_block(q, kv, dout, out, delta, lse, mask, spec: RingSpec,
 def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                    attention_mask: Optional[torch.Tensor], *, cp_group, cp_ranks: tuple[int, ...], cp_rank: int,
                    scale: float, dropout_p: float = 0.0, rng_tracker=None, window: Optional[tuple[int, int]] = None,
-                   sink: Optional[torch.Tensor] = None) -> torch.Tensor:
+                   sink: Optional[torch.Tensor] = None, dropout_rank: Optional[int] = None) -> torch.Tensor:
     """Causal ring attention of this rank's two chunks (load-balanced split).
 
     Args:
@@ -223,6 +223,8 @@ def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         window: ``(left, right)`` sliding window over global positions (-1 unbounded), or None.
         sink: ``[hq]`` sink logits joining every query row's softmax once, or None (its grad covers this
             rank's rows: summed over cp with the other replicated parameters' grads).
+        dropout_rank: the index that makes this rank's dropout masks distinct (default ``cp_rank``; the
+            hierarchical scheme passes the rank in the whole cp group, whose inner ranks share a ring rank).
 
     Returns:
         ``[s/cp, b, hq * d]`` in local order.
@@ -235,7 +237,7 @@ def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     if dropout_p > 0.0:
         with rng_tracker.fork():
             base = int(torch.randint(0, 2**40, (1,)).item())
-        seed = base + (cp_rank << 41)  # distinct masks on each cp rank and step
+        seed = base + ((cp_rank if dropout_rank is None else dropout_rank) << 41)  # distinct per cp rank and step
     spec = RingSpec(cp_group=cp_group, cp_ranks=tuple(cp_ranks), cp_rank=cp_rank, scale=scale,
                     dropout_p=dropout_p, seed=seed, window=normalize_window(window))
     # [b, heads, s/cp, d] views: the kernels take strided inputs, and K/V are copied once, into the ring buffer

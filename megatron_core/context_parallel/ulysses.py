@@ -15,17 +15,17 @@ from megatron_core.context_parallel.split import to_natural_order, to_rank_chunk
 from megatron_core.tensor_parallel.mappings import all_to_all
 
 
-def _seq_to_heads(x: torch.Tensor, cp_size: int, group) -> torch.Tensor:
+def seq_to_heads(x: torch.Tensor, cp_size: int, group) -> torch.Tensor:
     """``[s/cp, b, h, d]`` -> ``[s, b, h/cp, d]`` (sequence in rank-chunk order). One all-to-all (backward:
-    the all-to-all of ``_heads_to_seq``)."""
+    the all-to-all of ``heads_to_seq``)."""
     s_local, b, h, d = x.shape
     parts = x.view(s_local, b, cp_size, h // cp_size, d).permute(2, 0, 1, 3, 4)  # [cp (to), s/cp, b, h/cp, d]
     return all_to_all(parts, group).reshape(cp_size * s_local, b, h // cp_size, d)
 
 
-def _heads_to_seq(x: torch.Tensor, cp_size: int, group) -> torch.Tensor:
-    """``[s, b, h/cp, d]`` (rank-chunk order) -> ``[s/cp, b, h, d]``. One all-to-all (inverse of _seq_to_heads;
-    backward: the all-to-all of ``_seq_to_heads``)."""
+def heads_to_seq(x: torch.Tensor, cp_size: int, group) -> torch.Tensor:
+    """``[s, b, h/cp, d]`` (rank-chunk order) -> ``[s/cp, b, h, d]``. One all-to-all (inverse of seq_to_heads;
+    backward: the all-to-all of ``seq_to_heads``)."""
     s, b, h_part, d = x.shape
     parts = all_to_all(x.view(cp_size, s // cp_size, b, h_part, d), group)  # [cp (from), s/cp, b, h/cp, d]
     return parts.permute(1, 2, 0, 3, 4).reshape(s // cp_size, b, cp_size * h_part, d)
@@ -63,11 +63,11 @@ def ulysses_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     """
     s_local, b, hq, d = query.shape
     check_heads_divisible(heads_per_rank=hq, groups_per_rank=key.shape[2], cp_size=cp_size)
-    q, k, v = (to_natural_order(_seq_to_heads(x, cp_size, cp_group), dim=0, cp_size=cp_size)
+    q, k, v = (to_natural_order(seq_to_heads(x, cp_size, cp_group), dim=0, cp_size=cp_size)
                for x in (query, key, value))  # [s, b, heads/cp, d]
     context = local_attention(q, k, v, attention_mask)  # [s, b, hq/cp * dv]
     context = to_rank_chunk_order(context.view(s_local * cp_size, b, hq // cp_size, -1), dim=0, cp_size=cp_size)
-    return _heads_to_seq(context, cp_size, cp_group).reshape(s_local, b, -1)
+    return heads_to_seq(context, cp_size, cp_group).reshape(s_local, b, -1)
 
 
 __all__ = ["check_heads_divisible", "ulysses_attention"]

@@ -114,8 +114,10 @@ def layer_activation_bytes(config: TransformerConfig, shape: ActivationShape, *,
         partitioned += e * s * b * ffn * 4                          # [gate; up], act(gate), fc2 input
     else:
         partitioned += e * s * b * ffn * 2                          # fc1 output (gelu input), fc2 input
-    if not selective and shape.cp > 1 and shape.cp_comm_type in ("p2p", "allgather"):
+    if not selective and shape.cp > 1 and shape.cp_comm_type in ("p2p", "allgather", "a2a+p2p"):
         partitioned += e * s * b * q_dim + 4 * a * s * b             # the attention output and its fp32 lse
+        if shape.cp_comm_type == "a2a+p2p":
+            partitioned += e * s * b * (q_dim + 2 * kv_dim)          # Q, K, V after the inner all-to-all
         if shape.cp_comm_type == "allgather":
             partitioned += 2 * e * shape.seq_length * b * kv_dim     # K, V of the whole sequence
     elif not selective:

@@ -368,7 +368,7 @@ def cp_comm_bytes(config: TransformerConfig, workload: Workload, layout: Layout)
     kv = 2 * tokens * config.kv_channels * config.num_query_groups / t  # K and V elements of the local block
     q = tokens * config.kv_channels * config.num_attention_heads / t
     forward_again = 1 if layout.recompute == "full" else 0
-    if config.cp_comm_type == "p2p":
+    if config.cp_comm_type in ("p2p", "a2a+p2p"):  # a2a+p2p: counted as the ring over all of cp (an upper bound)
         forward = (c - 1) * e * kv
         return (1 + forward_again) * forward + (c - 1) * e * kv + c * 4 * kv
     ring = (c - 1) / c

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import logging
+import math
 import os
 from types import MappingProxyType
 from typing import Optional, Sequence
@@ -70,8 +71,6 @@ REFUSED_PREFIXES: dict[str, str] = MappingProxyType({"--moe-": _MOE, "--fp8": _F
                                                      "--cuda-graph": _CUDA_GRAPH, "--export-": _MODELOPT})
 REFUSED_FLAGS: dict[str, str] = MappingProxyType({
     "--enable-cuda-graph": _CUDA_GRAPH, "--external-cuda-graph": _CUDA_GRAPH,
-    "--cp-comm-type a2a+p2p": "hierarchical context parallelism (a2a inside, p2p across groups) is not built; use "
-    "--cp-comm-type p2p, a2a or allgather",
     "--recompute-modules": "selective recompute of these modules is not built; use core_attn, mlp, layernorm, "
     "mla_up_proj, moe",
 })
@@ -113,9 +112,13 @@ def add_megatron_flags(parser: argparse.ArgumentParser) -> None:
                    help="samples per evaluation step (default: --global-batch-size)")
     g.add_argument("--context-parallel-size", type=int, default=1,
                    help="split each sequence over this many ranks (load-balanced causal split)")
-    g.add_argument("--cp-comm-type", nargs="+", default=["p2p"], metavar="{p2p,a2a,allgather}",
-                   help="context-parallel attention: p2p (ring attention, default), a2a (Ulysses all-to-all) or "
-                        "allgather (K/V all-gathered); one value for every layer")
+    g.add_argument("--cp-comm-type", nargs="+", default=["p2p"], metavar="{p2p,a2a,allgather,a2a+p2p}",
+                   help="context-parallel attention: p2p (ring attention, default), a2a (Ulysses all-to-all), "
+                        "allgather (K/V all-gathered) or a2a+p2p (all-to-all inside the first level of "
+                        "--hierarchical-context-parallel-sizes, ring across the second); one value for every layer")
+    g.add_argument("--hierarchical-context-parallel-sizes", nargs="+", type=_int_list, default=None,
+                   metavar="SIZE", help="levels of each cp group for --cp-comm-type a2a+p2p, innermost first, "
+                   "product --context-parallel-size (e.g. 2 4: all-to-all over 2 ranks, a ring of 4 such groups)")
     g = parser.add_argument_group("accepted for Megatron-LM compatibility, no effect here (see README)")
     for flag, why in ACCEPTED_NO_OPS.items():
         kind = _VALUE_NO_OPS.get(flag)
@@ -150,8 +153,6 @@ def _flag_with_value(tokens: Sequence[str], i: int) -> str:
 
 def _refused_on_known(args: argparse.Namespace) -> list[tuple[str, str]]:
     given = []
-    if "a2a+p2p" in args.cp_comm_type:
-        given.append((f"--cp-comm-type {' '.join(args.cp_comm_type)}", "--cp-comm-type a2a+p2p"))
     extra = sorted(set(args.recompute_modules or ()) - set(_SELECTIVE_MODULES))
     if extra:
         given.append((f"--recompute-modules {' '.join(extra)}", "--recompute-modules"))
@@ -222,10 +223,44 @@ def _validate_context_parallel(args: argparse.Namespace) -> None:
         raise ValueError(f"--cp-comm-type {' '.join(kinds)}: a different communication type per layer is not built; "
                          "give one value for every layer")
     args.cp_comm_type = kinds[0]
+    _validate_hierarchical_cp(args)
     if cp > 1 and args.seq_length % (2 * cp):
         raise ValueError(f"--seq-length {args.seq_length} is not divisible by 2 x --context-parallel-size {cp} = "
                          f"{2 * cp}: the load-balanced causal split cuts each sequence into {2 * cp} equal chunks; "
                          "change --seq-length or --context-parallel-size")
+
+
+def _int_list(value: str) -> list[int]:
+    """One argv token of sizes: ``"2"``, or ``"2 2"`` as Megatron-LM's CI runner passes a YAML list."""
+    try:
+        return [int(part) for part in value.split()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers, got {value!r}") from None
+
+
+def _validate_hierarchical_cp(args: argparse.Namespace) -> None:
+    """--hierarchical-context-parallel-sizes (flattened to a tuple): its product is --context-parallel-size, and
+    --cp-comm-type a2a+p2p needs two levels whose first divides every tp rank's heads."""
+    cp, sizes = args.context_parallel_size, args.hierarchical_context_parallel_sizes
+    if sizes is not None:
+        sizes = args.hierarchical_context_parallel_sizes = tuple(n for part in sizes for n in part)
+        if any(n < 1 for n in sizes) or math.prod(sizes) != cp:
+            raise ValueError(f"--hierarchical-context-parallel-sizes {' '.join(map(str, sizes))}: the sizes must be "
+                             f">= 1 with product --context-parallel-size {cp}")
+    if args.cp_comm_type != "a2a+p2p" or cp == 1:
+        return
+    if sizes is None or len(sizes) != 2:
+        raise ValueError(f"--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes A P (two levels, A x P = "
+                         f"--context-parallel-size {cp}: A ranks all-to-all inside a node, P in the ring across), "
+                         f"got {'none' if sizes is None else ' '.join(map(str, sizes))}")
+    tp, a2a = args.tensor_model_parallel_size, sizes[0]
+    heads = args.num_attention_heads
+    groups = (args.num_query_groups or heads) if getattr(args, "group_query_attention", False) else heads
+    if heads % (tp * a2a) or groups % (tp * a2a):
+        raise ValueError(f"--cp-comm-type a2a+p2p splits each tensor-parallel rank's heads over the first "
+                         f"--hierarchical-context-parallel-sizes level {a2a}: --num-attention-heads {heads} and "
+                         f"--num-query-groups {groups} must be divisible by tp {tp} x {a2a}; choose a smaller first "
+                         "level or use --cp-comm-type p2p")
 
 
 def validate_megatron_flags(args: argparse.Namespace) -> None:

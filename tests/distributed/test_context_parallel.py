@@ -1,4 +1,5 @@
-"""Context-parallel attention (p2p ring, a2a Ulysses, allgather) at cp 2 and 4 against full single-process
+"""Context-parallel attention (p2p ring, a2a Ulysses, allgather, a2a+p2p hierarchical) at cp 2 and 4 against full
+single-process
 attention from the same weights and data: the output, the input grad and the weight grads (summed over cp)
 of SelfAttention with causal masks, GQA, RoPE and padding masks, fp32 to tight tolerances."""
 import dataclasses
@@ -44,10 +45,10 @@ def _run(attention, x, positions, mask, dout, rope):
     return out.detach()
 
 
-def _self_attention_parity(cp: int, comm_type: str, name: str) -> None:
+def _self_attention_parity(cp: int, comm_type: str, name: str, hierarchical=None) -> None:
     _, _, _, rope, padded = ATTENTION[name]
     torch.manual_seed(0)  # the same weights on every rank, whatever an earlier task left in this worker
-    state = initialize_model_parallel(context_parallel_size=cp)
+    state = initialize_model_parallel(context_parallel_size=cp, hierarchical_context_parallel_sizes=hierarchical)
     try:
         single = dataclasses.replace(state, cp_size=1, cp_rank=0, cp_group=None, cp_ranks=(state.rank,))
         reference = SelfAttention(_config(name), layer_number=1, parallel_state=single)
@@ -85,13 +86,50 @@ def test_self_attention_matches_full_attention(distributed, cp, comm_type, name)
     distributed(cp, _self_attention_parity, cp, comm_type, name)
 
 
+@pytest.mark.parametrize("name", list(ATTENTION))
+@pytest.mark.parametrize("cp,sizes", [(4, (2, 2)), (2, (2, 1)), (2, (1, 2))])
+def test_hierarchical_attention_matches_full_attention(distributed, cp, sizes, name):
+    """a2a+p2p: Ulysses over the inner level, the ring over the outer one (degenerate levels of 1 included)."""
+    distributed(cp, _self_attention_parity, cp, "a2a+p2p", name, sizes)
+
+
+def _hierarchical_groups_and_errors() -> dict:
+    from megatron_core.context_parallel import hierarchical_attention
+    state = initialize_model_parallel(context_parallel_size=4, hierarchical_context_parallel_sizes=[2, 2])
+    flat = initialize_model_parallel(context_parallel_size=4)
+    try:
+        q = torch.zeros(4, 1, 2, 3)
+        errors = {}
+        for label, layout, shape in (("no levels", flat, (4, 1, 2, 3)), ("heads", state, (4, 1, 3, 3))):
+            try:
+                hierarchical_attention(torch.zeros(shape), q, q, None, parallel_state=layout, scale=1.0)
+            except ValueError as error:
+                errors[label] = str(error)
+        return {"sizes": state.hierarchical_cp_sizes, "ranks": state.hierarchical_cp_ranks, "errors": errors}
+    finally:
+        destroy_model_parallel(state)
+        destroy_model_parallel(flat)
+
+
+def test_hierarchical_groups_follow_megatron_and_bad_layouts_are_named(distributed):
+    results = distributed(4, _hierarchical_groups_and_errors)
+    assert [r["ranks"] for r in results] == [((0, 1), (0, 2)), ((0, 1), (1, 3)), ((2, 3), (0, 2)), ((2, 3), (1, 3))]
+    assert results[0]["sizes"] == (2, 2)
+    assert "--hierarchical-context-parallel-sizes" in results[0]["errors"]["no levels"]
+    assert "3 query heads" in results[0]["errors"]["heads"]
+    with pytest.raises(ValueError, match=r"product is context_parallel_size 4"):
+        initialize_model_parallel(context_parallel_size=4, hierarchical_context_parallel_sizes=[2, 3])
+
+
 def _dropout_is_consistent(kind: str, p: float) -> dict:
     """Ring or allgather attention with attention dropout, fp64: the same tracker state draws the same masks,
     and the backward's directional derivative equals central finite differences of the forward (so backward
     drew exactly the forward's masks)."""
-    from megatron_core.context_parallel import allgather_attention, ring_attention
+    from megatron_core.context_parallel import allgather_attention, hierarchical_attention, ring_attention
     from megatron_core.tensor_parallel import model_parallel_seed
-    state = initialize_model_parallel(context_parallel_size=2)
+    hierarchical = kind == "a2a+p2p"
+    state = initialize_model_parallel(context_parallel_size=4 if hierarchical else 2,
+                                      hierarchical_context_parallel_sizes=(2, 2) if hierarchical else None)
     try:
         tracker = model_parallel_seed(5, tp_rank=0, tracker=state.rng_tracker)
         snapshot = tracker.get_states()
@@ -105,7 +143,9 @@ def _dropout_is_consistent(kind: str, p: float) -> dict:
             tracker.set_states(snapshot)
             common = dict(cp_group=state.cp_group, cp_rank=state.cp_rank, scale=0.5, dropout_p=dropout,
                           rng_tracker=tracker)
-            if kind == "p2p":
+            if hierarchical:
+                out = hierarchical_attention(*tensors, None, parallel_state=state, scale=0.5, dropout_p=dropout)
+            elif kind == "p2p":
                 out = ring_attention(*tensors, None, cp_ranks=state.cp_ranks, **common)
             else:
                 out = allgather_attention(*tensors, None, cp_size=state.cp_size, **common)
@@ -127,9 +167,9 @@ def _dropout_is_consistent(kind: str, p: float) -> dict:
         destroy_model_parallel(state)
 
 
-@pytest.mark.parametrize("kind", ["p2p", "allgather"])
+@pytest.mark.parametrize("kind", ["p2p", "allgather", "a2a+p2p"])
 def test_attention_dropout_backward_replays_the_forward_masks(distributed, kind):
-    for result in distributed(2, _dropout_is_consistent, kind, 0.3):
+    for result in distributed(4 if kind == "a2a+p2p" else 2, _dropout_is_consistent, kind, 0.3):
         torch.testing.assert_close(result["analytic"], result["numeric"], rtol=1e-6, atol=1e-8)
         first, again, undropped = result["values"].tolist()
         assert first == again and abs(first - undropped) > 1e-3

@@ -61,9 +61,9 @@ def test_tp2_sequence_parallel_matches_tp1(distributed, name):
     assert all(ref_grads[n][0].abs().max() > 1e-3 for n in sinks)
 
 
-def _cp_worker(cp: int, cp_comm_type: str):
+def _cp_worker(cp: int, cp_comm_type: str, hierarchical=None):
     """Per-token losses ``[b, s]`` (natural order) and the weight grads of the mean loss, summed over cp."""
-    state = initialize_model_parallel(context_parallel_size=cp)
+    state = initialize_model_parallel(context_parallel_size=cp, hierarchical_context_parallel_sizes=hierarchical)
     try:
         config = tiny_config(context_parallel_size=cp, cp_comm_type=cp_comm_type, **GPT_OSS)
         model = build_model(config, state)
@@ -86,10 +86,12 @@ def _cp_worker(cp: int, cp_comm_type: str):
             destroy_model_parallel(state)
 
 
-@pytest.mark.parametrize("cp_comm_type", ["allgather", "p2p", "a2a"])
+@pytest.mark.parametrize("cp_comm_type", ["allgather", "p2p", "a2a", "a2a+p2p"])
 def test_cp2_matches_cp1(distributed, cp_comm_type):
+    """cp 2 (a2a+p2p: cp 4 as 2 x 2) with sinks and a sliding window equals one rank."""
     ref_loss, ref_grads = _cp_worker(1, cp_comm_type)
-    for rank, (loss, grads) in enumerate(distributed(2, _cp_worker, 2, cp_comm_type)):
+    cp, hierarchical = (4, (2, 2)) if cp_comm_type == "a2a+p2p" else (2, None)
+    for rank, (loss, grads) in enumerate(distributed(cp, _cp_worker, cp, cp_comm_type, hierarchical)):
         torch.testing.assert_close(loss, ref_loss, **LOSS_TOL, msg=lambda m: f"loss rank {rank}: {m}")
         assert grads.keys() == ref_grads.keys()
         for name, grad in grads.items():

@@ -1,6 +1,7 @@
 """pretrain_gpt's loop with context parallelism against the single-process run (fp32, no dropout): 8
-iterations of losses to 1e-5 relative at cp2, cp4, cp2 a2a / allgather, cp2 x tp2 with sequence parallelism,
-cp2 x pp2 and cp2 x dp2 with ZeRO-3; a checkpoint saved at cp2 x tp2 continues at cp1; bad input exits 2."""
+iterations of losses to 1e-5 relative at cp2, cp4, cp2 a2a / allgather, cp4 a2a+p2p (2 x 2), cp2 x tp2 with
+sequence parallelism, cp2 x pp2 and cp2 x dp2 with ZeRO-3; a checkpoint saved at cp2 x tp2 continues at cp1;
+bad input exits 2."""
 import pytest
 import torch
 
@@ -35,6 +36,8 @@ LAYOUTS = {  # name: (world size, flags, reference)
     "cp2-a2a": (2, _cp(2, "--cp-comm-type", "a2a", *ROPE_GQA), "rope-gqa"),
     "cp2-allgather": (2, _cp(2, "--cp-comm-type", "allgather", *ROPE_GQA), "rope-gqa"),
     "cp4-p2p-rope-gqa": (4, _cp(4, *ROPE_GQA), "rope-gqa"),
+    "cp4-a2a+p2p-rope-gqa": (4, _cp(4, "--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", "2", "2",
+                                    *ROPE_GQA), "rope-gqa"),
     "cp2-tp2-sp": (4, _cp(2, "--tensor-model-parallel-size", "2", "--sequence-parallel"), "learned"),
     "cp2-recompute-core-attn": (2, _cp(2, "--recompute-activations"), "learned"),
     "cp2-pp2": (4, _cp(2, "--pipeline-model-parallel-size", "2"), "learned"),
@@ -66,10 +69,17 @@ BAD = {
                                      "--num-query-groups", "2"],
                                     "4 query heads and 2 key/value groups"),
     "unknown comm type": (["--context-parallel-size", "2", "--cp-comm-type", "ring"],
-                          "--cp-comm-type ring: choose from p2p, a2a, allgather"),
+                          "--cp-comm-type ring: choose from p2p, a2a, allgather, a2a+p2p"),
     "zero cp": (["--context-parallel-size", "0"], "--context-parallel-size must be >= 1, got 0"),
     "cp larger than the world": (["--context-parallel-size", "2"], "context_parallel_size 2"),
-    "hierarchical a2a+p2p": (["--context-parallel-size", "2", "--cp-comm-type", "a2a+p2p"], "hierarchical"),
+    "a2a+p2p without levels": (["--context-parallel-size", "2", "--cp-comm-type", "a2a+p2p"],
+                               "--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes A P"),
+    "levels not multiplying to cp": (["--context-parallel-size", "2", "--cp-comm-type", "a2a+p2p",
+                                      "--hierarchical-context-parallel-sizes", "2", "2"],
+                                     "product --context-parallel-size 2"),
+    "a2a level not dividing heads": (["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p",
+                                      "--hierarchical-context-parallel-sizes", "4 1", "--group-query-attention",
+                                      "--num-query-groups", "2"], "--num-query-groups 2 must be divisible by tp 1 x 4"),
 }
 
 
