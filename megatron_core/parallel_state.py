@@ -31,13 +31,27 @@ tp=2, pp=2, dp=2 and ep=2::
     expert-dp groups:  [0, 2] [1, 3] [4, 6] [5, 7]
     expert-mp groups:  [0, 1, 4, 5] [2, 3, 6, 7]    (ep x pp: one copy of every expert of every stage)
 
-Expert tensor parallelism (etp, 1 or tp) splits each expert over the tp group: the expert grid becomes
-``view(pp, expert_dp, ep, etp)``, etp fastest, so the etp groups are the tp groups, ep groups stride etp and
-expert-mp groups (ep x etp x pp) hold one copy of every expert. World size 8, tp=2, dp=4, ep=2, etp=2::
+Expert tensor parallelism (etp, any size with ep x etp dividing ``tp * cp * dp``, as Megatron-LM) splits each
+expert over an etp group: the expert grid becomes ``view(pp, expert_dp, ep, etp)``, etp fastest, so the etp
+groups are blocks of etp consecutive ranks (the tp groups when etp = tp), ep groups stride etp and expert-mp
+groups (ep x etp x pp) hold one copy of every expert. The expert grid is independent of the dense one: an etp
+group may be part of a tp group (etp < tp), span several (etp > tp) or span dp ranks (tp 1). World size 8,
+tp=2, dp=4, ep=2, etp=2 (= tp)::
 
+    etp groups:        [0, 1] [2, 3] [4, 5] [6, 7]    (the tp groups)
     ep groups:         [0, 2] [1, 3] [4, 6] [5, 7]
     expert-dp groups:  [0, 4] [1, 5] [2, 6] [3, 7]
     expert-mp groups:  [0, 1, 2, 3] [4, 5, 6, 7]
+
+World size 8, tp=4, dp=2, ep=2, etp=2 (each tp group [0, 1, 2, 3] [4, 5, 6, 7] holds two etp groups)::
+
+    etp groups:        [0, 1] [2, 3] [4, 5] [6, 7]
+    ep groups:         [0, 2] [1, 3] [4, 6] [5, 7]
+    expert-dp groups:  [0, 4] [1, 5] [2, 6] [3, 7]
+    expert-mp groups:  [0, 1, 2, 3] [4, 5, 6, 7]
+
+and at tp=1, dp=8, ep=2, etp=4 the etp groups [0, 1, 2, 3] [4, 5, 6, 7] span dp ranks (ep groups [0, 4] [1, 5]
+[2, 6] [3, 7], no expert-dp group: every rank's expert shard is unique).
 
 Hierarchical context parallelism (``cp_comm_type`` "a2a+p2p", Megatron-LM's
 ``--hierarchical-context-parallel-sizes a p``, ``a x p = cp``) cuts every cp group into levels: level 0 groups
@@ -46,6 +60,19 @@ apart (the p2p ring, across nodes). A cp group ``[0, 1, 2, 3]`` with sizes ``(2,
 
     level 0 (a2a):  [0, 1] [2, 3]
     level 1 (p2p):  [0, 2] [1, 3]
+
+A partial distributed optimizer (Megatron-LM's ``--num-distributed-optimizer-instances N``) cuts every dp x cp
+group into N instances of ``dp * cp / N`` consecutive ranks. Each instance holds one full copy of the ZeRO-sharded
+optimizer state, sharded over the instance (Megatron's "intra partial data parallel group"); the ranks at the
+same position of every instance form the inter-instance group (Megatron's "inter distributed optimizer instance
+group"): grads are reduce-scattered within the instance, the shards all-reduced across instances, updated
+parameters all-gathered within the instance. Experts do the same over their expert-dp group (Megatron's intra
+partial expert-dp group; N must divide expert-dp too), and their inter-instance groups are the dense ones (the
+expert grid puts an instance ``tp * cp * dp / N`` ranks further on as well). World size 8, tp=2, dp=4, N=2::
+
+    dp x cp groups:          [0, 2, 4, 6] [1, 3, 5, 7]
+    intra-instance groups:   [0, 2] [4, 6] [1, 3] [5, 7]    (the optimizer state is sharded over these)
+    inter-instance groups:   [0, 4] [2, 6] [1, 5] [3, 7]    (the grad shards are all-reduced over these)
 
 Nothing in megatron_core reads a global to find its group: the ``ParallelState`` returned here is passed to
 the layers, schedules and optimizers that need it, so two layouts can live in one process.
@@ -67,7 +94,7 @@ ProcessGroup = dist.ProcessGroup
 
 # The grid axes, slowest first; ``torch.arange(world).view(pp, dp, cp, tp)``.
 _AXES = ("pp", "dp", "cp", "tp")
-_EXPERT_KINDS = ("ep", "expert_dp", "expert_mp")
+_EXPERT_KINDS = ("etp", "ep", "expert_dp", "expert_mp")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,8 +163,28 @@ class ParallelState:
     hierarchical_cp_ranks: tuple[tuple[int, ...], ...] = ()
     """Global ranks of each level's group, in group-rank order."""
     etp_size: int = 1
-    """Expert tensor-parallel size: 1 (whole experts) or tp (each expert's fc1 / fc2 split over the tp group,
-    which is then also the expert-tp group)."""
+    """Expert tensor-parallel size: 1 (whole experts) or more (each expert's fc1 rows / fc2 columns split over
+    the etp group; any size with ep x etp dividing tp x cp x dp)."""
+    etp_rank: int = 0
+    etp_group: Optional[ProcessGroup] = None
+    """The ranks splitting the same experts (the last axis of the expert grid; the tp group itself when etp = tp;
+    None at etp 1): MoE tokens are all-gathered over it before dispatch and partial outputs reduce-scattered."""
+    etp_ranks: tuple[int, ...] = (0,)
+    num_distributed_optimizer_instances: int = 1
+    """Megatron's ``--num-distributed-optimizer-instances``: optimizer instances the dp x cp ranks are cut into,
+    each holding one full copy of the ZeRO-sharded state (module docstring). The groups below exist when > 1."""
+    intra_dp_cp_group: Optional[ProcessGroup] = None
+    """The ``dp * cp / N`` consecutive dp x cp ranks of this rank's instance (Megatron's intra partial data parallel
+    group with cp): ZeRO shards dense parameters over it. None with one instance (use ``dp_cp_group``)."""
+    intra_dp_cp_ranks: tuple[int, ...] = ()
+    intra_expert_dp_group: Optional[ProcessGroup] = None
+    """The expert-dp ranks of this rank's instance (Megatron's intra partial expert data parallel group): expert
+    parameters are sharded over it. None with one instance (use ``expert_dp_group``)."""
+    intra_expert_dp_ranks: tuple[int, ...] = ()
+    inter_dist_opt_group: Optional[ProcessGroup] = None
+    """The ranks at this rank's position in every instance (Megatron's inter distributed optimizer instance group,
+    for dense and expert parameters alike): the reduce-scattered grad shards are all-reduced over it."""
+    inter_dist_opt_ranks: tuple[int, ...] = ()
 
     rng_tracker: Any = dataclasses.field(default=None, compare=False, repr=False)
     """This layout's ``RNGStatesTracker`` (the tensor-parallel dropout stream; seeded by ``model_parallel_seed``).
@@ -221,6 +268,7 @@ class ParallelState:
         """The layout in one line, e.g. ``tp 2 x cp 1 x pp 2 (vpp 2) x dp 2, ep 1 (world 8)``."""
         vpp = f" (vpp {self.vpp_size})" if self.vpp_size else ""
         ep = f", ep {self.ep_size} x expert-dp {self.expert_dp_size}" if self.ep_size > 1 else ""
+        ep += f", etp {self.etp_size}" if self.etp_size > 1 else ""
         return (f"tp {self.tp_size} x cp {self.cp_size} x pp {self.pp_size}{vpp} x dp {self.dp_size}{ep} "
                 f"(world {self.world_size})")
 
@@ -229,7 +277,8 @@ def _validate_sizes(world_size: int, tp: int, pp: int, cp: int, vpp: Optional[in
                     etp: int = 1) -> None:
     values = (
         f"world_size={world_size}, tensor_model_parallel_size={tp}, pipeline_model_parallel_size={pp}, "
-        f"context_parallel_size={cp}, virtual_pipeline_model_parallel_size={vpp}, expert_model_parallel_size={ep}"
+        f"context_parallel_size={cp}, virtual_pipeline_model_parallel_size={vpp}, expert_model_parallel_size={ep}, "
+        f"expert_tensor_parallel_size={etp}"
     )
     sizes = {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp, "context_parallel_size": cp,
              "expert_model_parallel_size": ep}
@@ -256,12 +305,12 @@ def _validate_sizes(world_size: int, tp: int, pp: int, cp: int, vpp: Optional[in
             f"{world_size} / pipeline_model_parallel_size {pp} = tp x cp x dp) ({values}); choose an ep that "
             "divides tp x cp x dp"
         )
-    if etp not in (1, tp):
-        raise ValueError(f"expert_tensor_parallel_size {etp} must be 1 or tensor_model_parallel_size {tp} ({values}): "
-                         "experts are split over the tp group or not at all")
+    if not isinstance(etp, int) or etp < 1:
+        raise ValueError(f"expert_tensor_parallel_size must be an integer >= 1, got {etp!r} ({values})")
     if per_stage % (ep * etp) != 0:
-        raise ValueError(f"expert_model_parallel_size {ep} x expert_tensor_parallel_size {etp} does not divide the "
-                         f"{per_stage} ranks of a pipeline stage ({values}); choose an ep that divides cp x dp")
+        raise ValueError(f"expert_model_parallel_size {ep} x expert_tensor_parallel_size {etp} = {ep * etp} does not "
+                         f"divide the {per_stage} ranks of a pipeline stage (tp x cp x dp) ({values}); choose ep and "
+                         "etp whose product divides tp x cp x dp")
 
 
 def rank_grid(world_size: int, tp: int, pp: int, cp: int = 1) -> torch.Tensor:
@@ -282,7 +331,7 @@ def _groups_along(grid: torch.Tensor, axes: Sequence[str]) -> list[tuple[int, ..
 def layout_groups(world_size: int, tp: int, pp: int, cp: int = 1,
                   ep: Optional[int] = None, etp: int = 1) -> dict[str, list[tuple[int, ...]]]:
     """Every group of the layout as lists of global ranks, keyed tp, cp, dp, dp_cp, tp_cp, pp, mp, embedding, and,
-    when ``ep`` is given, ep, expert_dp, expert_mp (expert grid ``[pp, expert_dp, ep, etp]``, etp fastest)."""
+    when ``ep`` is given, etp, ep, expert_dp, expert_mp (expert grid ``[pp, expert_dp, ep, etp]``, etp fastest)."""
     _validate_sizes(world_size, tp, pp, cp, None, ep or 1, etp)
     grid = rank_grid(world_size, tp, pp, cp)
     groups = {
@@ -299,11 +348,42 @@ def layout_groups(world_size: int, tp: int, pp: int, cp: int = 1,
         return groups
     expert_dp = world_size // (pp * ep * etp)
     expert_grid = torch.arange(world_size).view(pp, expert_dp, ep, etp)  # [pp, expert_dp, ep, etp]
+    groups["etp"] = [tuple(row.tolist()) for row in expert_grid.reshape(-1, etp)]
     groups["ep"] = [tuple(row.tolist()) for row in expert_grid.permute(0, 1, 3, 2).reshape(-1, ep)]
     groups["expert_dp"] = [tuple(row.tolist()) for row in expert_grid.permute(0, 2, 3, 1).reshape(-1, expert_dp)]
     groups["expert_mp"] = [tuple(sorted(row.tolist()))
                            for row in expert_grid.permute(1, 0, 2, 3).reshape(expert_dp, -1)]
     return groups
+
+
+def distributed_optimizer_groups(groups: dict[str, list[tuple[int, ...]]],
+                                 instances: int) -> dict[str, list[tuple[int, ...]]]:
+    """The partial distributed optimizer's groups (module docstring) from ``layout_groups``' output: keyed
+    intra_dp_cp, intra_expert_dp (when expert groups are present) and inter_dist_opt.
+
+    Raises:
+        ValueError: ``instances`` < 1 or not dividing the dp x cp (or expert-dp) size.
+    """
+    dp_cp, expert_dp = len(groups["dp_cp"][0]), len(groups["expert_dp"][0]) if "expert_dp" in groups else None
+    if not isinstance(instances, int) or instances < 1 or dp_cp % instances:
+        raise ValueError(f"num_distributed_optimizer_instances {instances!r} must be an integer >= 1 dividing "
+                         f"dp x cp = {dp_cp}: each instance holds dp x cp / N ranks; choose one of "
+                         f"{[n for n in range(1, dp_cp + 1) if dp_cp % n == 0]}")
+    if expert_dp is not None and expert_dp % instances:
+        raise ValueError(f"num_distributed_optimizer_instances {instances} does not divide the expert-data-parallel "
+                         f"size {expert_dp} (tp x cp x dp / (ep x etp)): expert states are split into the same "
+                         "instances; lower --expert-model-parallel-size or choose an N dividing both")
+
+    def split(all_ranks: list[tuple[int, ...]]) -> tuple[list, list]:
+        cut = [torch.tensor(ranks).view(instances, -1) for ranks in all_ranks]  # [instance, position]
+        return ([tuple(row.tolist()) for c in cut for row in c], [tuple(row.tolist()) for c in cut for row in c.t()])
+
+    result = {}
+    result["intra_dp_cp"], result["inter_dist_opt"] = split(groups["dp_cp"])
+    if expert_dp is not None:
+        result["intra_expert_dp"], inter_expert = split(groups["expert_dp"])
+        assert sorted(inter_expert) == sorted(result["inter_dist_opt"]), (inter_expert, result["inter_dist_opt"])
+    return result
 
 
 def hierarchical_groups(cp_groups: Sequence[tuple[int, ...]],
@@ -345,6 +425,7 @@ def initialize_model_parallel(
     expert_model_parallel_size: int = 1,
     expert_tensor_parallel_size: int = 1,
     hierarchical_context_parallel_sizes: Optional[Sequence[int]] = None,
+    num_distributed_optimizer_instances: int = 1,
     timeout: Optional[datetime.timedelta] = None,
     kernel_backend: Any = "auto",
 ) -> ParallelState:
@@ -358,24 +439,29 @@ def initialize_model_parallel(
     ``--distributed-timeout-minutes``); None keeps torch's default for the backend.
 
     ``expert_model_parallel_size`` (ep) adds the expert groups (module docstring); it must divide tp * cp * dp.
-    ``expert_tensor_parallel_size`` (etp, 1 or tp) splits each expert over the tp group; ep x etp must divide
-    tp * cp * dp.
+    ``expert_tensor_parallel_size`` (etp) splits each expert over the etp group (``state.etp_group``, the tp
+    group itself when etp = tp); ep x etp must divide tp * cp * dp.
 
     ``hierarchical_context_parallel_sizes`` (levels of each cp group, innermost first, product cp) adds the
     hierarchical cp groups that ``cp_comm_type`` "a2a+p2p" runs over (module docstring).
+
+    ``num_distributed_optimizer_instances`` (N > 1, dividing dp * cp and expert-dp) adds the partial distributed
+    optimizer's intra- and inter-instance groups (module docstring).
 
     ``kernel_backend`` (``"auto"``, ``"torch"``, ``"triton"`` or a ``kernels.KernelBackend``) is the fused-op
     choice of the modules built with this state (``state.kernel_backend``).
 
     Raises:
-        ValueError: a size < 1, a world size not divisible by tp * pp * cp, an ep that does not divide
-            tp * cp * dp, or vpp > 1 without pp > 1.
+        ValueError: a size < 1, a world size not divisible by tp * pp * cp, an ep x etp that does not divide
+            tp * cp * dp, vpp > 1 without pp > 1, or num_distributed_optimizer_instances not dividing dp * cp
+            and expert-dp.
     """
     tp, pp, cp = tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size
     vpp, ep, etp = virtual_pipeline_model_parallel_size, expert_model_parallel_size, expert_tensor_parallel_size
     hcp_sizes = _check_hierarchical_sizes(hierarchical_context_parallel_sizes, cp)
     if not dist.is_initialized():
         _validate_sizes(1, tp, pp, cp, vpp, ep, etp)
+        distributed_optimizer_groups({"dp_cp": [(0,)]}, num_distributed_optimizer_instances)
         return _single_process_state(vpp, kernel_backend)
     world_size, rank, backend = dist.get_world_size(), dist.get_rank(), dist.get_backend()
     _validate_sizes(world_size, tp, pp, cp, vpp, ep, etp)
@@ -383,10 +469,18 @@ def initialize_model_parallel(
     # Middle pipeline stages hold no embedding: their group is None, their ranks those of their pipeline's ends.
     fields["embedding_group"] = None
     fields["etp_size"] = etp
-    for kind, all_ranks in layout_groups(world_size, tp, pp, cp, ep, etp).items():
+    all_groups = layout_groups(world_size, tp, pp, cp, ep, etp)
+    fields["num_distributed_optimizer_instances"] = num_distributed_optimizer_instances
+    if num_distributed_optimizer_instances != 1:  # (validates N also when it is not an int)
+        all_groups.update(distributed_optimizer_groups(all_groups, num_distributed_optimizer_instances))
+    for kind, all_ranks in all_groups.items():
         for ranks in all_ranks:  # Same creation order on every rank: new_group is collective.
             if kind in _EXPERT_KINDS and len(ranks) == 1:  # no group for a lone rank (None = no parallelism)
                 group = None
+            elif kind == "intra_expert_dp" and ranks in all_groups["intra_dp_cp"]:  # the same ranks: same group
+                group = fields["intra_dp_cp_group"] if rank in ranks else None
+            elif kind == "etp" and all_groups["etp"] == all_groups["tp"]:  # etp = tp: the tp group itself
+                group = fields["tp_group"] if rank in ranks else None
             else:
                 group = dist.new_group(list(ranks), timeout=timeout)
             if rank in ranks:
@@ -395,7 +489,7 @@ def initialize_model_parallel(
         fields.update(_hierarchical_fields(rank, layout_groups(world_size, tp, pp, cp)["cp"], hcp_sizes, timeout))
     pipeline = fields["pp_ranks"]
     fields["embedding_ranks"] = tuple(sorted({pipeline[0], pipeline[-1]}))
-    for kind in ("tp", "cp", "dp", "pp", "ep", "expert_dp"):
+    for kind in ("tp", "cp", "dp", "pp", "etp", "ep", "expert_dp"):
         fields[f"{kind}_rank"] = fields[f"{kind}_ranks"].index(rank)
         fields[f"{kind}_size"] = len(fields[f"{kind}_ranks"])
     return ParallelState(

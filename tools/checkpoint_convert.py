@@ -68,8 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-expert-parallel-size", type=int, default=None,
                    help="MoE: the target --expert-model-parallel-size (default: the source's)")
     p.add_argument("--target-expert-tensor-parallel-size", type=int, default=None,
-                   help="MoE: the target --expert-tensor-parallel-size, 1 or the target tp (default: the source's "
-                        "when the target tp equals it, else 1)")
+                   help="MoE: the target --expert-tensor-parallel-size (any size whose product with ep divides "
+                        "tp x cp x dp at run time; default: the source's when the target tp equals it or the "
+                        "source's tp, else 1)")
     p.add_argument("--target-data-parallel-size", type=int, default=1,
                    help="recorded in the layout; data-parallel sharding happens at load time")
     p.add_argument("--true-vocab-size", type=int, default=None,
@@ -147,7 +148,7 @@ def convert(args: argparse.Namespace) -> str:
     etp = args.target_expert_tensor_parallel_size
     if etp is None:
         saved = int(source.flags.get("expert_tensor_parallel_size") or 1)
-        etp = saved if saved == tp else 1
+        etp = saved if tp in (saved, int(source.layout.get("tp", 1))) else 1
     has_experts = any(expert_id_of(t.name) is not None for t in source.tensors)
     if has_experts and args.saver == "core":
         raise ValueError(f"{source.description} is a mixture-of-experts checkpoint: only --saver mcore and --saver "

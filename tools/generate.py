@@ -110,7 +110,7 @@ def saved_layout(metadata: dict) -> tuple[int, int, int, int]:
     """``(tp, pp, ep, etp)`` the checkpoint was written at."""
     layout, flags = metadata["layout"], metadata.get("config") or {}
     tp, pp, ep = (int(layout.get(axis, 1)) for axis in ("tp", "pp", "ep"))
-    return tp, pp, ep, int(flags.get("expert_tensor_parallel_size") or 1) if tp > 1 else 1
+    return tp, pp, ep, int(flags.get("expert_tensor_parallel_size") or 1) if flags.get("num_experts") else 1
 
 
 def launch_layout(args: argparse.Namespace, metadata: dict) -> tuple[int, int, int, int]:

@@ -183,8 +183,8 @@ def full_parameters(chunks: Sequence[nn.Module]) -> Iterator[None]:
 def _shard_files(folder: str, tensors: dict[str, tuple[torch.Tensor, nn.Parameter]],
                  state: ParallelState) -> tuple[dict, list[tuple[str, dict[str, torch.Tensor]]]]:
     """dp rank 0 of each tp x pp writes its dense tensors (weights and optimizer states) into one file, and
-    expert-dp rank 0 of each ep x pp (x etp) its experts' (stored under global expert ids; replicated over
-    tp, or with expert tensor parallelism split over it and recorded like tp shards) into another; returns
+    expert-dp rank 0 of each ep x pp (x etp) its experts' (stored under global expert ids, whole, or with
+    expert tensor parallelism split over the etp group and recorded like tp shards by etp rank) into another; returns
     ``({name: record}, [(path, tensors)])`` with each tensor's tp partition (an optimizer
     state shares its parameter's) and the files this rank writes."""
     dense = {n: t for n, t in tensors.items() if not getattr(t[1], "is_expert", False)}
@@ -195,7 +195,7 @@ def _shard_files(folder: str, tensors: dict[str, tuple[torch.Tensor, nn.Paramete
         records.update(_records(file, dense, tp_rank=state.tp_rank))
         writes.append((os.path.join(folder, file), {name: tensor for name, (tensor, _) in dense.items()}))
     if state.expert_dp_rank == 0 and experts:
-        etp_rank = state.tp_rank if state.etp_size > 1 else 0  # split over etp (= tp): recorded like tp shards
+        etp_rank = state.etp_rank  # split over the etp group: recorded like tp shards
         tp_part = f"_tp{etp_rank:02d}" if state.etp_size > 1 else ""
         file = f"experts_ep{state.ep_rank:03d}{tp_part}_pp{state.pp_rank:03d}.safetensors"
         records.update(_records(file, experts, tp_rank=etp_rank))

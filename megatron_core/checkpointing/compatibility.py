@@ -47,14 +47,16 @@ class TensorMismatches:
         return f"checkpoint {folder} does not match the model: " + "; ".join(parts)
 
 
-def model_global_shapes(named: dict[str, nn.Parameter], tp_size: int) -> dict[str, tuple[int, ...]]:
-    """``{global name: global shape}`` of this rank's tensors (a tp-split dim times ``tp_size``)."""
+def model_global_shapes(named: dict[str, nn.Parameter], tp_size: int, *,
+                        etp_size: int = 1) -> dict[str, tuple[int, ...]]:
+    """``{global name: global shape}`` of this rank's tensors (a split dim times ``tp_size``, or ``etp_size`` for
+    an MoE expert's tensor: experts are split over the expert tensor-parallel group)."""
     shapes = {}
     for name, tensor in named.items():
         dim, _ = partition_record(tensor)
         shape = list(tensor.shape)
         if dim is not None:
-            shape[dim] *= tp_size
+            shape[dim] *= etp_size if getattr(tensor, "is_expert", False) else tp_size
         shapes[name] = tuple(shape)
     return shapes
 

@@ -9,9 +9,9 @@ their parameters; vocab-padded tensors (names ending in a ``VOCAB_PARAMS`` entry
 and are re-padded for the target tp on write. MoE experts (``...mlp.experts.local_experts.<global id>...``
 and their optimizer states) go, once, into ``experts_ep{r}_pp{p}.safetensors`` of the target ep rank that
 holds its global id (ep rank r holds ids ``[r * E / ep, (r + 1) * E / ep)``), or with expert tensor
-parallelism (etp = tp) split as the model splits them (``expert_partition``) into
-``experts_ep{r}_tp{t}_pp{p}.safetensors``, so conversion changes tp, pp, ep and etp together and every expert
-keeps its global id.
+parallelism (etp > 1, any size: the expert grid is independent of tp) split as the model splits them
+(``expert_partition``) into ``experts_ep{r}_tp{t}_pp{p}.safetensors`` (t the etp rank), so conversion changes tp,
+pp, ep and etp together and every expert keeps its global id.
 """
 from __future__ import annotations
 
@@ -96,19 +96,22 @@ def read_mcore_checkpoint(load_dir: str, iteration: Optional[int] = None, *,
 
 
 class _ShardReader:
-    """Reads and merges the tp shards of one tensor at a time, verifying each file's sha256 once."""
+    """Reads and merges the tp shards of one tensor at a time (etp shards for a routed expert's), verifying each
+    file's sha256 once."""
 
     def __init__(self, folder: str, metadata: dict, *, require_checksums: bool = True) -> None:
         self.folder, self.metadata, self.verified = folder, metadata, set()
         self.require_checksums = require_checksums
         self.tp = int(metadata.get("layout", {}).get("tp", 1))
+        self.etp = int((metadata.get("config") or {}).get("expert_tensor_parallel_size") or 1)
 
     def source_tensor(self, name: str, entry: dict) -> SourceTensor:
         ranks = {int(r) for r in entry["shards"]}
-        needed = {0} if entry["partition_dim"] is None else set(range(self.tp))
+        axis, size = ("etp", self.etp) if expert_id_of(name) is not None else ("tp", self.tp)
+        needed = {0} if entry["partition_dim"] is None else set(range(size))
         if not needed <= ranks:
-            raise ValueError(f"checkpoint {self.folder}: tensor {name!r} has no shard for tp rank(s) "
-                             f"{sorted(needed - ranks)} in metadata.json (layout tp {self.tp})")
+            raise ValueError(f"checkpoint {self.folder}: tensor {name!r} has no shard for {axis} rank(s) "
+                             f"{sorted(needed - ranks)} in metadata.json (layout {axis} {size})")
         shape = list(entry["global_shape"])
         if is_vocab_tensor(name):
             shape[0] = self.metadata["true_vocab_size"]
@@ -252,7 +255,8 @@ def write_mcore_checkpoint(source: SourceCheckpoint, save_dir: str, *, config: T
         data_parallel_size: recorded as the layout's dp (dp sharding happens at load time).
         no_optim: drop optimizer states (``optim/`` tensors and metadata["optimizer"]).
         expert_parallel_size: the target ep (MoE models: ``num_moe_experts`` must be divisible by it).
-        expert_tensor_parallel_size: the target etp (1, or tp: each expert split over the tp ranks).
+        expert_tensor_parallel_size: the target etp (1: whole experts; more: each expert split over etp ranks,
+            which need not be the tp ranks; the expert hidden size must divide by it).
     Returns: the checkpoint folder.
     """
     if data_parallel_size < 1:
@@ -263,9 +267,8 @@ def write_mcore_checkpoint(source: SourceCheckpoint, save_dir: str, *, config: T
         raise ValueError(f"target expert_model_parallel_size {ep} does not fit num_moe_experts {num_experts} "
                          "(it must be >= 1 and divide the number of experts; 1 without experts)")
     etp = expert_tensor_parallel_size
-    if etp not in (1, tp) or (etp > 1 and num_experts is None):
-        raise ValueError(f"target expert_tensor_parallel_size {etp} must be 1 or the target tensor_model_parallel_size"
-                         f" {tp} (and is 1 without experts)")
+    if etp < 1 or (etp > 1 and num_experts is None):
+        raise ValueError(f"target expert_tensor_parallel_size {etp} must be >= 1 (and 1 without experts)")
     padded_vocab = vocab_size_with_padding(
         source.true_vocab_size, tensor_model_parallel_size=tp,
         make_vocab_size_divisible_by=int(flags.get("make_vocab_size_divisible_by", 128)))

@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 def check_model_matches(folder: str, metadata: dict, named: dict, buffers: dict, *, config: TransformerConfig,
                         state: ParallelState, true_vocab_size: int, strict: bool) -> TensorMismatches:
     """Collective: raises ValueError listing every mismatch under ``strict``; returns them otherwise."""
-    shapes = model_global_shapes({**named, **buffers}, state.tp_size)
+    shapes = model_global_shapes({**named, **buffers}, state.tp_size, etp_size=state.etp_size)
     mismatches = tensor_mismatches(metadata, shapes, optional=set(buffers),
                                    tied_output=not config.untie_embeddings_and_output_weights,
                                    true_vocab_size=true_vocab_size)

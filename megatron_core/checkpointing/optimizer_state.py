@@ -6,7 +6,8 @@ ZeRO 1-3 this dp rank's slice of its flattened elements ``[lo, hi)``), an fp32 m
 storage itself) and the inner optimizer's state (Adam ``exp_avg`` / ``exp_avg_sq``, SGD
 ``momentum_buffer``). Saving gathers the slices of every dp rank to dp rank 0, which writes
 ``optim/<state>/<global parameter name>`` (MoE experts: over expert-dp to its rank 0); loading cuts each rank's
-slices out of the re-split tensors.
+slices out of the re-split tensors. With a partial distributed optimizer (N instances, each a full copy) only the
+first instance gathers, over its own ranks; the files are the same as without it, so a run resumes at any N.
 """
 from __future__ import annotations
 
@@ -33,8 +34,15 @@ def collect_optimizer_state(optimizer: Any, named: dict[str, Any],
     data(-and-context)-parallel group when ZeRO shards it."""
     names = {id(param): name for name, param in named.items()}
     tensors = {}
-    for expert, group, ranks, rank in ((False, state.dp_cp_group, state.dp_cp_ranks, state.dp_cp_rank),
-                                       (True, state.expert_dp_group, state.expert_dp_ranks, state.expert_dp_rank)):
+    groups = ((False, state.dp_cp_group, state.dp_cp_ranks, state.dp_cp_rank),
+              (True, state.expert_dp_group, state.expert_dp_ranks, state.expert_dp_rank))
+    if state.num_distributed_optimizer_instances > 1:  # every instance holds the same states: the first one saves
+        if state.inter_dist_opt_ranks.index(state.rank) != 0:
+            return tensors, _scalars(optimizer)
+        groups = tuple((expert, group, ranks, ranks.index(state.rank)) for expert, group, ranks in
+                       ((False, state.intra_dp_cp_group, state.intra_dp_cp_ranks),
+                        (True, state.intra_expert_dp_group, state.intra_expert_dp_ranks)))
+    for expert, group, ranks, rank in groups:
         pieces = [p for p in optimizer.pieces if p.is_expert == expert]
         tensors.update(_gather_to_first(optimizer, pieces, names, named, group=group, ranks=ranks, rank=rank))
     return tensors, _scalars(optimizer)

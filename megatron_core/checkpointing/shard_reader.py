@@ -177,7 +177,9 @@ class ShardReader:
         return tensor
 
     def read(self, name: str, param: nn.Parameter) -> Optional[torch.Tensor]:
-        """Tensor ``name`` as this rank's shard of ``param`` (its partition record and tp-local shape), or None."""
+        """Tensor ``name`` as this rank's shard of ``param`` (its partition record and tp-local shape), or None.
+        An MoE expert's tensor (``is_expert``) is split over the etp group: its etp rank and size take tp's part,
+        so experts saved at one etp load at another."""
         source = _source_name(name, self.tensors)
         if source not in self.tensors:
             return None
@@ -185,6 +187,8 @@ class ShardReader:
         shards = [s for _, s in sorted(entry["shards"].items(), key=lambda kv: int(kv[0]))]
         dim, stride = partition_record(param)
         tp_rank, tp_size = self.state.tp_rank, self.state.tp_size
+        if getattr(param, "is_expert", False):
+            tp_rank, tp_size = self.state.etp_rank, self.state.etp_size
         vocab = name.endswith(VOCAB_PARAMS)
         same_split = entry["partition_dim"] == dim and entry["stride"] == stride and len(shards) == tp_size
         if dim is None and entry["partition_dim"] is None:  # replicated: any one file holds it

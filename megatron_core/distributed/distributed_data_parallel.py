@@ -27,6 +27,13 @@ order on every rank) reduced and sharded over ``expert_dp_group``; their grads a
 1/dp as the dense ones (each expert receives the tokens of its whole ep group, so the sum over expert-dp
 covers every dp replica's tokens once).
 
+Partial distributed optimizer (Megatron's ``--num-distributed-optimizer-instances N``, stages 1-2): ``dp_group``
+(and ``expert_dp_group``) is this rank's optimizer instance and ``inter_dist_opt_group`` the N ranks at its position
+in every instance (``ParallelState.intra_dp_cp_group`` / ``inter_dist_opt_group``). Each bucket is reduce-scattered
+within the instance, its shard all-reduced across instances (after the reduce-scatters, in bucket order:
+``Bucket.start_replica_reduce``), and the updated shards all-gathered within the instance, so the optimizer state
+per rank is 1/(dp/N) of the total and every instance holds a full copy of it.
+
 Sharded construction: a module built on the meta device (``GPTModel`` with a ``ParallelState`` whose device
 is meta) is materialized here at stage 3, each rank writing only its shard from the parameters' init
 recipes (``tensor_parallel.initialization``), so the full model never exists on any rank.
@@ -65,6 +72,9 @@ class DistributedDataParallel(nn.Module):
             ``state.dp_group``); None means one rank.
         expert_dp_group: the group expert parameters (``is_expert``) are reduced over
             (``state.expert_dp_group``; None = one rank); default ``dp_group`` (right at ep 1 without tp).
+        inter_dist_opt_group: with a partial distributed optimizer, the inter-instance group the grad shards are
+            all-reduced over (``state.inter_dist_opt_group``; then ``dp_group`` and ``expert_dp_group`` are the
+            intra-instance groups); None: one instance.
         device: where buffers live when the module is on the meta device (default: cuda for nccl, else cpu).
 
     Per-rank shapes: the wrapped module's forward is unchanged (stage 3 parameters are full while in use).
@@ -72,13 +82,20 @@ class DistributedDataParallel(nn.Module):
     """
 
     def __init__(self, module: nn.Module, *, config: DistributedDataParallelConfig, dp_group,
-                 expert_dp_group=_SAME_AS_DP, device: Optional[torch.device] = None) -> None:
+                 expert_dp_group=_SAME_AS_DP, device: Optional[torch.device] = None,
+                 inter_dist_opt_group=None) -> None:
         super().__init__()
         if not isinstance(config, DistributedDataParallelConfig):
             raise ValueError(f"config must be a DistributedDataParallelConfig, got {type(config).__name__}")
         self.module, self.config, self.dp_group = module, config, dp_group
         self.expert_dp_group = dp_group if expert_dp_group is _SAME_AS_DP else expert_dp_group
-        self.dp_size = group_size(dp_group)
+        self.inter_dist_opt_group = inter_dist_opt_group
+        instances = group_size(inter_dist_opt_group)
+        if instances > 1 and config.zero_stage not in (1, 2):
+            raise ValueError(f"{instances} distributed optimizer instances need zero_stage 1 or 2 (the distributed "
+                             f"optimizer, --use-distributed-optimizer), got zero_stage {config.zero_stage}: use "
+                             "--num-distributed-optimizer-instances 1 or ZeRO stage 1-2")
+        self.dp_size = group_size(dp_group) * instances  # the dp x cp ranks the grads are averaged over
         if config.average_in_collective and dp_group is not None and dist.get_backend(dp_group) == "gloo":
             raise ValueError("average_in_collective=True needs ReduceOp.AVG, which the gloo backend lacks; "
                              "use average_in_collective=False (grads are pre-scaled by 1/dp)")
@@ -148,7 +165,7 @@ class DistributedDataParallel(nn.Module):
             groups.extend(open_groups.items())
         return [Bucket(index=i, kind=kind, params=params, dp_group=group,
                        shard_params=self.config.zero_stage == 3, device=self.device,
-                       p2p_collectives=self._p2p_collectives(group))
+                       p2p_collectives=self._p2p_collectives(group), replica_group=self.inter_dist_opt_group)
                 for i, (kind, params) in enumerate(groups)
                 for group in [self.expert_dp_group if kind.expert else self.dp_group]]
 
@@ -256,7 +273,7 @@ class DistributedDataParallel(nn.Module):
         """1/dp for every bucket; under ``ReduceOp.AVG`` (which divides by the bucket's group size) expert
         buckets need ``expert_dp / dp`` on top."""
         if bucket.kind.expert and self.config.average_in_collective:
-            return bucket.dp_size / self.dp_size
+            return bucket.dp_size * bucket.replica_size / self.dp_size
         return self._grad_scale
 
     def _launch(self, bucket: Bucket) -> None:
@@ -311,6 +328,8 @@ class DistributedDataParallel(nn.Module):
         """Launches what is left and waits for every bucket's collective. Afterwards each rank holds the
         dp-summed (x 1/dp) grads: full ``main_grad`` (stages 0-1), or its 1/dp shard (stages 2-3)."""
         self.start_grad_sync()
+        for bucket in self.buckets:  # (all reduce-scatters first, then the all-reduces across instances)
+            bucket.start_replica_reduce()
         for bucket in self.buckets:
             bucket.wait_grad_sync()
             bucket.fill_unwritten()  # a bucket (or its shard) no grad reached this step

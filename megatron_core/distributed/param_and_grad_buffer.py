@@ -22,6 +22,12 @@ Parameters tagged ``sequence_parallel`` or ``shared_embedding`` keep full gradie
 
 Expert parameters (``is_expert``) live in buckets of their own kind whose group is the expert-data-parallel
 group: each such bucket is reduced, and sharded, over the ranks that hold the same experts.
+
+Partial distributed optimizer (Megatron's ``--num-distributed-optimizer-instances N``): ``dp_group`` is then this
+rank's instance (``dp * cp / N`` ranks, the group the bucket is padded for and sharded over) and
+``replica_group`` the N ranks at the same position of every instance. The reduce-scattered shard
+(``[shard]``; a full-grad bucket's whole ``[numel]``) is then all-reduced over ``replica_group``, so every instance
+holds the grads summed over all dp x cp ranks; the updated parameters are all-gathered within the instance only.
 """
 from __future__ import annotations
 
@@ -77,13 +83,17 @@ class Bucket:
         dp_group: the data-parallel group (None: one rank).
         shard_params: ZeRO-3: keep only this rank's shard of the parameters.
         device: where the storage lives (default: the device of the first parameter).
+        replica_group: the partial distributed optimizer's inter-instance group (None: one instance); the
+            reduced grads of this rank's shard are all-reduced over it (module docstring).
     """
 
     def __init__(self, *, index: int, kind: BucketKind, params: list[nn.Parameter], dp_group,
                  shard_params: bool, device: Optional[torch.device] = None,
-                 p2p_collectives: bool = False) -> None:
+                 p2p_collectives: bool = False, replica_group=None) -> None:
         self.index, self.kind, self.params, self.dp_group = index, kind, list(params), dp_group
         self.dp_size, self.dp_rank = group_size(dp_group), group_rank(dp_group)
+        self.replica_group, self.replica_size = replica_group, group_size(replica_group)
+        self._replica_work, self._op = None, dist.ReduceOp.SUM
         self.shard_params, self.reduce_scatter = shard_params, kind.reduce_scatter or kind.shard_grads
         self.p2p_collectives = p2p_collectives  # reduce-scatters and all-gathers as isend/irecv batches
         self.device = device if device is not None else self.params[0].device
@@ -225,6 +235,7 @@ class Bucket:
         self.fill_unwritten()
         if scale != 1.0:
             self.grad_data.mul_(scale)
+        self._op = op
         if self.reduce_scatter and (self.dp_size == 1 or self.p2p_collectives):
             # this rank's shard of the bucket, reduced in place (a view, read once the work completes)
             self._recv = self.grad_data[self.shard_lo:self.shard_lo + self.shard_size]
@@ -238,13 +249,31 @@ class Bucket:
             self._grad_work = dist.all_reduce(self.grad_data, op=op, group=self.dp_group, async_op=True)
         self.launched, self.dirty = True, False
 
+    def start_replica_reduce(self) -> None:
+        """Partial distributed optimizer: waits for this bucket's collective over the instance, then starts the
+        asynchronous all-reduce of its result (the shard, or a full-grad bucket's whole grads) over the
+        inter-instance group. A no-op with one instance, before the launch, or once started."""
+        if not self.launched or self.replica_size == 1 or self._replica_work is not None:
+            return
+        if self._grad_work is not None:
+            self._grad_work.wait()
+            self._grad_work = None
+        reduced = self.grad_data if self._recv is None else self._recv
+        self._replica_work = dist.all_reduce(reduced, op=self._op, group=self.replica_group, async_op=True)
+
     def wait_grad_sync(self) -> None:
-        """Waits for the launched collective. Reduce-scattered grads land in the shard: added to it (sharded
-        grads, accumulating over micro-batches; the transient full bucket is freed) or written into it."""
+        """Waits for the launched collective (and the all-reduce across optimizer instances). Reduce-scattered
+        grads land in the shard: added to it (sharded grads, accumulating over micro-batches; the transient full
+        bucket is freed) or written into it."""
         if not self.launched:
             return
         if self._grad_work is not None:
             self._grad_work.wait()
+            self._grad_work = None
+        self.start_replica_reduce()
+        if self._replica_work is not None:
+            self._replica_work.wait()
+            self._replica_work = None
         if self.kind.shard_grads:
             if self._shard_fresh:  # the first reduction since zero_grad: copied, not added to zeros
                 self.grad_shard.copy_(self._recv)

@@ -9,10 +9,10 @@ Pieces that are 1/dp shards (distributed optimizer) are summed over dp; full pie
 on every dp rank and are not. The sum is then all-reduced over the model-parallel group (tp x pp).
 
 Expert parameters (``is_expert``, mixture of experts) are replicated over the expert-data-parallel group
-only, which spans tp when experts are whole (etp 1), so every rank's copy counts: their shards are summed
-over expert-dp and the result over the expert-model-parallel group (ep x etp x pp), then added to the dense
-sum. With expert tensor parallelism (etp = tp) the split ones count on every tp rank, the replicated fc2
-bias on tp rank 0 only.
+only (the expert grid is independent of tp: expert-dp may span tp ranks), so every rank's copy counts: their
+shards are summed over expert-dp and the result over the expert-model-parallel group (ep x etp x pp), then
+added to the dense sum. With expert tensor parallelism (etp > 1) the split ones count on every etp rank, the
+fc2 bias (replicated over the etp group) on etp rank 0 only.
 """
 from __future__ import annotations
 
@@ -33,8 +33,8 @@ def counts_once(param: nn.Parameter, state: Optional[ParallelState]) -> bool:
         return True
     if getattr(param, "shared_embedding", False) and not state.is_pipeline_first_stage:
         return False
-    if getattr(param, "is_expert", False):  # split over etp (= tp) or replicated over it
-        return state.etp_size == 1 or bool(getattr(param, "tensor_model_parallel", False)) or state.tp_rank == 0
+    if getattr(param, "is_expert", False):  # split over the etp group or replicated over it
+        return bool(getattr(param, "tensor_model_parallel", False)) or state.etp_rank == 0
     return bool(getattr(param, "tensor_model_parallel", False)) or state.tp_rank == 0
 
 

@@ -147,7 +147,7 @@ def ep_comm_bytes(config: TransformerConfig, *, tokens: float, element_bytes: in
 
 def etp_comm_bytes(config: TransformerConfig, *, tokens: float, element_bytes: int, etp: int,
                    recompute_full: bool) -> float:
-    """Bytes one rank sends over the etp (= tp) group per micro-batch and MoE layer: the T tokens and their
+    """Bytes one rank sends over the etp group per micro-batch and MoE layer: the T tokens and their
     ``[T, E]`` probabilities all-gathered and the ``[etp T, h]`` partial outputs reduce-scattered in
     forward, the reverse in backward (full recompute: the forward's again)."""
     if etp == 1:

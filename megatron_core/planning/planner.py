@@ -25,6 +25,7 @@ from megatron_core.planning.moe import (
     dense_mlp_parameters,
     ep_comm_bytes,
     etp_comm_bytes,
+    expert_ffn,
     expert_parameters_per_rank,
     moe_dense_parameters,
     moe_layers_on_stage,
@@ -83,7 +84,8 @@ class Layout:
     ep: int = 1
     """Expert-parallel size (MoE models): ``E / ep`` experts per rank; ep x etp divides tp x cp x dp."""
     etp: int = 1
-    """Expert tensor-parallel size: 1 or tp (each expert's fc1 / fc2 split over the tp group)."""
+    """Expert tensor-parallel size (each expert's fc1 / fc2 split over etp consecutive ranks, the tp group or not;
+    any size dividing the expert hidden size with ep x etp dividing tp x cp x dp)."""
 
     @property
     def dp_cp(self) -> int:
@@ -339,8 +341,8 @@ def _dp_volume(params: float, ranks: int, element_bytes: int, zero_stage: int, n
 def ep_comm_seconds(config: TransformerConfig, workload: Workload, layout: Layout, hardware: Hardware,
                     num_microbatches: int) -> float:
     """Expert-parallel seconds of one step: the dispatcher's traffic (``planning.moe.ep_comm_bytes``, ep groups
-    spanning ``ep x etp`` consecutive ranks) and the expert-tp gathers (``etp_comm_bytes``, over tp) per MoE
-    layer of the first stage and micro-batch."""
+    spanning ``ep x etp`` consecutive ranks) and the expert-tp gathers (``etp_comm_bytes``, over the etp group
+    of etp consecutive ranks) per MoE layer of the first stage and micro-batch."""
     layers = moe_layers_on_stage(config, pp_rank=0)
     if not layers:
         return 0.0
@@ -349,7 +351,7 @@ def ep_comm_seconds(config: TransformerConfig, workload: Workload, layout: Layou
     e, full = 2 if (config.bf16 or config.fp16) else 4, layout.recompute == "full"
     ep_bytes = ep_comm_bytes(config, tokens=layout.etp * tokens, element_bytes=e, ep=layout.ep, recompute_full=full)
     etp_bytes = etp_comm_bytes(config, tokens=tokens, element_bytes=e, etp=layout.etp, recompute_full=full)
-    seconds = ep_bytes / _bandwidth(layout.ep * layout.etp, hardware) + etp_bytes / _bandwidth(layout.tp, hardware)
+    seconds = ep_bytes / _bandwidth(layout.ep * layout.etp, hardware) + etp_bytes / _bandwidth(layout.etp, hardware)
     return seconds * layers * num_microbatches
 
 
@@ -422,8 +424,8 @@ def valid_layouts(base: TransformerConfig, workload: Workload, num_devices: int)
     """Every (tp, pp, dp, vpp, ZeRO stage, SP, recompute, cp, ep) the model and batch allow on ``num_devices``:
     cp where the sequence divides by 2 cp (the load-balanced split), and for ``cp_comm_type`` a2a where the
     heads and query groups per tp rank divide by cp; for an MoE model every ep dividing the experts, with
-    etp 1 or tp and ep x etp dividing tp x cp x dp, with sequence parallelism whenever tp > 1 (the MoE
-    layer needs it)."""
+    every etp dividing the expert hidden size with ep x etp dividing tp x cp x dp (the expert grid is independent
+    of tp, as Megatron-LM's), with sequence parallelism whenever tp > 1 (the MoE layer needs it)."""
     for tp, pp, cp in itertools.product(_divisors(num_devices), repeat=3):
         if num_devices % (tp * pp * cp):
             continue
@@ -437,8 +439,9 @@ def valid_layouts(base: TransformerConfig, workload: Workload, num_devices: int)
         m = workload.global_batch_size // (workload.micro_batch_size * dp)
         vpps = [None] + ([2] if pp > 1 and base.num_layers % (2 * pp) == 0 and m % pp == 0 else [])
         experts = [(1, 1)] if base.moe is None else [
-            (ep, etp) for ep in _divisors(tp * cp * dp) for etp in sorted({1, tp})
-            if base.moe.num_moe_experts % ep == 0 and (tp * cp * dp) % (ep * etp) == 0]
+            (ep, etp) for ep in _divisors(tp * cp * dp) for etp in _divisors(tp * cp * dp)
+            if base.moe.num_moe_experts % ep == 0 and (tp * cp * dp) % (ep * etp) == 0
+            and expert_ffn(base) % etp == 0]
         sps = [False, True] if tp > 1 and base.moe is None else [True] if tp > 1 else [False]
         for vpp, stage, sp, recompute, (ep, etp) in itertools.product(vpps, range(4), sps, RECOMPUTE_CHOICES,
                                                                        experts):

@@ -124,6 +124,11 @@ def _parallel_flags(p: argparse.ArgumentParser) -> None:
                    help="overlap the sequence-parallel all-gather / reduce-scatter with the linear layers' GEMMs "
                         "(needs --sequence-parallel; turned off with a warning at tp 1)")
     g.add_argument("--use-distributed-optimizer", action="store_true", help="ZeRO stage 1")
+    g.add_argument("--num-distributed-optimizer-instances", type=int, default=1, metavar="N",
+                   help="partial distributed optimizer: cut the dp x cp ranks into N instances of consecutive ranks, "
+                        "each holding a full copy of the optimizer state sharded over its own ranks; grads are "
+                        "reduce-scattered in the instance and all-reduced across instances (N must divide dp x cp; "
+                        "needs --use-distributed-optimizer, ZeRO 1-2; docs/zero.md)")
     g.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=None)
     g.add_argument("--data-parallel-sharding-strategy", default=None,
                    choices=["no_shard", "optim", "optim_grads", "optim_grads_params"])
@@ -423,6 +428,12 @@ def validate_args(args: argparse.Namespace) -> None:
     resolve_muon_flags(args)
     args.zero_stage = zero_stage(args)
     _check_zero_bubble(args)
+    instances = args.num_distributed_optimizer_instances
+    if instances < 1:
+        raise ValueError(f"--num-distributed-optimizer-instances must be >= 1 (1: one instance), got {instances}")
+    if instances > 1 and args.zero_stage not in (1, 2):
+        raise ValueError(f"--num-distributed-optimizer-instances {instances} needs the distributed optimizer: add "
+                         f"--use-distributed-optimizer (or --zero-stage 2); got ZeRO stage {args.zero_stage}")
     if args.overlap_param_gather and args.zero_stage == 0:
         raise ValueError("--overlap-param-gather needs the distributed optimizer: add --use-distributed-optimizer "
                          "(or --zero-stage 1-3)")

@@ -115,9 +115,8 @@ def validate_moe_flags(args: argparse.Namespace) -> None:
     args.expert_tensor_parallel_size = etp
     if ep < 1:
         raise ValueError(f"--expert-model-parallel-size must be >= 1, got {ep}")
-    if etp not in (1, tp):
-        raise ValueError(f"--expert-tensor-parallel-size {etp} must be 1 or --tensor-model-parallel-size {tp}: "
-                         "experts are split over the tp group or not at all")
+    if etp < 1:  # any other size is Megatron-LM's: ep x etp must divide tp x cp x dp (initialize_model_parallel)
+        raise ValueError(f"--expert-tensor-parallel-size must be >= 1, got {etp}")
     if args.num_experts is None:
         given = [f for f, v in (("--expert-model-parallel-size", ep != 1),
                                 ("--moe-grouped-gemm", args.moe_grouped_gemm),

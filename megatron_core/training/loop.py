@@ -99,6 +99,7 @@ def build_run(args: argparse.Namespace, *, announce: bool = True) -> Run:
                                       expert_model_parallel_size=args.expert_model_parallel_size,
                                       expert_tensor_parallel_size=args.expert_tensor_parallel_size or 1,
                                       hierarchical_context_parallel_sizes=args.hierarchical_context_parallel_sizes,
+                                      num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
                                       timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes),
                                       kernel_backend=args.kernel_backend)
     config = config.bind_layout(state)

@@ -27,10 +27,14 @@ def ddp_config(args: argparse.Namespace) -> DistributedDataParallelConfig:
 
 def wrap_data_parallel(args: argparse.Namespace, chunks: list[nn.Module], state: ParallelState) -> list[nn.Module]:
     """Each model chunk in DistributedDataParallel over the data(-and-context)-parallel group (expert
-    parameters over the expert-data-parallel group)."""
+    parameters over the expert-data-parallel group); with --num-distributed-optimizer-instances N > 1, over this
+    rank's instance of those groups, the grad shards all-reduced across the instances."""
     config = ddp_config(args)
-    wrapped = [DistributedDataParallel(chunk, config=config, dp_group=state.dp_cp_group,
-                                       expert_dp_group=state.expert_dp_group) for chunk in chunks]
+    groups = dict(dp_group=state.dp_cp_group, expert_dp_group=state.expert_dp_group)
+    if state.num_distributed_optimizer_instances > 1:
+        groups = dict(dp_group=state.intra_dp_cp_group, expert_dp_group=state.intra_expert_dp_group,
+                      inter_dist_opt_group=state.inter_dist_opt_group)
+    wrapped = [DistributedDataParallel(chunk, config=config, **groups) for chunk in chunks]
     rank = dist.get_rank() if dist.is_initialized() else 0
     for chunk in wrapped:  # --param-offload (ZeRO-3): before the optimizer, which keeps views of the shards
         offload_parameters(chunk, args.param_offload, directory=args.param_nvme_offload_dir, rank=rank)

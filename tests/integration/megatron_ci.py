@@ -74,7 +74,8 @@ def _without(argv: list[str]) -> list[str]:
 
 
 def shrink(argv: list[str], save_dir: str, *, iterations: int = 3) -> tuple[list[str], int]:
-    """``(argv, world size)``: the config's flags and parallel sizes (data-parallel size 1, or what ep needs), a
+    """``(argv, world size)``: the config's flags and parallel sizes (data-parallel size 1, or what ep and the
+    optimizer instances need), a
     model of one layer per (virtual) pipeline stage (at least 2), hidden 32 x tp, sequence 32 x cp, ``iterations``
     steps on the mock data."""
     sizes = layout(argv)
@@ -100,8 +101,11 @@ def shrink(argv: list[str], save_dir: str, *, iterations: int = 3) -> tuple[list
         if "--moe-shared-expert-intermediate-size" in argv:
             tiny += ["--moe-shared-expert-intermediate-size", str(8 * heads)]
     etp = int(value(argv, "--expert-tensor-parallel-size", tp)) if "--num-experts" in argv else 1
+    instances = int(value(argv, "--num-distributed-optimizer-instances", 1))
     dp = 1
-    while (tp * cp * dp) % (sizes["ep"] * etp):  # ep x etp must divide tp x cp x dp: add data-parallel ranks
+    # ep x etp must divide tp x cp x dp and the optimizer instances dp x cp (and expert-dp): add dp ranks
+    expert_grid = sizes["ep"] * etp
+    while (tp * cp * dp) % expert_grid or (cp * dp) % instances or (tp * cp * dp // expert_grid) % instances:
         dp += 1
     tiny += ["--global-batch-size", str(2 * pp * dp)]
     return [*_without(argv), *tiny], tp * pp * cp * dp

@@ -194,13 +194,15 @@ MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "
 
 
 def _moe_logits_at_layout(directory, tokens, ep=None):
-    """Logits (last stage, else None) of the checkpoint loaded at its recorded tp x pp (x ep, unless given)."""
+    """Logits (last stage, else None) of the checkpoint loaded at its recorded tp x pp (x ep, unless given; x etp)."""
     from megatron_core import initialize_model_parallel
     from megatron_core.checkpointing import read_metadata
     from megatron_core.inference import load_gpt_from_checkpoint, pipeline_forward
     _, metadata = read_metadata(directory)
     layout = metadata["layout"]
-    state = initialize_model_parallel(layout["tp"], layout["pp"], expert_model_parallel_size=ep or layout.get("ep", 1))
+    state = initialize_model_parallel(layout["tp"], layout["pp"], expert_model_parallel_size=ep or layout.get("ep", 1),
+                                      expert_tensor_parallel_size=metadata["config"].get("expert_tensor_parallel_size")
+                                      or 1)
     with torch.no_grad():
         model, _ = load_gpt_from_checkpoint(directory, state)
         return pipeline_forward(model, state, tokens)
@@ -234,3 +236,15 @@ def test_moe_conversion_between_tp_pp_ep_keeps_expert_ids_and_logits(distributed
     reference = distributed(1, _moe_logits_at_layout, str(source), TOKENS, 1)[0]
     sharded = distributed(4, _moe_logits_at_layout, str(tmp_path / "pp2ep2"), TOKENS)
     torch.testing.assert_close(sharded[-1], reference, rtol=0, atol=1e-5)
+    # etp need not be 1 or tp: at tp 1 x etp 2 each expert is split over 2 dp ranks (experts_ep000_tp0{0,1})
+    _convert(source, tmp_path / "etp2", 1, 1, extra=["--target-expert-parallel-size", "1",
+                                                      "--target-expert-tensor-parallel-size", "2"])
+    metadata = json.loads(open(_latest(tmp_path / "etp2")).read())
+    fc1 = metadata["tensors"]["decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight"]
+    assert fc1["partition_dim"] == 0 and fc1["shards"]["1"]["file"] == "experts_ep000_tp01_pp000.safetensors"
+    for logits in distributed(2, _moe_logits_at_layout, str(tmp_path / "etp2"), TOKENS):
+        torch.testing.assert_close(logits, reference, rtol=0, atol=1e-5)
+    _convert(tmp_path / "etp2", tmp_path / "etp1", 1, 1, extra=["--target-expert-tensor-parallel-size", "1"])
+    merged = _tensors(tmp_path / "etp1")
+    for name in before:
+        assert torch.equal(before[name], merged[name]), name

@@ -188,8 +188,29 @@ def test_import_at_tp2_etp2_splits_each_expert_and_exports_back(distributed, fol
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     torch.testing.assert_close(logits, reference, rtol=0, atol=1e-5)
     err = _refused(capsys, directory, tmp_path / "out", "--target-tensor-parallel-size", "2",
-                   "--target-expert-tensor-parallel-size", "4")
-    assert "expert_tensor_parallel_size 4 must be 1 or the target tensor_model_parallel_size 2" in err, err
+                   "--target-expert-tensor-parallel-size", "3")
+    assert "cannot be split over expert_tensor_parallel_size 3" in err, err
+
+
+def _logits_at_tp1_etp2(directory, tokens):
+    from megatron_core import initialize_model_parallel
+    from megatron_core.inference import load_gpt_from_checkpoint, pipeline_forward
+    state = initialize_model_parallel(1, 1, expert_tensor_parallel_size=2)  # the etp group spans the 2 dp ranks
+    with torch.no_grad():
+        return pipeline_forward(load_gpt_from_checkpoint(directory, state)[0], state, tokens)
+
+
+def test_import_at_tp1_etp2_splits_experts_over_dp_ranks(distributed, folders, tmp_path):
+    """etp need not be 1 or tp: imported at tp 1 with --target-expert-tensor-parallel-size 2, each expert is
+    split into experts_ep000_tp0{0,1}_pp000 and the logits on 2 ranks (tp 1 x dp 2, etp 2) are transformers'."""
+    directory, reference = folders["qwen3_moe"]
+    assert _convert(directory, tmp_path / "etp2", "--target-expert-tensor-parallel-size", "2") == 0
+    metadata = json.loads(next((tmp_path / "etp2").glob("iter_*/metadata.json")).read_text())
+    assert (metadata["layout"]["tp"], metadata["config"]["expert_tensor_parallel_size"]) == (1, 2)
+    fc2 = metadata["tensors"]["decoder.layers.1.mlp.experts.local_experts.2.linear_fc2.weight"]
+    assert fc2["partition_dim"] == 1 and fc2["shards"]["1"]["file"] == "experts_ep000_tp01_pp000.safetensors"
+    for logits in distributed(2, _logits_at_tp1_etp2, str(tmp_path / "etp2"), TOKENS):
+        torch.testing.assert_close(logits, reference, rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

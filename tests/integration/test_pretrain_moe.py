@@ -1,9 +1,10 @@
 """pretrain_gpt's loop with --num-experts 4 --moe-router-topk 2 equals the single-process MoE run (8 iterations,
 fp32, losses, logged MoE losses and grad norms to 1e-5 relative) at: ep 2 and 4 (alltoall and allgather),
 ep2 x tp2 with sequence parallelism, ep2 x pp2, ep2 x cp2 (and x tp2), ep2 x expert-dp 2 with the distributed
-optimizer and with ZeRO-3, expert tensor parallelism (etp = tp 2; with ep 2, and with ZeRO-3 at expert-dp 2).
-Checkpoints saved at ep 2 continue at ep 1, at ep2 x etp2 at one rank and back; bad MoE input exits 2 naming
-the values."""
+optimizer and with ZeRO-3, expert tensor parallelism (etp = tp 2; with ep 2, and with ZeRO-3 at expert-dp 2)
+and etp other than 1 or tp (tp 1 x dp 2 etp 2, ep 2 x etp 2 at dp 4, tp 2 x dp 2 etp 4, tp 4 etp 2).
+Checkpoints saved at ep 2 continue at ep 1, at ep2 x etp2 at one rank and back, at tp 1 x etp 2 at one rank;
+bad MoE input exits 2 naming the values."""
 import json
 import subprocess
 import sys
@@ -62,6 +63,13 @@ LAYOUTS = {
                                     "--use-distributed-optimizer"]),
     "etp2-edp2-zero3": (4, [*A2A, *TP2_SP, "--expert-tensor-parallel-size", "2", "--zero-stage", "3"]),
     "ep2-edp2-zero3": (4, [*_ep(2), *A2A, "--zero-stage", "3", "--init-model-with-meta-device", "--moe-grouped-gemm"]),
+    # expert tensor parallel sizes other than 1 or tp: the etp group spans dp ranks, several tp groups or part of one
+    "etp2-dp2": (2, [*A2A, "--expert-tensor-parallel-size", "2"]),
+    "ep2-etp2-dp4-distopt": (4, [*_ep(2), *A2A, "--expert-tensor-parallel-size", "2", "--moe-grouped-gemm",
+                                 "--use-distributed-optimizer"]),
+    "etp4-tp2-sp-dp2": (4, [*A2A, *TP2_SP, "--expert-tensor-parallel-size", "4"]),
+    "etp2-tp4-sp": (4, [*A2A, "--tensor-model-parallel-size", "4", "--sequence-parallel",
+                        "--expert-tensor-parallel-size", "2"]),
 }
 
 
@@ -93,10 +101,8 @@ def test_checkpoint_saved_at_ep2_continues_at_ep1(distributed, reference, tmp_pa
     (["--num-experts", "3", "--expert-model-parallel-size", "2"], "--num-experts 3 is not divisible by "
                                                                   "--expert-model-parallel-size 2"),
     (["--num-experts", "4", "--moe-router-topk", "5"], "moe_router_topk 5 must lie in [1, num_moe_experts 4]"),
-    (["--num-experts", "4", "--expert-tensor-parallel-size", "2"], "--expert-tensor-parallel-size 2 must be 1 or "
-                                                                   "--tensor-model-parallel-size 1"),
-    (["--num-experts", "4", *TP2_SP, "--expert-tensor-parallel-size", "4"],
-     "--expert-tensor-parallel-size 4 must be 1 or --tensor-model-parallel-size 2"),
+    (["--num-experts", "4", "--expert-tensor-parallel-size", "0"], "--expert-tensor-parallel-size must be >= 1, "
+                                                                   "got 0"),
     (["--num-experts", "4", "--moe-router-num-groups", "2"], "needs both --moe-router-num-groups and "
                                                               "--moe-router-group-topk"),
 ])
@@ -120,6 +126,31 @@ def test_checkpoint_saved_at_etp2_continues_at_ep1_and_back(distributed, referen
 
 
 SINKHORN = ["--moe-router-load-balancing-type", "sinkhorn", "--moe-aux-loss-coeff", "0"]
+
+
+def test_checkpoint_saved_at_tp1_etp2_continues_at_etp1(distributed, reference, tmp_path):
+    """Experts split over an etp group of dp ranks (tp 1 x dp 2, etp 2) are saved as etp shards: 4 iterations
+    there, 4 at one rank (whole experts) equal the uninterrupted single-process run."""
+    first = distributed(2, _train, [*A2A, "--expert-tensor-parallel-size", "2", "--save", str(tmp_path),
+                                    "--exit-interval", "4"])[0]
+    second = distributed(1, _train, ["--load", str(tmp_path)])[0]
+    ref_losses, _ = reference
+    torch.testing.assert_close(torch.tensor(first + second), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    fc1 = json.loads(next(tmp_path.glob("iter_*/metadata.json")).read_text())["tensors"][
+        "decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight"]
+    assert fc1["partition_dim"] == 0 and fc1["shards"]["1"]["file"] == "experts_ep000_tp01_pp000.safetensors"
+
+
+def _etp_too_large(argv):
+    try:
+        _train(argv)
+    except ValueError as error:
+        return str(error)
+
+
+def test_etp_that_does_not_divide_the_stage_is_a_value_error(distributed):
+    message = distributed(2, _etp_too_large, [*_ep(2), "--expert-tensor-parallel-size", "2"])[0]
+    assert "expert_model_parallel_size 2 x expert_tensor_parallel_size 2 = 4 does not divide the 2 ranks" in message
 
 
 def test_sinkhorn_routing_is_megatron_cores_and_layout_independent(distributed):

@@ -172,12 +172,22 @@ def test_expert_groups_match_the_documented_listing():
     assert groups["expert_dp"] == [(0, 2), (1, 3), (4, 6), (5, 7)]
     assert groups["expert_mp"] == [(0, 1, 4, 5), (2, 3, 6, 7)]
     assert layout_groups(8, tp=1, pp=1, ep=4)["expert_dp"] == [(0, 4), (1, 5), (2, 6), (3, 7)]
-    etp = layout_groups(8, tp=2, pp=1, ep=2, etp=2)  # the etp listing of parallel_state's docstring
-    assert (etp["ep"], etp["expert_dp"], etp["expert_mp"]) == ([(0, 2), (1, 3), (4, 6), (5, 7)],
-                                                              [(0, 4), (1, 5), (2, 6), (3, 7)],
-                                                              [(0, 1, 2, 3), (4, 5, 6, 7)])
-    with pytest.raises(ValueError, match="expert_tensor_parallel_size 2 must be 1 or tensor_model_parallel_size 1"):
-        layout_groups(8, tp=1, pp=1, ep=2, etp=2)
+    etp = layout_groups(8, tp=2, pp=1, ep=2, etp=2)  # the etp listings of parallel_state's docstring
+    assert (etp["etp"], etp["ep"], etp["expert_dp"], etp["expert_mp"]) == (
+        etp["tp"], [(0, 2), (1, 3), (4, 6), (5, 7)], [(0, 4), (1, 5), (2, 6), (3, 7)], [(0, 1, 2, 3), (4, 5, 6, 7)])
+    half = layout_groups(8, tp=4, pp=1, ep=2, etp=2)  # etp < tp: two etp groups per tp group
+    assert (half["tp"], half["etp"], half["ep"], half["expert_dp"], half["expert_mp"]) == (
+        [(0, 1, 2, 3), (4, 5, 6, 7)], [(0, 1), (2, 3), (4, 5), (6, 7)], [(0, 2), (1, 3), (4, 6), (5, 7)],
+        [(0, 4), (1, 5), (2, 6), (3, 7)], [(0, 1, 2, 3), (4, 5, 6, 7)])
+    wide = layout_groups(8, tp=1, pp=1, ep=2, etp=4)  # tp 1: the etp groups span dp ranks
+    assert (wide["etp"], wide["ep"], wide["expert_dp"]) == ([(0, 1, 2, 3), (4, 5, 6, 7)],
+                                                            [(0, 4), (1, 5), (2, 6), (3, 7)], [(r,) for r in range(8)])
+    assert layout_groups(8, tp=2, pp=2, ep=1, etp=4)["etp"] == [(0, 1, 2, 3), (4, 5, 6, 7)]  # etp > tp, per stage
+    with pytest.raises(ValueError, match=r"expert_model_parallel_size 2 x expert_tensor_parallel_size 4 = 8 does not "
+                                         r"divide the 4 ranks of a pipeline stage .*expert_tensor_parallel_size=4"):
+        layout_groups(8, tp=2, pp=2, ep=2, etp=4)
+    with pytest.raises(ValueError, match="expert_tensor_parallel_size must be an integer >= 1, got 0"):
+        layout_groups(8, tp=2, pp=1, ep=2, etp=0)
     with pytest.raises(ValueError, match="expert_model_parallel_size 4 does not divide the 6 ranks"):
         layout_groups(6, tp=1, pp=1, ep=4)
 
@@ -195,3 +205,13 @@ def test_flops_count_active_parameters():
     mixed = (gpt_flops_per_iteration(dense, **count) + gpt_flops_per_iteration(
         dataclasses.replace(dense, ffn_hidden_size=12), **count)) / 2
     assert gpt_flops_per_iteration(half, **count) == pytest.approx(mixed)
+
+
+def test_generate_takes_the_checkpoints_etp_at_any_tp():
+    """tools/generate.py launches a checkpoint at its own layout: an etp 2 saved at tp 1 (the etp group over dp
+    ranks) needs 2 processes."""
+    from tests.data.conftest import load_tool
+    tool = load_tool("generate")
+    metadata = {"layout": {"tp": 1, "pp": 1}, "config": {"num_experts": 4, "expert_tensor_parallel_size": 2}}
+    assert tool.saved_layout(metadata) == (1, 1, 1, 2) and tool.processes_for(1, 1, 1, 2) == 2
+    assert tool.saved_layout({"layout": {"tp": 2, "pp": 1}, "config": {"expert_tensor_parallel_size": 2}})[3] == 1

@@ -38,8 +38,8 @@ def test_moe_layouts_enumerate_ep_with_sequence_parallel_tp():
     plans = rank_plans(_base(), WORKLOAD, HARDWARE)
     assert {p.layout.ep for p in plans} == {1, 2, 4, 8}
     assert all((p.layout.tp * p.layout.cp * p.layout.dp) % (p.layout.ep * p.layout.etp) == 0 for p in plans)
-    assert {p.layout.etp for p in plans if p.layout.tp == 2} == {1, 2}  # expert tensor parallelism: 1 or tp
-    assert all(p.layout.etp in (1, p.layout.tp) for p in plans)
+    assert {p.layout.etp for p in plans if p.layout.tp == 2} == {1, 2, 4, 8}  # any etp: not only 1 or tp
+    assert {p.layout.etp for p in plans if p.layout.tp == 1} == {1, 2, 4, 8}  # etp over dp ranks at tp 1
     assert all(p.layout.sequence_parallel for p in plans if p.layout.tp > 1)  # the MoE layer needs SP with tp
     dense = rank_plans(TransformerConfig(num_layers=4, hidden_size=256, num_attention_heads=8,
                                          max_position_embeddings=256, params_dtype=torch.bfloat16, bf16=True),

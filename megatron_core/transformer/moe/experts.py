@@ -3,10 +3,13 @@
 Each expert is ``fc2(act(fc1(x)))`` with fc1 ``[h -> f]`` (``[h -> 2f]`` for the gated SwiGLU and quick GeGLU,
 ``[gate; up]``, its bias ``[gate_bias; up_bias]`` alike) and fc2 ``[f -> h]``, f = ``moe_ffn_hidden_size``; the
 activation is ``mlp.mlp_activation`` with the config's clamp and linear offset (gpt-oss). With expert tensor
-parallelism (etp = tp) each rank holds the ``[f'/etp, h]`` rows of fc1 (column-parallel, stride 2 when gated:
-the gate and up halves, and their biases, each split) and the ``[h, f/etp]``
-columns of fc2 (row-parallel): its output is a partial sum over the etp group, and the fc2 bias (replicated,
-tagged ``sequence_parallel`` so its grad is all-reduced over tp) is added on etp rank 0 only.
+parallelism (etp > 1, over ``ParallelState.etp_group``, which need not be the tp group) each rank holds the
+``[f'/etp, h]`` rows of fc1 (column-parallel, stride 2 when gated: the gate and up halves, and their biases,
+each split) and the ``[h, f/etp]`` columns of fc2 (row-parallel): its output is a partial sum over the etp
+group. The fc2 bias ``[h]`` is replicated over etp and added on etp rank 0 only (in value: the other ranks add
+``bias - bias.detach()``, zero, whose gradient is still the identity). Every etp rank runs the same tokens (the
+MoE layer gathers them over etp), so each computes the bias's complete gradient over them: no reduction over
+etp (nor tp) is needed, and the grad is then reduced over expert-dp like the others.
 Parameters are named by *global* expert id (``local_experts.<id>.linear_fc1.weight``), so checkpoints hold
 every expert under one name at any expert-parallel size, and carry ``is_expert = True`` / ``allreduce =
 False``: their gradients are reduced over the expert-data-parallel group, not dp.
@@ -51,7 +54,7 @@ def tag_expert(param: nn.Parameter, *, partition_dim: int = -1, stride: int = 1)
 
 class ExpertLinear(nn.Module):
     """``y = x W^T + b`` for one expert; W ``[out, in]`` full, or split over etp along ``partition_dim`` (0:
-    rows, the bias split alike; 1: columns, the bias replicated and tagged ``sequence_parallel``)."""
+    rows, the bias split alike; 1: columns, the bias replicated over etp)."""
 
     def __init__(self, in_size: int, out_size: int, *, bias: bool, init_method: InitMethod,
                  dtype: torch.dtype, device, partition_dim: int = -1, stride: int = 1, etp_rank: int = 0,
@@ -72,8 +75,6 @@ class ExpertLinear(nn.Module):
             self.bias.init_recipe = InitRecipe(0, init_method_constant(0.0), (out_size,), bias_split, stride,
                                                etp_rank, etp_size)
             tag_expert(self.bias, partition_dim=bias_split, stride=stride)
-            if split == 1:  # replicated over etp, added on one rank: its grad is summed over tp
-                self.bias.sequence_parallel = True
 
 
 class Expert(nn.Module):
@@ -167,8 +168,10 @@ class LocalExperts(nn.Module):
         return fp8_linear(x, weight, bias, plan)
 
     def _fc2_bias(self, bias):
-        """The fc2 bias on etp rank 0; zero elsewhere (a product, so the bias still gets a (zero) grad there)."""
-        return bias if bias is None or self.add_fc2_bias else bias * 0.0
+        """The fc2 bias on etp rank 0; elsewhere ``bias - bias.detach()``: zero in value (the partial outputs sum
+        over etp to one bias), the identity in backward (every etp rank gets the bias's complete gradient over
+        the etp group's tokens, which each of them runs)."""
+        return bias if bias is None or self.add_fc2_bias else bias - bias.detach()
 
     def activation(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., f/etp]`` (``[..., 2f/etp]`` when gated: this rank's ``[gate; up]``) -> ``[..., f/etp]``."""

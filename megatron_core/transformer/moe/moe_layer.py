@@ -30,11 +30,16 @@ from megatron_core.transformer.spec import TransformerLayerSpec
 
 def check_moe_layout(config: TransformerConfig, state: ParallelState) -> None:
     """ValueError naming the values when the MoE settings do not fit the layout."""
-    experts, ep = config.moe.num_moe_experts, state.ep_size
+    experts, ep, etp = config.moe.num_moe_experts, state.ep_size, state.etp_size
     if experts % ep != 0:
         raise ValueError(f"num_moe_experts {experts} is not divisible by expert_model_parallel_size {ep}: every ep "
                          "rank holds the same number of experts; change --num-experts or "
                          "--expert-model-parallel-size")
+    ffn = config.moe.moe_ffn_hidden_size or config.ffn_hidden_size
+    if ffn % etp != 0:
+        raise ValueError(f"the expert hidden size {ffn} (moe_ffn_hidden_size, default ffn_hidden_size) is not "
+                         f"divisible by expert_tensor_parallel_size {etp}: each etp rank holds ffn / etp of every "
+                         "expert; change --moe-ffn-hidden-size or --expert-tensor-parallel-size")
 
 
 def check_replicated_tokens(module: nn.Module, *, tp: int, sequence_parallel: bool) -> None:
@@ -54,15 +59,19 @@ class MoELayer(nn.Module):
     Args:
         config: the model's config; ``config.moe`` the MoE settings.
         layer_number: global, 1-based.
-        parallel_state: the layout (``ep_group`` for dispatch, ``tp_group`` for the shared experts).
+        parallel_state: the layout (``ep_group`` for dispatch, ``etp_group`` for the split experts, ``tp_group``
+            for the shared experts).
 
     forward: hidden ``[s, b, h]`` (``[s/tp, b, h]`` with sequence parallelism) -> ``(output, None)`` of the
     same shape. At tp > 1 without sequence parallelism (inference only: ``check_replicated_tokens``) every tp
     rank routes the whole sequence. Collectives: the dispatcher's over ep (see ``dispatcher``), the shared
     experts' over tp (as the dense MLP), and the router's count all-reduce over tp with sequence parallelism.
-    With expert tensor parallelism (``etp_size`` = tp) the routed tokens, probs and map are all-gathered over
-    tp before dispatch and the experts' partial outputs reduce-scattered over tp after combine (backward: the
-    reverse).
+    With expert tensor parallelism (``etp_size`` > 1, any size: the etp group need not be the tp group) the
+    routed tokens ``[T, h]``, probs and map ``[T, E]`` are all-gathered over the etp group before dispatch
+    (``[etp T, .]``: every etp rank runs its ``f / etp`` part of each local expert on the tokens of the whole etp
+    group) and the experts' partial outputs ``[etp T, h]`` reduce-scattered over it after combine (backward:
+    reduce-scatter of the token and prob grads, all-gather of the output grad). Every rank of an etp group then
+    holds the same tokens, so the ep all-to-all (ep groups stride etp) sends each expert shard the same ones.
 
     Initialization is layout-independent: the router first, then one seed per global expert (all of them,
     on every rank), then the shared experts, all from the layer's seeded generator.
@@ -80,10 +89,11 @@ class MoELayer(nn.Module):
         seeds = [int(s) for s in torch.randint(0, 2 ** 31 - 1, (moe.num_moe_experts,))]
         local = moe.num_moe_experts // parallel_state.ep_size
         first = parallel_state.ep_rank * local
-        self.etp_group = parallel_state.tp_group if parallel_state.etp_size > 1 else None
+        etp = parallel_state.etp_size
+        self.etp_group = parallel_state.etp_group if etp > 1 else None
         self.experts = LocalExperts(config, expert_ids=range(first, first + local), expert_seeds=seeds,
-                                    device=parallel_state.device, etp_rank=parallel_state.tp_rank if self.etp_group
-                                    else 0, etp_size=parallel_state.etp_size)
+                                    device=parallel_state.device, etp_rank=parallel_state.etp_rank if etp > 1 else 0,
+                                    etp_size=etp, etp_group=self.etp_group)
         self.shared_experts: Optional[MLP] = None
         if moe.moe_shared_expert_intermediate_size:
             shared = dataclasses.replace(config, ffn_hidden_size=moe.moe_shared_expert_intermediate_size, moe=None)
