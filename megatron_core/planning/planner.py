@@ -230,17 +230,18 @@ def _sharded_state_bytes(config: TransformerConfig, workload: Workload, *, param
 
 
 def model_state_bytes(config: TransformerConfig, workload: Workload, *, pp_rank: int, dp: int, zero_stage: int,
-                      ep: int = 1, etp: int = 1) -> float:
+                      ep: int = 1, etp: int = 1, instances: int = 1) -> float:
     """Parameters + gradients (fp32, as the training loop reduces them) + fp32 masters (16-bit models) +
     optimizer states on one rank, sharded by the ZeRO stage: the dense ones over ``dp`` (dp x cp), the
-    routed experts over the expert-dp group (``tp x dp / (ep x etp)`` ranks)."""
+    routed experts over the expert-dp group (``tp x dp / (ep x etp)`` ranks); with ``instances`` distributed
+    optimizer instances (``--num-distributed-optimizer-instances``), over 1/instances of those ranks."""
     params, full_grad = stage_parameters(config, workload, pp_rank=pp_rank)
-    dense = _sharded_state_bytes(config, workload, params=params, full_grad=full_grad, shards=dp,
+    dense = _sharded_state_bytes(config, workload, params=params, full_grad=full_grad, shards=dp // instances,
                                  zero_stage=zero_stage)
     experts = stage_expert_parameters(config, pp_rank=pp_rank, ep=ep, etp=etp)
     expert_dp = config.tensor_model_parallel_size * dp // (ep * etp)
-    return dense + _sharded_state_bytes(config, workload, params=experts, full_grad=0.0, shards=expert_dp,
-                                        zero_stage=zero_stage)
+    return dense + _sharded_state_bytes(config, workload, params=experts, full_grad=0.0,
+                                        shards=max(expert_dp // instances, 1), zero_stage=zero_stage)
 
 
 def optimizer_state_bytes(config: TransformerConfig, workload: Workload, *, pp_rank: int, dp: int,

@@ -57,7 +57,8 @@ def predicted_stage_bytes(run) -> dict[str, float]:
     zero = getattr(args, "zero_stage", 0) or 0
     pp_rank = run.state.pp_rank
     return {"model states": model_state_bytes(config, workload, pp_rank=pp_rank, dp=run.state.dp_cp_size,
-                                              zero_stage=zero),
+                                              zero_stage=zero,
+                                              instances=run.state.num_distributed_optimizer_instances),
             "activations": rank_activation_bytes(config, workload, pp_rank=pp_rank,
                                                  num_microbatches=run.num_microbatches,
                                                  zero_bubble_defer=_zero_bubble_defer(run)),

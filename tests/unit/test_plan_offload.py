@@ -31,3 +31,16 @@ def test_recommends_nvme_offload_when_nothing_fits():
         with contextlib.redirect_stdout(out):
             status = main(["--num-devices", "8", "--memory-per-device-gb", budget, *MODEL])
         assert status == 1 and expected in out.getvalue()
+
+
+def test_optimizer_instances_shard_the_states_over_one_instance():
+    """--num-distributed-optimizer-instances N: ZeRO-1 shards masters and Adam states over dp / N ranks."""
+    from megatron_core.planning.planner import model_state_bytes, stage_parameters
+    config = TransformerConfig(num_layers=8, hidden_size=256, num_attention_heads=8, max_position_embeddings=256,
+                               params_dtype=torch.bfloat16, bf16=True, pipeline_model_parallel_size=1,
+                               tensor_model_parallel_size=1)
+    workload = Workload(vocab_size=1000, seq_length=256, micro_batch_size=1, global_batch_size=8)
+    params, _ = stage_parameters(config, workload, pp_rank=0)
+    flat, two = (model_state_bytes(config, workload, pp_rank=0, dp=4, zero_stage=1, instances=n) for n in (1, 2))
+    assert two - flat == (4 + 8) * params * (1 / 2 - 1 / 4)  # fp32 masters + Adam, over 2 ranks instead of 4
+    assert two == model_state_bytes(config, workload, pp_rank=0, dp=2, zero_stage=1)
