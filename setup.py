@@ -39,7 +39,9 @@ setup(
         "pytest>=7",
         # Tests of the Hugging Face GPT-2 import/export (tools/checkpoint_convert.py --loader/--saver hf) compare
         # against transformers' own GPT2LMHeadModel; at runtime only the hf loader/saver import it, lazily.
-        "transformers",
+        # Below 5.25: from 5.25 transformers requires Hugging Face's `kernels` package, whose import name is this
+        # repository's kernels/ (transformers then imports ours and fails), and loads hub kernels by default.
+        "transformers<5.25",
         # NVIDIA's megatron-core, installed beside us: tests that both import side by side (issue 15, part 6).
         # Light: torch, numpy and packaging only; its wheel runs on CPU.
         "megatron-core==0.16.1",

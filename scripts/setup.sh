@@ -12,9 +12,8 @@ if ! "$VENV/bin/python" -c 'import torch, sys; sys.exit(torch.__version__.split(
   "${PIP[@]}" torch==2.13.0
 fi
 "${PIP[@]}" -e '.[test]'
-# transformers >= 5.25 requires Hugging Face's `kernels` package, whose import name is this repository's kernels/
-# (our Triton kernels): with both installed, transformers imports ours and fails. It imports `kernels` only when
-# that distribution is installed (hub kernels for GPUs, unused here), so it is removed again after every install.
+# A venv made before the transformers pin (setup.py) may hold Hugging Face's `kernels` distribution, whose import
+# name is this repository's kernels/: remove it (transformers < 5.25 imports it only when it is installed).
 "$VENV/bin/python" -m pip uninstall --quiet --yes kernels 2>/dev/null || true
 # Emerging-Optimizers (the library megatron-core's Muon is built on; the Muon tests compare with it): its
 # wheel says Python >= 3.12, for typing.override only, which the tests backport from typing_extensions.

@@ -269,6 +269,10 @@ def write_mcore_checkpoint(source: SourceCheckpoint, save_dir: str, *, config: T
     etp = expert_tensor_parallel_size
     if etp < 1 or (etp > 1 and num_experts is None):
         raise ValueError(f"target expert_tensor_parallel_size {etp} must be >= 1 (and 1 without experts)")
+    expert_ffn = (config.moe.moe_ffn_hidden_size or config.ffn_hidden_size) if num_experts else 1
+    if expert_ffn % etp:  # checked before any folder is made: a failed conversion leaves nothing behind
+        raise ValueError(f"expert hidden size {expert_ffn} cannot be split over expert_tensor_parallel_size {etp}: "
+                         "choose a target expert tensor parallel size that divides it")
     padded_vocab = vocab_size_with_padding(
         source.true_vocab_size, tensor_model_parallel_size=tp,
         make_vocab_size_divisible_by=int(flags.get("make_vocab_size_divisible_by", 128)))

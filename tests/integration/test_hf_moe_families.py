@@ -189,7 +189,7 @@ def test_import_at_tp2_etp2_splits_each_expert_and_exports_back(distributed, fol
     torch.testing.assert_close(logits, reference, rtol=0, atol=1e-5)
     err = _refused(capsys, directory, tmp_path / "out", "--target-tensor-parallel-size", "2",
                    "--target-expert-tensor-parallel-size", "3")
-    assert "cannot be split over expert_tensor_parallel_size 3" in err, err
+    assert "expert hidden size 16 cannot be split over expert_tensor_parallel_size 3" in err, err
 
 
 def _logits_at_tp1_etp2(directory, tokens):
