@@ -23,7 +23,7 @@ import torch
 
 from megatron_core.context_parallel.ring import ring_attention
 from megatron_core.context_parallel.split import to_natural_order, to_rank_chunk_order
-from megatron_core.context_parallel.ulysses import heads_to_seq, seq_to_heads
+from megatron_core.context_parallel.ulysses import check_heads_divisible, heads_to_seq, seq_to_heads
 from megatron_core.parallel_state import ParallelState
 
 
@@ -36,15 +36,6 @@ def hierarchical_levels(state: ParallelState) -> tuple[int, int]:
                          f"with A x P = --context-parallel-size {state.cp_size} (A ranks all-to-all inside a node, "
                          "P ranks in the ring across nodes)")
     return sizes[0], sizes[1]
-
-
-def check_hierarchical_heads(*, heads_per_rank: int, groups_per_rank: int, a2a_size: int) -> None:
-    """ValueError unless the all-to-all level can split this tp rank's query heads and key/value groups."""
-    if heads_per_rank % a2a_size or groups_per_rank % a2a_size:
-        raise ValueError(f"cp_comm_type 'a2a+p2p' splits attention heads over the all-to-all level of "
-                         f"--hierarchical-context-parallel-sizes ({a2a_size}), but each tensor-parallel rank has "
-                         f"{heads_per_rank} query heads and {groups_per_rank} key/value groups; both must be "
-                         "divisible by it: choose a smaller first size or change the head counts")
 
 
 def hierarchical_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -73,7 +64,8 @@ def hierarchical_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
     a2a_group, p2p_group = parallel_state.hierarchical_cp_groups
     a2a_ranks, p2p_ranks = parallel_state.hierarchical_cp_ranks
     s_local, b, hq, _ = query.shape
-    check_hierarchical_heads(heads_per_rank=hq, groups_per_rank=key.shape[2], a2a_size=a2a_size)
+    check_heads_divisible(heads_per_rank=hq, groups_per_rank=key.shape[2], cp_size=a2a_size,
+                          cp_comm_type="a2a+p2p")
     q, k, v = (to_natural_order(seq_to_heads(x, a2a_size, a2a_group), dim=0, cp_size=a2a_size)
                for x in (query, key, value))  # [a s/cp, b, heads/a, d]: the ring rank's two chunks, local order
     a2a_rank = a2a_ranks.index(parallel_state.rank)
@@ -87,4 +79,4 @@ def hierarchical_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
     return heads_to_seq(context, a2a_size, a2a_group).reshape(s_local, b, -1)
 
 
-__all__ = ["check_hierarchical_heads", "hierarchical_attention", "hierarchical_levels"]
+__all__ = ["hierarchical_attention", "hierarchical_levels"]

@@ -7,6 +7,7 @@ into cp contiguous parts keeps each query head with its key/value group).
 """
 from __future__ import annotations
 
+from types import MappingProxyType
 from typing import Callable, Optional
 
 import torch
@@ -31,13 +32,23 @@ def heads_to_seq(x: torch.Tensor, cp_size: int, group) -> torch.Tensor:
     return parts.permute(1, 2, 0, 3, 4).reshape(s // cp_size, b, cp_size * h_part, d)
 
 
-def check_heads_divisible(*, heads_per_rank: int, groups_per_rank: int, cp_size: int) -> None:
-    """Raises ValueError unless a2a can split this tp rank's query heads and key/value groups over cp."""
+_HEAD_SPLITS = MappingProxyType({  # cp_comm_type: (what the heads are split over, the fix)
+    "a2a": ("context_parallel_size {size}", "use --cp-comm-type p2p or allgather, or change the sizes"),
+    "a2a+p2p": ("the all-to-all level of --hierarchical-context-parallel-sizes ({size})",
+                "choose a smaller first size or change the head counts"),
+})
+
+
+def check_heads_divisible(*, heads_per_rank: int, groups_per_rank: int, cp_size: int,
+                          cp_comm_type: str = "a2a") -> None:
+    """Raises ValueError unless the all-to-all can split this tp rank's query heads and key/value groups over
+    ``cp_size`` ranks (the cp group for "a2a", the inner level of hierarchical cp for "a2a+p2p")."""
     if heads_per_rank % cp_size or groups_per_rank % cp_size:
-        raise ValueError(f"cp_comm_type 'a2a' splits attention heads over context_parallel_size {cp_size}, but each "
-                         f"tensor-parallel rank has {heads_per_rank} query heads and {groups_per_rank} key/value "
-                         f"groups (num_attention_heads and num_query_groups / tensor_model_parallel_size); both must "
-                         "be divisible by cp: use --cp-comm-type p2p or allgather, or change the sizes")
+        over, fix = _HEAD_SPLITS[cp_comm_type]
+        raise ValueError(f"cp_comm_type '{cp_comm_type}' splits attention heads over {over.format(size=cp_size)}, "
+                         f"but each tensor-parallel rank has {heads_per_rank} query heads and {groups_per_rank} "
+                         "key/value groups (num_attention_heads and num_query_groups / tensor_model_parallel_size); "
+                         f"both must be divisible by {cp_size}: {fix}")
 
 
 def ulysses_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
