@@ -1,0 +1,160 @@
+"""Seconds of one transformer layer's forward on one rank, split into parts a user can check against a
+profiler: the linear GEMMs, core attention, element-wise (memory-bound) ops and collectives.
+
+Per layer and micro-batch on a rank of tp ``t``, cp ``c`` (``T = b s / c`` tokens, ``T / t`` under sequence
+parallelism for the norms and residuals), with ``q = a d`` query and ``k = g d`` key/value channels:
+
+    QKV   2 T h (q + 2k) / t FLOPs at the efficiency of (T, h, (q + 2k) / t)
+    proj  2 T q h / t                          (T, q / t, h)
+    fc1   2 T h f_in / t                       (T, h, f_in / t)     f_in = 2 f gated (SwiGLU), else f
+    fc2   2 T f h / t                          (T, f / t, h)
+    core  4 b (a / t) (s / c) s d              (s / c, s, d)        the FLOPs formula's full s^2 (as MFU's)
+
+An MoE layer replaces fc1/fc2 by its experts (each rank's experts see ``etp T topk`` assignments, per expert
+``ep etp T topk / E``: few tokens, low efficiency) and the shared expert; multi-latent attention's linears
+take the FLOPs of ``training.metrics.attention_flops_ratio``. Element-wise bytes per forward: two norms and
+two bias-dropout-adds (``10 h`` per token and element, plus dropout masks), rope on q and k, the activation
+(``f_in + f``), the MoE permutation; without flash attention the softmax's ``s^2`` scores (write, read,
+write, read). Backward: twice the forward's GEMMs and bytes. Tensor-parallel traffic: the two all-reduces
+(or all-gather + reduce-scatter pairs under SP) of ``[T, h]`` forward, two backward.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from megatron_core.config import TransformerConfig
+from megatron_core.planning.hardware import Hardware, gemm_efficiency
+from megatron_core.training.metrics import attention_flops_ratio
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardCost:
+    """Seconds of one layer's forward per micro-batch on one rank, by part."""
+
+    gemm: float
+    attention: float
+    elementwise: float
+    tp: float
+
+
+def collective_seconds(volume_bytes: float, *, span: int, hardware: Hardware, count: int = 1) -> float:
+    """``count`` collectives moving ``volume_bytes`` per rank in total over a group spanning ``span``
+    consecutive ranks: latency plus bytes over the link's bus bandwidth."""
+    if volume_bytes <= 0:
+        return 0.0
+    intra = span <= hardware.devices_per_node
+    gbps = hardware.intra_node_bandwidth_gbps if intra else hardware.inter_node_bandwidth_gbps
+    latency = hardware.intra_node_latency_us if intra else hardware.inter_node_latency_us
+    return count * latency * 1e-6 + volume_bytes / (gbps * 1e9)
+
+
+def _gemm_seconds(flops: float, hardware: Hardware, *dims: float) -> float:
+    return flops / (hardware.peak_tflops * 1e12 * gemm_efficiency(hardware, *dims))
+
+
+def _bytes_seconds(nbytes: float, hardware: Hardware) -> float:
+    return nbytes / (hardware.memory_bandwidth_gbps * 1e9) if hardware.memory_bandwidth_gbps else 0.0
+
+
+def element_bytes(config: TransformerConfig) -> int:
+    return 2 if (config.bf16 or config.fp16) else 4
+
+
+def _attention_linears(config: TransformerConfig, tokens: float, t: int) -> list[tuple[float, tuple]]:
+    h = config.hidden_size
+    if config.multi_latent_attention:  # linear FLOPs of the formula (core attention left out), over tp
+        ratio = attention_flops_ratio(config, 0)
+        rank = config.kv_lora_rank
+        return [(2.0 * tokens * 2 * h * h * ratio / t, (tokens, h, rank))]
+    q = config.kv_channels * config.num_attention_heads
+    k = config.kv_channels * config.num_query_groups
+    return [(2.0 * tokens * h * (q + 2 * k) / t, (tokens, h, (q + 2 * k) / t)),
+            (2.0 * tokens * q * h / t, (tokens, q / t, h))]
+
+
+def _mlp_linears(config: TransformerConfig, tokens: float, t: int, *, moe_layer: bool, ep: int,
+                 etp: int) -> list[tuple[float, tuple]]:
+    h, gated = config.hidden_size, 2 if config.gated_activation else 1
+    if not moe_layer:
+        f = config.ffn_hidden_size
+        return [(2.0 * tokens * h * gated * f / t, (tokens, h, gated * f / t)),
+                (2.0 * tokens * f * h / t, (tokens, f / t, h))]
+    moe = config.moe
+    f = moe.moe_ffn_hidden_size or config.ffn_hidden_size
+    routed = (tokens / t if config.sequence_parallel else tokens) * moe.moe_router_topk
+    per_expert = ep * etp * routed / moe.num_moe_experts
+    gemms = [(2.0 * routed * h * gated * f, (per_expert, h, gated * f / etp)),
+             (2.0 * routed * f * h, (per_expert, f / etp, h)),
+             (2.0 * routed / moe.moe_router_topk * h * moe.num_moe_experts, (tokens, h, moe.num_moe_experts))]
+    shared = moe.moe_shared_expert_intermediate_size or 0
+    if shared:
+        gemms += [(2.0 * tokens * h * gated * shared / t, (tokens, h, gated * shared / t)),
+                  (2.0 * tokens * shared * h / t, (tokens, shared / t, h))]
+    return gemms
+
+
+def _elementwise_bytes(config: TransformerConfig, tokens: float, t: int, *, flash: bool, moe_layer: bool,
+                       micro_batch_size: int, seq_length: int, cp: int, mask_bytes: int) -> float:
+    e, h = element_bytes(config), config.hidden_size
+    sp_tokens = tokens / t if config.sequence_parallel else tokens
+    q = config.kv_channels * config.num_attention_heads
+    k = config.kv_channels * config.num_query_groups
+    gated = 2 if config.gated_activation else 1
+    f = (config.moe.moe_ffn_hidden_size or config.ffn_hidden_size) if moe_layer else config.ffn_hidden_size
+    per_token = 10 * h * e + (2 * h * mask_bytes if config.hidden_dropout > 0 else 0)
+    nbytes = sp_tokens * per_token
+    if config.position_embedding_type == "rope":
+        nbytes += tokens * 2 * (q + k) / t * e
+    if moe_layer:
+        routed = sp_tokens * config.moe.moe_router_topk
+        nbytes += routed * (gated * f + f) * e + 4 * routed * h * e  # activation + permute / unpermute
+    else:
+        nbytes += tokens * (gated * f + f) / t * e
+    if not flash:  # scores written, read by softmax, probabilities written, read by the value GEMM
+        scores = micro_batch_size * config.num_attention_heads / t * seq_length / cp * seq_length
+        nbytes += scores * (4 * e + (2 * mask_bytes + e if config.attention_dropout > 0 else 0))
+    return nbytes
+
+
+def layer_forward_cost(config: TransformerConfig, hardware: Hardware, *, micro_batch_size: int, seq_length: int,
+                       moe_layer: bool = False, ep: int = 1, etp: int = 1, flash: bool = True,
+                       mask_bytes: int = 1) -> ForwardCost:
+    """One layer's forward on one rank of ``config``'s tp x cp (the config carries the layout's sizes)."""
+    t, c = config.tensor_model_parallel_size, config.context_parallel_size
+    tokens = micro_batch_size * seq_length / c
+    gemms = _attention_linears(config, tokens, t) + _mlp_linears(config, tokens, t, moe_layer=moe_layer, ep=ep,
+                                                                 etp=etp)
+    gemm = sum(_gemm_seconds(flops, hardware, *dims) for flops, dims in gemms)
+    if config.multi_latent_attention:
+        d = config.qk_head_dim + config.qk_pos_emb_head_dim
+        core_flops = 2.0 * config.num_attention_heads / t * tokens * seq_length * (d + config.v_head_dim)
+    else:
+        d = config.kv_channels
+        core_flops = 4.0 * config.num_attention_heads / t * tokens * seq_length * d
+    attention = _gemm_seconds(core_flops, hardware, tokens / micro_batch_size, seq_length, d)
+    elementwise = _bytes_seconds(_elementwise_bytes(config, tokens, t, flash=flash, moe_layer=moe_layer,
+                                                    micro_batch_size=micro_batch_size, seq_length=seq_length,
+                                                    cp=c, mask_bytes=mask_bytes), hardware)
+    tp = 0.0
+    if t > 1:
+        volume = 4 * (t - 1) / t * tokens * config.hidden_size * element_bytes(config)
+        tp = collective_seconds(volume, span=t, hardware=hardware, count=4 if config.sequence_parallel else 2)
+    return ForwardCost(gemm=gemm, attention=attention, elementwise=elementwise, tp=tp)
+
+
+def output_layer_forward_seconds(config: TransformerConfig, hardware: Hardware, *, tokens: float,
+                                 padded_vocab_size: int) -> tuple[float, float]:
+    """(GEMM, element-wise) seconds of the last stage's output layer and fp32 cross-entropy forward."""
+    t = config.tensor_model_parallel_size
+    vocab = padded_vocab_size / t
+    gemm = _gemm_seconds(2.0 * tokens * config.hidden_size * vocab, hardware, tokens, config.hidden_size, vocab)
+    return gemm, _bytes_seconds(tokens * vocab * (element_bytes(config) + 3 * 4), hardware)
+
+
+def bytes_seconds(nbytes: float, hardware: Hardware) -> float:
+    """Seconds to stream ``nbytes`` through device memory (0 when the profile has no memory bandwidth)."""
+    return _bytes_seconds(nbytes, hardware)
+
+
+__all__ = ["ForwardCost", "collective_seconds", "element_bytes", "layer_forward_cost", "output_layer_forward_seconds",
+           "bytes_seconds"]
