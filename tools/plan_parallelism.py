@@ -22,7 +22,9 @@ import shlex
 import sys
 from typing import Optional, Sequence
 
-from megatron_core.planning.planner import Hardware, Plan, Workload, rank_plans
+from megatron_core.planning.hardware import PROFILES, Hardware, hardware_from_profile, save_profile
+from megatron_core.planning.planner import RECOMPUTE_CHOICES, Plan, SearchSpace, Workload, rank_plans
+from megatron_core.planning.report import explain, plot
 from megatron_core.training.arguments import build_parser, transformer_config, validate_args
 from megatron_core.utils.errors import run_tool
 
@@ -30,7 +32,13 @@ PROG = "plan_parallelism.py"
 
 PLANNER_FLAGS = {"--num-devices": int, "--memory-per-device-gb": float, "--intra-node-bandwidth-gbps": float,
                  "--inter-node-bandwidth-gbps": float, "--devices-per-node": int, "--peak-tflops": float,
-                 "--compute-efficiency": float, "--top": int, "--mask-bytes": int, "--debug": bool}
+                 "--compute-efficiency": float, "--top": int, "--mask-bytes": int, "--debug": bool,
+                 "--hardware": str, "--calibrate": str, "--calibrate-ranks": int, "--tolerance": float,
+                 "--zero-stages": str, "--recompute-options": str, "--no-sequence-parallel": bool,
+                 "--max-context-parallel": int, "--zero-bubble": bool, "--no-flash-attention": bool,
+                 "--explain": bool, "--plot": str}
+HARDWARE_FLAGS = ("memory_per_device_gb", "intra_node_bandwidth_gbps", "inter_node_bandwidth_gbps",
+                  "devices_per_node", "peak_tflops", "compute_efficiency")
 LAYOUT_FLAGS = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size",
                 "--expert-model-parallel-size", "--expert-tensor-parallel-size",
                 "--sequence-parallel",
@@ -42,17 +50,56 @@ LAYOUT_FLAGS = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size"
 def _planner_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0], allow_abbrev=False)
     g = parser.add_argument_group("planner")
-    g.add_argument("--num-devices", type=int, required=True)
-    g.add_argument("--memory-per-device-gb", type=float, default=80.0)
-    g.add_argument("--intra-node-bandwidth-gbps", type=float, default=900.0, help="GB/s inside a node")
-    g.add_argument("--inter-node-bandwidth-gbps", type=float, default=50.0, help="GB/s per device between nodes")
-    g.add_argument("--devices-per-node", type=int, default=8)
-    g.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of one device")
-    g.add_argument("--compute-efficiency", type=float, default=0.5, help="fraction of the peak matmuls reach")
+    g.add_argument("--num-devices", type=int)
+    g.add_argument("--hardware", default="h100",
+                   help=f"a shipped profile ({', '.join(sorted(PROFILES))}) or a JSON file from --calibrate; the "
+                        "flags below override its fields")
+    g.add_argument("--calibrate", metavar="FILE", help="measure this machine (GEMM curve, memory bandwidth, layer "
+                   "overhead, all-reduce) on --calibrate-ranks gloo ranks and write its profile to FILE")
+    g.add_argument("--calibrate-ranks", type=int, default=2)
+    g.add_argument("--memory-per-device-gb", type=float)
+    g.add_argument("--intra-node-bandwidth-gbps", type=float, help="GB/s of a collective inside a node")
+    g.add_argument("--inter-node-bandwidth-gbps", type=float, help="GB/s per device between nodes")
+    g.add_argument("--devices-per-node", type=int)
+    g.add_argument("--peak-tflops", type=float, help="dense bf16 peak of one device")
+    g.add_argument("--compute-efficiency", type=float, help="fraction of the peak large GEMMs reach")
     g.add_argument("--mask-bytes", type=int, default=1, help="dropout-mask bytes/element (1 CUDA, 2 or 4 CPU)")
+    g.add_argument("--no-flash-attention", action="store_true",
+                   help="count the s^2 attention scores' memory traffic (unfused softmax, as on a CPU)")
+    g.add_argument("--tolerance", type=float, default=0.03,
+                   help="among layouts this close to the fastest (fraction), choose the simplest; 0: the fastest")
+    g.add_argument("--zero-stages", default="0,1,2,3", help="ZeRO stages to consider, e.g. 0,1")
+    g.add_argument("--recompute-options", default="none,selective,full", help="recompute kinds to consider")
+    g.add_argument("--no-sequence-parallel", action="store_true", help="consider no sequence parallelism")
+    g.add_argument("--max-context-parallel", type=int, help="largest cp size to consider (1: none)")
+    g.add_argument("--zero-bubble", action="store_true", help="consider the zero-bubble schedule too")
+    g.add_argument("--explain", action="store_true",
+                   help="print the chosen layout's step time by part and why each axis has its size")
+    g.add_argument("--plot", metavar="PNG", help="draw the step time by part of the first layouts")
     g.add_argument("--top", type=int, default=15, help="rows of the table")
     g.add_argument("--debug", action="store_true", help="show the traceback of a handled error")
     return parser
+
+
+def search_space(options: argparse.Namespace) -> SearchSpace:
+    """The layouts' features the flags allow (values checked, naming the flag)."""
+    try:
+        stages = tuple(int(x) for x in options.zero_stages.split(","))
+    except ValueError:
+        raise ValueError(f"--zero-stages {options.zero_stages!r} is not a comma-separated list of 0-3") from None
+    recompute = tuple(None if x == "none" else x for x in options.recompute_options.split(","))
+    if not set(stages) <= {0, 1, 2, 3} or not stages:
+        raise ValueError(f"--zero-stages {options.zero_stages!r}: each stage must be 0, 1, 2 or 3")
+    if not set(recompute) <= set(RECOMPUTE_CHOICES) or not recompute:
+        raise ValueError(f"--recompute-options {options.recompute_options!r}: each must be none, selective or full")
+    return SearchSpace(zero_stages=stages, recompute=recompute, sequence_parallel=not options.no_sequence_parallel,
+                       max_cp=options.max_context_parallel, zero_bubble=options.zero_bubble)
+
+
+def hardware(options: argparse.Namespace) -> Hardware:
+    """The profile named by --hardware, with the explicit hardware flags over it."""
+    overrides = {name: getattr(options, name) for name in HARDWARE_FLAGS}
+    return hardware_from_profile(options.hardware, num_devices=options.num_devices, **overrides)
 
 
 def _split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -121,65 +168,91 @@ def torchrun_command(plan: Plan, model_argv: list[str], *, num_devices: int, dev
 
 def format_table(plans: list[Plan], top: int) -> str:
     header = ("| rank | tp | pp | cp | ep | etp | dp | vpp | ZeRO | SP | recompute | states GiB | activations GiB |"
-              " transient GiB | total GiB | fits | step s | compute s | comm s | bubble |")
+              " transient GiB | total GiB | fits | step s | compute s | comm s | bubble | TFLOP/s |")
     rows = [header, "|" + " ---: |" * 7 + " ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | --- | ---: | ---: "
-                    "| ---: | ---: |"]
+                    "| ---: | ---: | ---: |"]
     for i, plan in enumerate(plans[:top], 1):
         lay = plan.layout
         rows.append(f"| {i} | {lay.tp} | {lay.pp} | {lay.cp} | {lay.ep} | {lay.etp} | {lay.dp} | {lay.vpp or 1} | "
-                    f"{lay.zero_stage} | "
+                    f"{lay.zero_stage}{' ZB' if lay.zero_bubble else ''} | "
                     f"{'yes' if lay.sequence_parallel else 'no'} | {lay.recompute or 'none'} | "
                     f"{plan.model_state_bytes / 2**30:.2f} | {plan.activation_bytes / 2**30:.2f} | "
                     f"{plan.transient_bytes / 2**30:.2f} | {plan.memory_bytes / 2**30:.2f} | "
                     f"{'yes' if plan.fits else 'NO'} | {plan.step_seconds:.3f} | "
-                    f"{plan.compute_seconds:.3f} | {plan.comm_seconds:.3f} | {plan.bubble:.3f} |")
+                    f"{plan.compute_seconds:.3f} | {plan.comm_seconds:.3f} | {plan.bubble:.3f} | "
+                    f"{plan.tflops_per_device:.1f} |")
     return "\n".join(rows)
 
 
-def _rank(options: argparse.Namespace, args: argparse.Namespace) -> tuple[Workload, list[Plan]]:
-    """The workload the flags describe and every layout's plan, best first."""
+def _rank(options: argparse.Namespace, args: argparse.Namespace) -> tuple[Workload, list[Plan], Hardware]:
+    """The workload the flags describe, every layout's plan (the chosen first) and the hardware."""
     validate_args(args)
     base = transformer_config(args)
     workload = Workload(vocab_size=args.vocab_size or 50257, seq_length=args.seq_length,
                         micro_batch_size=args.micro_batch_size,
                         global_batch_size=args.global_batch_size or args.micro_batch_size * options.num_devices,
                         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-                        optimizer_state_bytes=8 if args.optimizer == "adam" else 4, mask_bytes=options.mask_bytes)
-    hardware = Hardware(num_devices=options.num_devices, memory_per_device_gb=options.memory_per_device_gb,
-                        peak_tflops=options.peak_tflops, intra_node_bandwidth_gbps=options.intra_node_bandwidth_gbps,
-                        inter_node_bandwidth_gbps=options.inter_node_bandwidth_gbps,
-                        devices_per_node=options.devices_per_node, compute_efficiency=options.compute_efficiency)
-    return workload, rank_plans(base, workload, hardware)
+                        optimizer_state_bytes=8 if args.optimizer == "adam" else 4, mask_bytes=options.mask_bytes,
+                        flash_attention=not options.no_flash_attention)
+    machine = hardware(options)
+    return workload, rank_plans(base, workload, machine, space=search_space(options),
+                                tolerance=options.tolerance), machine
+
+
+def _calibrate(options: argparse.Namespace) -> None:
+    from megatron_core.planning.calibrate import calibrate
+    fields = calibrate(options.calibrate_ranks)
+    save_profile(Hardware(num_devices=options.calibrate_ranks, **fields), options.calibrate)
+    print(f"calibrated {options.calibrate_ranks} ranks of this machine -> {options.calibrate}: "
+          + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in fields.items()))
+    options.hardware = options.calibrate
 
 
 def _run(argv: Optional[Sequence[str]]) -> int:
     planner_argv, model_argv = _split_argv(list(sys.argv[1:] if argv is None else argv))
     options = _planner_parser().parse_args(planner_argv)
+    if options.calibrate:
+        _calibrate(options)
+        if not model_argv:
+            return 0
+    if options.num_devices is None:
+        raise ValueError("--num-devices is required to plan (the devices the run will have)")
     model_argv = _model_argv(model_argv)
     args = build_parser().parse_args(model_argv)
-    workload, plans = _rank(options, args)
-    print(f"{len(plans)} layouts of {options.num_devices} devices, {sum(p.fits for p in plans)} fit in "
-          f"{options.memory_per_device_gb:g} GiB; vocab {workload.vocab_size}, "
-          f"global batch {workload.global_batch_size}\n")
+    workload, plans, machine = _rank(options, args)
+    print(f"{len(plans)} layouts of {options.num_devices} {machine.name} devices, {sum(p.fits for p in plans)} fit "
+          f"in {machine.memory_per_device_gb:g} GiB; vocab {workload.vocab_size}, "
+          f"global batch {workload.global_batch_size}; the first row is the simplest layout within "
+          f"{100 * options.tolerance:g}% of the fastest\n")
     print(format_table(plans, options.top))
+    if options.explain and plans[0].fits:
+        print("\n" + explain(plans, budget_bytes=machine.memory_per_device_gb * 2**30, tolerance=options.tolerance))
+    if options.plot:
+        plot(plans, options.plot)
+        print(f"\nplot: {options.plot}")
     if not plans[0].fits:
-        offloaded = sorted((p for p in plans if p.fits_with_offload), key=lambda p: p.step_seconds)
-        if not offloaded:
-            print("\nno layout fits, not even with optimizer offload: lower --micro-batch-size or --seq-length, "
-                  "or add devices")
-            return 1
-        best = offloaded[0]
-        print(f"\nno layout fits in device memory; {len(offloaded)} fit with the optimizer states offloaded "
-              f"(masters + states {best.offloadable_bytes / 2**30:.2f} GiB per rank to host or NVMe, "
-              f"{(best.memory_bytes - best.offloadable_bytes) / 2**30:.2f} GiB left on the device). Best, with "
-              "NVMe optimizer offload (host compute for the update: the step-time column does not include it):")
-        print(torchrun_command(best, model_argv + ["--optimizer-nvme-offload-dir", "/path/to/nvme"],
-                               num_devices=options.num_devices, devices_per_node=options.devices_per_node,
-                               num_layers=args.num_layers))
-        return 1
+        return _offload_advice(plans, model_argv, options, machine, args.num_layers)
     print("\nbest layout:\n" + torchrun_command(plans[0], model_argv, num_devices=options.num_devices,
-                                               devices_per_node=options.devices_per_node, num_layers=args.num_layers))
+                                               devices_per_node=machine.devices_per_node, num_layers=args.num_layers))
     return 0
+
+
+def _offload_advice(plans: list[Plan], model_argv: list[str], options, machine: Hardware, num_layers: int) -> int:
+    offloaded = sorted((p for p in plans if p.fits_with_offload), key=lambda p: p.step_seconds + p.offload_seconds)
+    if not offloaded:
+        print("\nno layout fits, not even with optimizer offload: lower --micro-batch-size or --seq-length, "
+              "or add devices")
+        return 1
+    best = offloaded[0]
+    print(f"\nno layout fits in device memory; {len(offloaded)} fit with the optimizer states offloaded "
+          f"(masters + states {best.offloadable_bytes / 2**30:.2f} GiB per rank to host or NVMe, "
+          f"{(best.memory_bytes - best.offloadable_bytes) / 2**30:.2f} GiB left on the device); best, with NVMe "
+          f"optimizer offload, {best.step_seconds + best.offload_seconds:.3f} s per step (gradients and parameters "
+          f"over PCIe: {best.offload_seconds:.3f} s; the host's own update time not included):")
+    print(torchrun_command(best, model_argv + ["--optimizer-nvme-offload-dir", "/path/to/nvme"],
+                           num_devices=options.num_devices, devices_per_node=machine.devices_per_node,
+                           num_layers=num_layers))
+    return 1
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -64,19 +64,19 @@ PROFILES: dict[str, dict] = {
     "a100": dict(name="a100", memory_per_device_gb=80, peak_tflops=312, fp8_peak_tflops=None,
                  compute_efficiency=0.8, gemm_half_dim=64, memory_bandwidth_gbps=2039,
                  intra_node_bandwidth_gbps=230, inter_node_bandwidth_gbps=22, intra_node_latency_us=10,
-                 inter_node_latency_us=30, layer_overhead_us=300, comm_overlap=1.0, pcie_bandwidth_gbps=25),
+                 inter_node_latency_us=30, layer_overhead_us=100, comm_overlap=1.0, pcie_bandwidth_gbps=25),
     "h100": dict(name="h100", memory_per_device_gb=80, peak_tflops=989, fp8_peak_tflops=1979,
                  compute_efficiency=0.7, gemm_half_dim=96, memory_bandwidth_gbps=3350,
                  intra_node_bandwidth_gbps=450, inter_node_bandwidth_gbps=45, intra_node_latency_us=8,
-                 inter_node_latency_us=25, layer_overhead_us=250, comm_overlap=1.0, pcie_bandwidth_gbps=50),
+                 inter_node_latency_us=25, layer_overhead_us=100, comm_overlap=1.0, pcie_bandwidth_gbps=50),
     "h200": dict(name="h200", memory_per_device_gb=141, peak_tflops=989, fp8_peak_tflops=1979,
                  compute_efficiency=0.72, gemm_half_dim=96, memory_bandwidth_gbps=4800,
                  intra_node_bandwidth_gbps=450, inter_node_bandwidth_gbps=45, intra_node_latency_us=8,
-                 inter_node_latency_us=25, layer_overhead_us=250, comm_overlap=1.0, pcie_bandwidth_gbps=50),
+                 inter_node_latency_us=25, layer_overhead_us=100, comm_overlap=1.0, pcie_bandwidth_gbps=50),
     "b200": dict(name="b200", memory_per_device_gb=180, peak_tflops=2250, fp8_peak_tflops=4500,
                  compute_efficiency=0.7, gemm_half_dim=128, memory_bandwidth_gbps=8000,
                  intra_node_bandwidth_gbps=900, inter_node_bandwidth_gbps=45, intra_node_latency_us=8,
-                 inter_node_latency_us=25, layer_overhead_us=200, comm_overlap=1.0, pcie_bandwidth_gbps=50),
+                 inter_node_latency_us=25, layer_overhead_us=100, comm_overlap=1.0, pcie_bandwidth_gbps=50),
 }
 PROFILE_FIELDS = tuple(f.name for f in dataclasses.fields(Hardware) if f.name != "num_devices")
 

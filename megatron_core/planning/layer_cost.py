@@ -42,7 +42,7 @@ def collective_seconds(volume_bytes: float, *, span: int, hardware: Hardware, co
     consecutive ranks: latency plus bytes over the link's bus bandwidth."""
     if volume_bytes <= 0:
         return 0.0
-    intra = span <= hardware.devices_per_node
+    intra = span <= hardware.devices_per_node and hardware.devices_per_node % span == 0  # else it straddles nodes
     gbps = hardware.intra_node_bandwidth_gbps if intra else hardware.inter_node_bandwidth_gbps
     latency = hardware.intra_node_latency_us if intra else hardware.inter_node_latency_us
     return count * latency * 1e-6 + volume_bytes / (gbps * 1e9)

@@ -150,13 +150,14 @@ def _chunks(config: TransformerConfig, state, vocab_size: int, seq_length: int) 
 def measure_layout(config_kwargs: dict, *, tp: int, pp: int, zero_stage: int, vocab_size: int, seq_length: int,
                    micro_batch_size: int, num_microbatches: int, steps: int = 1,
                    vpp: Optional[int] = None, track_live: bool = False, cp: int = 1,
-                   ep: int = 1, etp: int = 1) -> LayoutMeasurement:
+                   ep: int = 1, etp: int = 1, track_activations: bool = True) -> LayoutMeasurement:
     """Builds the GPT at (tp, cp, pp, dp = world / (tp cp pp)) with ZeRO ``zero_stage`` (sharded over dp x cp),
     bf16 with fp32 grads and fp32 Adam masters (the training loop's defaults), runs ``steps`` steps; returns
     the last step's numbers. With cp > 1 each cp rank gets its ``split_batch`` tokens and the loss is
     normalized as the training loop's ``forward_step`` (sum over the cp ranks' tokens, times cp). An MoE
     model (``config_kwargs["moe"]``) runs at expert-parallel size ``ep`` (and expert tensor-parallel size
-    ``etp``), experts over expert-dp."""
+    ``etp``), experts over expert-dp. ``track_activations=False`` times the step without the saved-tensor
+    hooks (``activation_bytes`` is then 0)."""
     state = initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                       virtual_pipeline_model_parallel_size=vpp, context_parallel_size=cp,
                                       expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
@@ -197,7 +198,9 @@ def measure_layout(config_kwargs: dict, *, tp: int, pp: int, zero_stage: int, vo
             dist.barrier()
         start = time.perf_counter()
         live = LiveMemoryTracker(categories=lambda: memory_categories(chunks, optimizer))
-        with SavedActivationTracker() as tracker, live if track_live else contextlib.nullcontext():
+        tracker = SavedActivationTracker()
+        with tracker if track_activations else contextlib.nullcontext(), \
+                live if track_live else contextlib.nullcontext():
             schedule(forward_step_func=forward_step, data_iterator=[iter(batches) for _ in chunks] if vpp
                      else iter(batches), model=chunks if vpp else chunks[0], num_microbatches=num_microbatches,
                      seq_length=seq_length, micro_batch_size=micro_batch_size, parallel_state=state)

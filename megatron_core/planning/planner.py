@@ -31,28 +31,22 @@ from megatron_core.planning.moe import (
     moe_layers_on_stage,
     stage_layer_count,
 )
+from megatron_core.planning.choose import choose_plan
+from megatron_core.planning.hardware import Hardware
+from megatron_core.planning.step_time import (
+    StepTime,
+    cp_comm_bytes,
+    cp_comm_seconds,
+    ep_comm_seconds,
+    offload_seconds,
+    step_time,
+)
 from megatron_core.planning.zero_bubble import weight_stash_bytes, zero_bubble_extra_bytes
 from megatron_core.planning.zero_memory import zero_transient_bytes
 from megatron_core.tensor_parallel.utils import vocab_size_with_padding
 from megatron_core.training.metrics import hardware_flops_per_iteration
 
 RECOMPUTE_CHOICES = (None, "selective", "full")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Hardware:
-    """The cluster: devices, memory, links and the dense peak of one device."""
-
-    num_devices: int
-    memory_per_device_gb: float
-    peak_tflops: float
-    intra_node_bandwidth_gbps: float = 900.0
-    """Bus bandwidth of a collective inside a node, GB/s (NVLink)."""
-    inter_node_bandwidth_gbps: float = 50.0
-    """Per-device bandwidth between nodes, GB/s (e.g. 400 Gb/s InfiniBand)."""
-    devices_per_node: int = 8
-    compute_efficiency: float = 0.5
-    """Fraction of the peak that the model's matmuls reach."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -68,6 +62,9 @@ class Workload:
     """Per parameter: 8 for Adam's two fp32 moments, 4 for SGD momentum."""
     mask_bytes: int = 1
     """Per dropout-mask element: 1 on CUDA, the activation's element size on the CPU."""
+    flash_attention: bool = True
+    """Core attention without materialized scores (SDPA flash / efficient: the GPU default); False counts the
+    ``s^2`` scores' memory traffic (the unfused softmax path, e.g. Megatron-LM before flash attention)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +83,8 @@ class Layout:
     etp: int = 1
     """Expert tensor-parallel size (each expert's fc1 / fc2 split over etp consecutive ranks, the tp group or not;
     any size dividing the expert hidden size with ep x etp dividing tp x cp x dp)."""
+    zero_bubble: bool = False
+    """The zero-bubble pipeline schedule (ZB-H1, ``--zero-bubble``; pp > 1, no vpp)."""
 
     @property
     def dp_cp(self) -> int:
@@ -117,6 +116,17 @@ class Plan:
     ``--optimizer-cpu-offload`` on a GPU) moves off the device."""
     fits_with_offload: bool = False
     """Whether the layout fits once those are offloaded (the chunk ring of NVMe offload lives on the host)."""
+    time: Optional[StepTime] = None
+    """The step time by part (``planning.step_time``), of the busiest stage."""
+    flops_per_device: float = 0.0
+    """Hardware FLOPs of one step per device (model FLOPs + recompute), for TFLOP/s and MFU."""
+    offload_seconds: float = 0.0
+    """What optimizer offload would add per step: the shard's gradients to the host and parameters back."""
+
+    @property
+    def tflops_per_device(self) -> float:
+        """Predicted achieved TFLOP/s per device (hardware FLOPs, as Megatron-LM's papers report)."""
+        return self.flops_per_device / self.step_seconds / 1e12 if self.step_seconds else 0.0
 
     @property
     def memory_bytes(self) -> float:
@@ -300,95 +310,6 @@ def rank_transient_bytes(config: TransformerConfig, workload: Workload, *, pp_ra
                                 ep=ep, etp=etp)
 
 
-def _bandwidth(span: int, hardware: Hardware) -> float:
-    """Bytes/s of a group whose ranks span ``span`` consecutive global ranks."""
-    gbps = (hardware.intra_node_bandwidth_gbps if span <= hardware.devices_per_node
-            else hardware.inter_node_bandwidth_gbps)
-    return gbps * 1e9
-
-
-def _comm_seconds(config: TransformerConfig, workload: Workload, layout: Layout, hardware: Hardware,
-                  num_microbatches: int) -> tuple[float, float]:
-    """(tensor- and context-parallel seconds, pipeline + data-parallel seconds) of one step on one rank."""
-    t, p, d, m, c = layout.tp, layout.pp, layout.dp, num_microbatches, layout.cp
-    e = 2 if (config.bf16 or config.fp16) else 4
-    activation = e * workload.seq_length / c * workload.micro_batch_size * config.hidden_size
-    tp_ops = 4 + (2 if layout.recompute == "full" else 0)  # 2 all-reduces (or AG + RS) forward, 2 backward
-    tp_s = tp_ops * (config.num_layers // p) * m * 2 * (t - 1) / t * activation / _bandwidth(t, hardware)
-    pp_s = 0.0
-    if p > 1:
-        pp_s = (2 * m * (layout.vpp or 1) * activation / (t if layout.sequence_parallel else 1)
-                / _bandwidth(t * c * d * p, hardware))
-    tp_s += cp_comm_seconds(config, workload, layout, hardware, num_microbatches)
-    tp_s += ep_comm_seconds(config, workload, layout, hardware, num_microbatches)
-    params, _ = stage_parameters(config, workload, pp_rank=0)
-    experts = stage_expert_parameters(config, pp_rank=0, ep=layout.ep, etp=layout.etp)
-    span = t * c * d  # dp x cp groups and expert-dp groups (stride ep) both span a stage's ranks
-    dp_s = _dp_volume(params, d * c, e, layout.zero_stage, m) / _bandwidth(span, hardware)
-    dp_s += _dp_volume(experts, layout.expert_dp, e, layout.zero_stage, m) / _bandwidth(span, hardware)
-    return tp_s, pp_s + dp_s
-
-
-def _dp_volume(params: float, ranks: int, element_bytes: int, zero_stage: int, num_microbatches: int) -> float:
-    """Bytes one rank moves reducing ``params``' fp32 grads (and gathering the weights) over ``ranks``."""
-    if ranks == 1 or not params:
-        return 0.0
-    ring, m = (ranks - 1) / ranks, num_microbatches
-    grads, weights = 4 * params, element_bytes * params
-    return {0: 2 * ring * grads, 1: 2 * ring * grads + ring * weights, 2: m * ring * grads + ring * weights,
-            3: m * ring * grads + 2 * m * ring * weights}[zero_stage]
-
-
-def ep_comm_seconds(config: TransformerConfig, workload: Workload, layout: Layout, hardware: Hardware,
-                    num_microbatches: int) -> float:
-    """Expert-parallel seconds of one step: the dispatcher's traffic (``planning.moe.ep_comm_bytes``, ep groups
-    spanning ``ep x etp`` consecutive ranks) and the expert-tp gathers (``etp_comm_bytes``, over the etp group
-    of etp consecutive ranks) per MoE layer of the first stage and micro-batch."""
-    layers = moe_layers_on_stage(config, pp_rank=0)
-    if not layers:
-        return 0.0
-    tokens = (workload.seq_length / layout.cp * workload.micro_batch_size
-              / (layout.tp if layout.sequence_parallel else 1))
-    e, full = 2 if (config.bf16 or config.fp16) else 4, layout.recompute == "full"
-    ep_bytes = ep_comm_bytes(config, tokens=layout.etp * tokens, element_bytes=e, ep=layout.ep, recompute_full=full)
-    etp_bytes = etp_comm_bytes(config, tokens=tokens, element_bytes=e, etp=layout.etp, recompute_full=full)
-    seconds = ep_bytes / _bandwidth(layout.ep * layout.etp, hardware) + etp_bytes / _bandwidth(layout.etp, hardware)
-    return seconds * layers * num_microbatches
-
-
-def cp_comm_bytes(config: TransformerConfig, workload: Workload, layout: Layout) -> float:
-    """Bytes one rank sends over cp in one micro-batch's forward and backward of one layer.
-
-    p2p: cp - 1 hops of the ``[2, b, hk/t, s/cp, d]`` K/V block forward, again in backward plus cp hops of
-    its fp32 dK/dV; a2a: Q, K, V and the output forward and their grads backward, each ``(cp - 1) / cp`` of
-    the local tensor; allgather: K/V gathered forward, their grads reduce-scattered backward. Full recompute
-    runs the forward's traffic again."""
-    c, t = layout.cp, layout.tp
-    if c == 1:
-        return 0.0
-    e = 2 if (config.bf16 or config.fp16) else 4
-    tokens = workload.seq_length / c * workload.micro_batch_size
-    kv = 2 * tokens * config.kv_channels * config.num_query_groups / t  # K and V elements of the local block
-    q = tokens * config.kv_channels * config.num_attention_heads / t
-    forward_again = 1 if layout.recompute == "full" else 0
-    if config.cp_comm_type in ("p2p", "a2a+p2p"):  # a2a+p2p: counted as the ring over all of cp (an upper bound)
-        forward = (c - 1) * e * kv
-        return (1 + forward_again) * forward + (c - 1) * e * kv + c * 4 * kv
-    ring = (c - 1) / c
-    if config.cp_comm_type == "a2a":
-        forward = ring * e * (2 * q + kv)
-        return (1 + forward_again) * forward + ring * e * (2 * q + kv)
-    forward = ring * e * kv * c  # all-gather: receive the other ranks' K/V
-    return (1 + forward_again) * forward + forward
-
-
-def cp_comm_seconds(config: TransformerConfig, workload: Workload, layout: Layout, hardware: Hardware,
-                    num_microbatches: int) -> float:
-    """Context-parallel seconds of one step (cp groups span ``tp x cp`` consecutive ranks)."""
-    per_layer = cp_comm_bytes(config, workload, layout)
-    return per_layer * (config.num_layers // layout.pp) * num_microbatches / _bandwidth(layout.tp * layout.cp, hardware)
-
-
 def plan_layout(base: TransformerConfig, workload: Workload, hardware: Hardware, layout: Layout) -> Plan:
     """Memory of the fullest rank and the step time of ``layout``."""
     config = layout_config(base, layout)
@@ -396,39 +317,68 @@ def plan_layout(base: TransformerConfig, workload: Workload, hardware: Hardware,
     experts = dict(ep=layout.ep, etp=layout.etp)
     states = [model_state_bytes(config, workload, pp_rank=r, dp=layout.dp_cp, zero_stage=layout.zero_stage, **experts)
               for r in range(layout.pp)]
-    acts = [rank_activation_bytes(config, workload, pp_rank=r, num_microbatches=m, **experts)
+    defer = "all" if layout.zero_bubble else None
+    acts = [rank_activation_bytes(config, workload, pp_rank=r, num_microbatches=m, zero_bubble_defer=defer, **experts)
             for r in range(layout.pp)]
     transients = [rank_transient_bytes(config, workload, pp_rank=r, zero_stage=layout.zero_stage, **experts)
                   for r in range(layout.pp)]
     fullest = max(range(layout.pp), key=lambda r: states[r] + acts[r] + transients[r])
+    padded = vocab_size_with_padding(workload.vocab_size,
+                                     make_vocab_size_divisible_by=workload.make_vocab_size_divisible_by,
+                                     tensor_model_parallel_size=layout.tp)
     flops = hardware_flops_per_iteration(config, batch_size=workload.global_batch_size,
-                                         seq_length=workload.seq_length,
-                                         padded_vocab_size=vocab_size_with_padding(
-                                             workload.vocab_size,
-                                             make_vocab_size_divisible_by=workload.make_vocab_size_divisible_by,
-                                             tensor_model_parallel_size=layout.tp))
-    compute = flops / hardware.num_devices / (hardware.peak_tflops * 1e12 * hardware.compute_efficiency)
-    tp_s, other_s = _comm_seconds(config, workload, layout, hardware, m)
-    bubble = (layout.pp - 1) / ((layout.vpp or 1) * m)
-    step = (compute + tp_s) * (1 + bubble) + other_s
+                                         seq_length=workload.seq_length, padded_vocab_size=padded)
+    stage_params = [(stage_parameters(config, workload, pp_rank=r)[0],
+                     stage_expert_parameters(config, pp_rank=r, ep=layout.ep, etp=layout.etp)) for r in range(layout.pp)]
+    timing = step_time(config, workload, layout, hardware, num_microbatches=m, padded_vocab_size=padded,
+                       stage_params=stage_params, optimizer_params=_optimizer_params(stage_params, layout))
+    step = timing.total
+    offload = offload_seconds(_optimizer_params(stage_params, layout), hardware)
+    busy = step - timing.parts["bubble"]
+    bubble = timing.parts["bubble"] / busy if busy else 0.0
     memory = states[fullest] + acts[fullest] + transients[fullest]
     offloadable = optimizer_state_bytes(config, workload, pp_rank=fullest, dp=layout.dp_cp,
                                         zero_stage=layout.zero_stage, **experts)
     budget = hardware.memory_per_device_gb * 2**30
     return Plan(layout=layout, model_state_bytes=states[fullest], activation_bytes=acts[fullest], step_seconds=step,
-                compute_seconds=compute, comm_seconds=tp_s + other_s, bubble=bubble, fits=memory <= budget,
+                compute_seconds=timing.compute, comm_seconds=timing.comm, bubble=bubble, fits=memory <= budget,
                 transient_bytes=transients[fullest], offloadable_bytes=offloadable,
-                fits_with_offload=memory - offloadable <= budget)
+                fits_with_offload=memory - offloadable <= budget, time=timing,
+                flops_per_device=flops / hardware.num_devices, offload_seconds=offload)
 
 
-def valid_layouts(base: TransformerConfig, workload: Workload, num_devices: int) -> Iterator[Layout]:
+def _optimizer_params(stage_params: list, layout: Layout) -> float:
+    """Parameters whose update the busiest-by-parameters rank computes: its ZeRO shard (or all, at ZeRO 0)."""
+    dense, experts = max(stage_params, key=lambda pair: pair[0] + pair[1])
+    if layout.zero_stage == 0:
+        return dense + experts
+    return dense / layout.dp_cp + experts / max(layout.expert_dp, 1)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SearchSpace:
+    """The features a layout may use (the planner's ``--zero-stages``, ``--recompute-options``,
+    ``--no-sequence-parallel``, ``--max-context-parallel``, ``--zero-bubble``): e.g. what a framework of
+    2021 offered, to compare with the layouts its users chose."""
+
+    zero_stages: tuple = (0, 1, 2, 3)
+    recompute: tuple = RECOMPUTE_CHOICES
+    sequence_parallel: bool = True
+    max_cp: Optional[int] = None
+    interleaving: bool = True
+    zero_bubble: bool = False
+
+
+def valid_layouts(base: TransformerConfig, workload: Workload, num_devices: int,
+                  space: Optional[SearchSpace] = None) -> Iterator[Layout]:
     """Every (tp, pp, dp, vpp, ZeRO stage, SP, recompute, cp, ep) the model and batch allow on ``num_devices``:
     cp where the sequence divides by 2 cp (the load-balanced split), and for ``cp_comm_type`` a2a where the
     heads and query groups per tp rank divide by cp; for an MoE model every ep dividing the experts, with
     every etp dividing the expert hidden size with ep x etp dividing tp x cp x dp (the expert grid is independent
     of tp, as Megatron-LM's), with sequence parallelism whenever tp > 1 (the MoE layer needs it)."""
+    space = space or SearchSpace()
     for tp, pp, cp in itertools.product(_divisors(num_devices), repeat=3):
-        if num_devices % (tp * pp * cp):
+        if num_devices % (tp * pp * cp) or (space.max_cp is not None and cp > space.max_cp):
             continue
         dp = num_devices // (tp * pp * cp)
         if (base.num_attention_heads % tp or base.num_query_groups % tp or base.num_layers % pp
@@ -438,40 +388,51 @@ def valid_layouts(base: TransformerConfig, workload: Workload, num_devices: int)
                 base.num_attention_heads // tp % cp or base.num_query_groups // tp % cp))):
             continue
         m = workload.global_batch_size // (workload.micro_batch_size * dp)
-        vpps = [None] + ([2] if pp > 1 and base.num_layers % (2 * pp) == 0 and m % pp == 0 else [])
+        schedules = [(None, False)]
+        if pp > 1 and space.interleaving and base.num_layers % (2 * pp) == 0 and m % pp == 0:
+            schedules.append((2, False))
+        if pp > 1 and space.zero_bubble:
+            schedules.append((None, True))
         experts = [(1, 1)] if base.moe is None else [
             (ep, etp) for ep in _divisors(tp * cp * dp) for etp in _divisors(tp * cp * dp)
             if base.moe.num_moe_experts % ep == 0 and (tp * cp * dp) % (ep * etp) == 0
             and expert_ffn(base) % etp == 0]
         sps = [False, True] if tp > 1 and base.moe is None else [True] if tp > 1 else [False]
-        for vpp, stage, sp, recompute, (ep, etp) in itertools.product(vpps, range(4), sps, RECOMPUTE_CHOICES,
-                                                                       experts):
+        if not space.sequence_parallel and base.moe is None:
+            sps = [False]
+        for (vpp, zb), stage, sp, recompute, (ep, etp) in itertools.product(schedules, space.zero_stages, sps,
+                                                                              space.recompute, experts):
             if sp and (workload.seq_length // cp) % tp:
                 continue
             if stage and dp * cp == 1 and (base.moe is None or tp * cp * dp // (ep * etp) == 1):
                 continue  # nothing to shard: every state is on one rank of its group
-            yield Layout(tp, pp, dp, vpp, stage, sp, recompute, cp, ep, etp)
+            yield Layout(tp, pp, dp, vpp, stage, sp, recompute, cp, ep, etp, zero_bubble=zb)
 
 
-def rank_plans(base: TransformerConfig, workload: Workload, hardware: Hardware) -> list[Plan]:
-    """All valid layouts, the ones that fit first, each group by predicted step time (then memory)."""
+def rank_plans(base: TransformerConfig, workload: Workload, hardware: Hardware, *,
+               space: Optional[SearchSpace] = None, tolerance: float = 0.03) -> list[Plan]:
+    """All valid layouts (in ``space``), the ones that fit first, each group by predicted step time (then
+    memory), except that the first is the simplest fitting layout within ``tolerance`` of the fastest
+    (``planning.choose``; ``tolerance=0`` ranks by time alone)."""
     if workload.global_batch_size % workload.micro_batch_size:
         raise ValueError(f"global batch {workload.global_batch_size} is not divisible by micro batch "
                          f"{workload.micro_batch_size}")
     plans = [plan_layout(base, workload, hardware, layout)
-             for layout in valid_layouts(base, workload, hardware.num_devices)]
+             for layout in valid_layouts(base, workload, hardware.num_devices, space)]
     if not plans:
         raise ValueError(f"no layout of {hardware.num_devices} devices divides heads {base.num_attention_heads}, "
                          f"layers {base.num_layers} and global batch {workload.global_batch_size} / micro batch "
                          f"{workload.micro_batch_size}")
-    return sorted(plans, key=lambda plan: (not plan.fits, plan.step_seconds, plan.memory_bytes))
+    ranked = sorted(plans, key=lambda plan: (not plan.fits, plan.step_seconds, plan.memory_bytes))
+    chosen = choose_plan(ranked, tolerance) if tolerance > 0 else None
+    return ranked if chosen is None else [chosen] + [plan for plan in ranked if plan is not chosen]
 
 
 def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-__all__ = ["Hardware", "Workload", "Layout", "Plan", "cp_comm_bytes", "cp_comm_seconds", "ep_comm_seconds",
+__all__ = ["Hardware", "Workload", "Layout", "Plan", "SearchSpace", "cp_comm_bytes", "cp_comm_seconds", "ep_comm_seconds",
            "layout_config", "stage_expert_parameters",
            "model_state_bytes", "optimizer_state_bytes", "rank_activation_bytes", "rank_transient_bytes",
            "stage_parameters", "plan_layout", "valid_layouts", "rank_plans"]

@@ -211,6 +211,12 @@ def _dp_parts(params: float, ranks: int, zero_stage: int, m: int, element: int, 
     return reduce, gather_after, gather_during
 
 
+def offload_seconds(optimizer_params: float, hardware: Hardware) -> float:
+    """Optimizer offload's PCIe traffic per step: the shard's fp32 gradients to the host, its 16-bit
+    parameters back."""
+    return 6 * optimizer_params / (hardware.pcie_bandwidth_gbps * 1e9)
+
+
 def step_time(config: TransformerConfig, workload, layout, hardware: Hardware, *, num_microbatches: int,
               padded_vocab_size: int, stage_params: list, optimizer_params: float, offload: bool = False) -> StepTime:
     """The step at ``layout`` (``config`` carries its sizes): ``stage_params[r]`` = (dense, expert) parameters
@@ -236,8 +242,8 @@ def step_time(config: TransformerConfig, workload, layout, hardware: Hardware, *
     parts["zero"] = after + max(during - hardware.comm_overlap * min(during, max(compute - window, 0.0)), 0.0)
     update_bytes = 32 if (config.bf16 or config.fp16) else 28  # read p, g, master, m, v; write p, master, m, v
     parts["optimizer"] = bytes_seconds(update_bytes * optimizer_params, hardware)
-    parts["offload"] = (6 * optimizer_params / (hardware.pcie_bandwidth_gbps * 1e9)) if offload else 0.0
+    parts["offload"] = offload_seconds(optimizer_params, hardware) if offload else 0.0
     return StepTime(parts={name: parts.get(name, 0.0) for name in PARTS}, stage=busiest)
 
 
-__all__ = ["PARTS", "StepTime", "cp_comm_bytes", "cp_comm_seconds", "ep_comm_seconds", "pipeline_seconds", "step_time"]
+__all__ = ["PARTS", "StepTime", "cp_comm_bytes", "cp_comm_seconds", "ep_comm_seconds", "offload_seconds", "pipeline_seconds", "step_time"]

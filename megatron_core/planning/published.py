@@ -1,0 +1,61 @@
+"""Layouts that experts chose and measured: the planner's validation set.
+
+Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM" (SC'21,
+arXiv 2104.04473), Table 1: ten GPT models from 1.7B to 1T parameters trained by Megatron-LM's authors on
+Selene (DGX A100 80 GB, 8 GPUs per node, 8 x HDR InfiniBand per node), sequence 2048, vocabulary 51200, mixed
+precision, full activation recompute, achieved TFLOP/s per GPU counted with their formula ``96 B s l h^2
+(1 + s / 6h + V / 16 l h)`` (hardware FLOPs: model + recompute, as ``training.metrics``). Not published in the
+table and assumed here: micro-batch 1.
+
+What those runs could use is the planner's ``SearchSpace`` for them: ZeRO 0 (no distributed optimizer then),
+full recompute, no sequence or context parallelism (both came later), interleaving allowed, and attention
+without flash (the softmax's ``s^2`` scores materialized).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from megatron_core.config import TransformerConfig
+from megatron_core.planning.planner import SearchSpace, Workload
+
+NARAYANAN_2021_SPACE = SearchSpace(zero_stages=(0,), recompute=("full",), sequence_parallel=False, max_cp=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class PublishedRun:
+    name: str
+    heads: int
+    hidden: int
+    layers: int
+    tp: int
+    pp: int
+    gpus: int
+    global_batch: int
+    tflops_per_gpu: float
+
+    def config(self) -> TransformerConfig:
+        return TransformerConfig(num_layers=self.layers, hidden_size=self.hidden, num_attention_heads=self.heads,
+                                 max_position_embeddings=2048, params_dtype=torch.bfloat16, bf16=True,
+                                 hidden_dropout=0.1, attention_dropout=0.1)
+
+    def workload(self) -> Workload:
+        return Workload(vocab_size=51200, seq_length=2048, micro_batch_size=1, global_batch_size=self.global_batch,
+                        flash_attention=False)
+
+
+NARAYANAN_2021 = (
+    PublishedRun("1.7B", 24, 2304, 24, 1, 1, 32, 512, 137),
+    PublishedRun("3.6B", 32, 3072, 30, 2, 1, 64, 512, 138),
+    PublishedRun("7.5B", 32, 4096, 36, 4, 1, 128, 512, 142),
+    PublishedRun("18.4B", 48, 6144, 40, 8, 1, 256, 1024, 135),
+    PublishedRun("39.1B", 64, 8192, 48, 8, 2, 512, 1536, 138),
+    PublishedRun("76.1B", 80, 10240, 60, 8, 4, 1024, 1792, 140),
+    PublishedRun("145.6B", 96, 12288, 80, 8, 8, 1536, 2304, 148),
+    PublishedRun("310.1B", 128, 16384, 96, 8, 16, 1920, 2160, 155),
+    PublishedRun("529.6B", 128, 20480, 105, 8, 35, 2520, 2520, 163),
+    PublishedRun("1T", 160, 25600, 128, 8, 64, 3072, 3072, 163),
+)
+
+__all__ = ["PublishedRun", "NARAYANAN_2021", "NARAYANAN_2021_SPACE"]
