@@ -1,0 +1,134 @@
+"""The planner's step-time model, its choice among near-equal layouts, and its validation against published
+expert layouts (Narayanan et al. 2021: ten GPT models on up to 3072 A100s)."""
+import json
+
+import pytest
+import torch
+
+from megatron_core.config import TransformerConfig
+from megatron_core.pipeline_parallel.schedule_plan import interleaved_ops, one_f_one_b_ops, simulate
+from megatron_core.planning.choose import simplicity
+from megatron_core.planning.hardware import PROFILES, Hardware, gemm_efficiency, hardware_from_profile, save_profile
+from megatron_core.planning.planner import Layout, SearchSpace, Workload, plan_layout, rank_plans
+from megatron_core.planning.published import NARAYANAN_2021, NARAYANAN_2021_SPACE
+from megatron_core.planning.step_time import PARTS, pipeline_seconds
+from tools import plan_parallelism
+
+
+def _expert_plan(run):
+    hardware = hardware_from_profile("a100", num_devices=run.gpus)
+    layout = Layout(run.tp, run.pp, run.gpus // (run.tp * run.pp), None, 0, False, "full")
+    return plan_layout(run.config(), run.workload(), hardware, layout)
+
+
+def test_published_throughput_within_15_percent_and_below_peak():
+    """Predicted TFLOP/s per GPU at each expert layout (their FLOPs formula: hardware FLOPs) within 15% of
+    what they measured; never above the A100's 312 TFLOP/s."""
+    for run in NARAYANAN_2021:
+        plan = _expert_plan(run)
+        assert abs(plan.tflops_per_device / run.tflops_per_gpu - 1) < 0.15, (run.name, plan.tflops_per_device)
+        assert plan.tflops_per_device < PROFILES["a100"]["peak_tflops"]
+        assert sum(plan.time.parts.values()) == pytest.approx(plan.step_seconds)
+
+
+def test_published_layouts_chosen_as_the_experts_chose():
+    """With what those runs could use (ZeRO 0, full recompute, no SP/cp), the planner picks the experts' tp
+    on 7 of 10 (the model prefers tp 2-4 with pp for 7.5B-39B: tp 8 without SP replicates the element-wise
+    work and its all-reduces cost more than a short pipeline's bubble) and pp within 2x on 9 of 10."""
+    tp_equal = pp_within_2x = 0
+    for run in NARAYANAN_2021:
+        hardware = hardware_from_profile("a100", num_devices=run.gpus)
+        chosen = rank_plans(run.config(), run.workload(), hardware, space=NARAYANAN_2021_SPACE)[0].layout
+        tp_equal += chosen.tp == run.tp
+        pp_within_2x += max(chosen.pp, run.pp) <= 2 * min(chosen.pp, run.pp)
+        if run.name in ("1.7B", "3.6B"):  # no pipelining where the model fits without it
+            assert chosen.pp == 1, (run.name, chosen)
+    assert tp_equal >= 7 and pp_within_2x >= 9, (tp_equal, pp_within_2x)
+
+
+def test_pipeline_time_is_the_simulated_schedule():
+    """Uniform stages: 1F1B takes (m + p - 1)(F + B), interleaving divides the ramp by v; uneven stages (the
+    last slower): the extrapolation from 2p micro-batches equals simulating all of them."""
+    assert pipeline_seconds([1.0] * 4, [2.0] * 4, num_microbatches=64) == pytest.approx((64 + 3) * 3)
+    assert pipeline_seconds([1.0] * 4, [2.0] * 4, num_microbatches=64, vpp=2) == pytest.approx(64 * 3 + 3 * 3 / 2)
+    forward, backward = [1.0, 1.0, 1.0, 1.6], [2.0, 2.0, 2.0, 3.1]
+    full = max(simulate([one_f_one_b_ops(r, 4, 32) for r in range(4)],
+                        durations={(r, kind, 0, mb): (forward if kind == "F" else backward)[r]
+                                   for r in range(4) for kind in "FB" for mb in range(32)}))
+    assert pipeline_seconds(forward, backward, num_microbatches=32) == pytest.approx(full)
+    chunked = max(simulate([interleaved_ops(r, 4, 2, 32) for r in range(4)], 2,
+                           durations={(r, kind, c, mb): (forward if kind == "F" else backward)[r] / 2
+                                      for r in range(4) for kind in "FB" for c in range(2) for mb in range(32)}))
+    assert pipeline_seconds(forward, backward, num_microbatches=32, vpp=2) == pytest.approx(chunked)
+
+
+def _gpt(**kw) -> TransformerConfig:
+    shape = dict(num_layers=32, hidden_size=4096, num_attention_heads=32, max_position_embeddings=2048)
+    return TransformerConfig(**{**shape, **kw}, params_dtype=torch.bfloat16, bf16=True)
+
+
+def test_the_simplest_layout_within_the_tolerance_is_chosen():
+    base, workload = _gpt(), Workload(vocab_size=50257, seq_length=2048, micro_batch_size=1, global_batch_size=512)
+    hardware = hardware_from_profile("h100", num_devices=64)
+    fastest = rank_plans(base, workload, hardware, tolerance=0)
+    chosen = rank_plans(base, workload, hardware)[0]
+    assert fastest[0].step_seconds <= chosen.step_seconds <= 1.03 * fastest[0].step_seconds
+    near = [plan for plan in fastest if plan.fits and plan.step_seconds <= 1.03 * fastest[0].step_seconds]
+    assert all(simplicity(chosen) <= simplicity(plan) for plan in near)
+    assert chosen.layout.cp == 1  # 2048-token sequences need no cp
+
+
+def test_context_parallelism_only_where_sequences_need_it():
+    """A 256k-token sequence gets cp only because no layout without it fits or is within the tolerance."""
+    base = _gpt(num_layers=8, max_position_embeddings=262144)
+    workload = Workload(vocab_size=32000, seq_length=262144, micro_batch_size=1, global_batch_size=8)
+    hardware = hardware_from_profile("h100", num_devices=8)
+    plans = rank_plans(base, workload, hardware, space=SearchSpace(zero_stages=(0, 1)))
+    assert plans[0].fits and plans[0].layout.cp > 1
+    without_cp = [plan.step_seconds for plan in plans if plan.layout.cp == 1 and plan.fits]
+    fastest = min(plan.step_seconds for plan in plans if plan.fits)
+    assert not without_cp or min(without_cp) > 1.03 * fastest
+
+
+def test_gemm_efficiency_falls_for_small_dimensions():
+    h100 = hardware_from_profile("h100", num_devices=1)
+    assert gemm_efficiency(h100, 8192, 8192, 8192) > 0.69
+    assert gemm_efficiency(h100, 8192, 8192, 64) < 0.3  # an expert with 64 tokens, or a head dimension
+    assert gemm_efficiency(Hardware(num_devices=1, memory_per_device_gb=1, peak_tflops=1), 4, 4, 4) == 0.5
+
+
+def test_profiles_load_by_name_or_file_and_name_bad_ones(tmp_path):
+    path = tmp_path / "cpu.json"
+    save_profile(hardware_from_profile("B200", num_devices=8, peak_tflops=1.5), str(path))
+    loaded = hardware_from_profile(str(path), num_devices=2)
+    assert loaded.peak_tflops == 1.5 and loaded.memory_per_device_gb == 180 and loaded.num_devices == 2
+    with pytest.raises(ValueError, match="'tpu' is neither a shipped profile"):
+        hardware_from_profile("tpu", num_devices=1)
+    path.write_text(json.dumps({"peak_tflop": 1}))
+    with pytest.raises(ValueError, match=r"unknown fields \['peak_tflop'\]"):
+        hardware_from_profile(str(path), num_devices=1)
+
+
+MODEL_FLAGS = ["--num-layers", "32", "--hidden-size", "4096", "--num-attention-heads", "32", "--seq-length", "2048",
+               "--max-position-embeddings", "2048", "--micro-batch-size", "1", "--global-batch-size", "512",
+               "--vocab-size", "50257", "--bf16"]
+
+
+def test_tool_explains_every_axis_and_plots_the_parts(tmp_path, capsys):
+    png = tmp_path / "parts.png"
+    assert plan_parallelism.main(MODEL_FLAGS + ["--num-devices", "64", "--hardware", "a100", "--explain",
+                                                "--plot", str(png), "--top", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "64 a100 devices" in out and "step time by part" in out and "why each axis has its size" in out
+    for axis in ("- tp ", "- pp ", "- cp ", "- dp ", "- ZeRO ", "- recompute "):
+        assert axis in out
+    assert "does not fit" in out or "slower" in out
+    assert png.stat().st_size > 10_000
+
+
+def test_tool_names_bad_search_space_flags(capsys):
+    assert plan_parallelism.main(MODEL_FLAGS + ["--num-devices", "8", "--zero-stages", "0,5"]) == 2
+    assert "--zero-stages '0,5'" in capsys.readouterr().err
+    assert plan_parallelism.main(MODEL_FLAGS + ["--num-devices", "8", "--recompute-options", "most"]) == 2
+    assert "--recompute-options 'most'" in capsys.readouterr().err
+    assert set(PARTS) >= {"gemm", "tp", "bubble", "dp", "offload"}
