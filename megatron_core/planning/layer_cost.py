@@ -116,6 +116,16 @@ def _elementwise_bytes(config: TransformerConfig, tokens: float, t: int, *, flas
     return nbytes
 
 
+def _fp8_layer_share(config: TransformerConfig, hardware: Hardware) -> float:
+    """The fraction of layers whose linears run in FP8 (0 without ``config.fp8`` or an FP8 peak in the
+    profile; ``--first-last-layers-bf16`` keeps some in high precision)."""
+    fp8 = getattr(config, "fp8", None)
+    if fp8 is None or not hardware.fp8_peak_tflops:
+        return 0.0
+    layers = config.num_layers
+    return sum(fp8.applies_to_layer(n, layers) for n in range(1, layers + 1)) / layers
+
+
 def layer_forward_cost(config: TransformerConfig, hardware: Hardware, *, micro_batch_size: int, seq_length: int,
                        moe_layer: bool = False, ep: int = 1, etp: int = 1, flash: bool = True,
                        mask_bytes: int = 1) -> ForwardCost:
@@ -125,6 +135,12 @@ def layer_forward_cost(config: TransformerConfig, hardware: Hardware, *, micro_b
     gemms = _attention_linears(config, tokens, t) + _mlp_linears(config, tokens, t, moe_layer=moe_layer, ep=ep,
                                                                  etp=etp)
     gemm = sum(_gemm_seconds(flops, hardware, *dims) for flops, dims in gemms)
+    fp8_share = _fp8_layer_share(config, hardware)
+    if fp8_share:  # FP8 GEMMs at the FP8 peak, plus quantizing each GEMM's input and weight (read e, write 1 B)
+        fp8 = dataclasses.replace(hardware, peak_tflops=hardware.fp8_peak_tflops)
+        quantize = sum((element_bytes(config) + 1) * (dims[0] * dims[1] + dims[1] * dims[2]) for _, dims in gemms)
+        fp8_gemm = sum(_gemm_seconds(flops, fp8, *dims) for flops, dims in gemms) + _bytes_seconds(quantize, hardware)
+        gemm = fp8_share * fp8_gemm + (1 - fp8_share) * gemm
     if config.multi_latent_attention:
         d = config.qk_head_dim + config.qk_pos_emb_head_dim
         core_flops = 2.0 * config.num_attention_heads / t * tokens * seq_length * (d + config.v_head_dim)

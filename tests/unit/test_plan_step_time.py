@@ -31,6 +31,17 @@ def test_published_throughput_within_15_percent_and_below_peak():
         assert sum(plan.time.parts.values()) == pytest.approx(plan.step_seconds)
 
 
+def test_llama3_8b_fp8_on_h100_within_15_percent_of_megatron_bridge():
+    from megatron_core.fp8.config import Fp8Config
+    from megatron_core.planning.published import LLAMA3_8B_FP8_TFLOPS_PER_H100, llama3_8b
+    workload = Workload(vocab_size=128256, seq_length=8192, micro_batch_size=1, global_batch_size=128)
+    plan = plan_layout(llama3_8b(Fp8Config(fp8_recipe="tensorwise")), workload,
+                       hardware_from_profile("h100", num_devices=8), Layout(1, 1, 4, None, 1, False, None, 2))
+    assert abs(plan.tflops_per_device / LLAMA3_8B_FP8_TFLOPS_PER_H100 - 1) < 0.15, plan.tflops_per_device
+    bf16 = plan_layout(llama3_8b(None), workload, hardware_from_profile("h100", num_devices=8), plan.layout)
+    assert 1.2 < plan.tflops_per_device / bf16.tflops_per_device < 2  # the FP8 peak is 2x, attention is not FP8
+
+
 def test_published_layouts_chosen_as_the_experts_chose():
     """With what those runs could use (ZeRO 0, full recompute, no SP/cp), the planner picks the experts' tp
     on 7 of 10 (the model prefers tp 2-4 with pp for 7.5B-39B: tp 8 without SP replicates the element-wise
