@@ -94,39 +94,28 @@ def _allreduce_gbps(megabytes: int = 16) -> float:
 
 
 def bench_planner(args) -> list[str]:
+    """The planner's memory at the memory-test layouts, and its step time (calibrated on this machine) against
+    measured steps at ``planning.time_validation``'s layouts."""
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests" / "distributed"))
     import test_planner as tp_test
 
-    from megatron_core.planning.planner import Hardware, Workload, plan_layout
+    from megatron_core.planning.calibrate import calibrate
+    from megatron_core.planning.time_validation import validate
     from megatron_core.testing import run_distributed
-    torch.set_num_threads(1)
-    peak = _matmul_tflops()
-    gbps = max(run_distributed(2, _allreduce_gbps))
-    base = TransformerConfig(**tp_test.MODEL, max_position_embeddings=tp_test.S, params_dtype=torch.bfloat16, bf16=True)
-    lines = [f"bf16 matmul {peak * 1e3:.1f} GFLOP/s per rank (1 thread), gloo all-reduce {gbps:.2f} GB/s", "",
-             "| tp | pp | dp | vpp | ZeRO | SP | recompute | predicted MiB | measured MiB | ratio | predicted ms | "
-             "measured ms | ratio |", "| ---: | ---: | ---: | ---: | ---: | --- | --- |" + " ---: |" * 6]
+    lines = ["| tp | pp | dp | vpp | ZeRO | SP | recompute | predicted MiB | measured MiB | ratio |",
+             "| ---: | ---: | ---: | ---: | ---: | --- | --- |" + " ---: |" * 3]
     for layout in tp_test.LAYOUTS:
         pairs = tp_test.predicted_and_measured(run_distributed, layout)
-        measured_ms = 1e3 * statistics.median(
-            max(r.step_seconds for r in run_distributed(
-                layout.tp * layout.pp * layout.dp * layout.cp, tp_test._measure, layout,
-                {**tp_test.MODEL, "sequence_parallel": layout.sequence_parallel,
-                 "recompute_granularity": layout.recompute}, 3))
-            for _ in range(3))
-        workload = Workload(vocab_size=tp_test.V, seq_length=tp_test.S, micro_batch_size=tp_test.B,
-                            global_batch_size=tp_test.B * tp_test.M * layout.dp, make_vocab_size_divisible_by=8,
-                            mask_bytes=2)
-        hardware = Hardware(num_devices=layout.tp * layout.pp * layout.dp * layout.cp, memory_per_device_gb=1,
-                            peak_tflops=peak, intra_node_bandwidth_gbps=gbps, devices_per_node=4,
-                            compute_efficiency=1.0)
-        plan = plan_layout(base, workload, hardware, layout)
         predicted, measured = max(p for p, _ in pairs), max(m for _, m in pairs)
         lines.append(f"| {layout.tp} | {layout.pp} | {layout.dp} | {layout.vpp or 1} | {layout.zero_stage} | "
                      f"{'yes' if layout.sequence_parallel else 'no'} | {layout.recompute or 'none'} | "
-                     f"{predicted / 2**20:.3f} | {measured / 2**20:.3f} | {predicted / measured:.3f} | "
-                     f"{plan.step_seconds * 1e3:.1f} | {measured_ms:.1f} | "
-                     f"{plan.step_seconds * 1e3 / measured_ms:.2f} |")
+                     f"{predicted / 2**20:.3f} | {measured / 2**20:.3f} | {predicted / measured:.3f} |")
+    profile = calibrate(2)
+    lines += ["", "calibrated: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                                           for k, v in profile.items()), "",
+              "| layout | predicted ms | measured ms | predicted / measured |", "| --- | ---: | ---: | ---: |"]
+    for name, predicted, measured in validate(run_distributed, profile, rounds=max(args.runs, 1)):
+        lines.append(f"| {name} | {1e3 * predicted:.1f} | {1e3 * measured:.1f} | {predicted / measured:.2f} |")
     return lines
 
 

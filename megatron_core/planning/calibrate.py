@@ -73,8 +73,8 @@ def layer_overhead_us(dtype: torch.dtype) -> float:
     from megatron_core import destroy_model_parallel, initialize_model_parallel
     from megatron_core.config import TransformerConfig
     from megatron_core.models import GPTModel
-    from megatron_core.transformer.specs import layer_spec_for
     from megatron_core.tensor_parallel import model_parallel_seed
+    from megatron_core.transformer.specs import layer_spec_for
     state = initialize_model_parallel()
     model_parallel_seed(1, tp_rank=state.tp_rank, tracker=state.rng_tracker)
     tokens = torch.randint(0, 64, (1, 8))
@@ -122,14 +122,17 @@ def calibrate_rank(dtype_name: str = "bfloat16") -> dict:
     return fields
 
 
-def calibrate(world_size: int = 2, *, dtype_name: str = "bfloat16", memory_per_device_gb: float = 0.0) -> dict:
-    """A profile of this machine measured on ``world_size`` gloo ranks: each field the median over ranks."""
-    from megatron_core.testing import run_distributed
-    per_rank = run_distributed(world_size, calibrate_rank, dtype_name)
+def calibrate(world_size: int = 2, *, dtype_name: str = "bfloat16", memory_per_device_gb: float = 0.0,
+              distributed=None) -> dict:
+    """A profile of this machine measured on ``world_size`` gloo ranks (``distributed``: a
+    ``run_distributed``-like callable, e.g. the test suite's pool): each field the median over ranks."""
+    if distributed is None:
+        from megatron_core.testing import run_distributed as distributed
+    per_rank = distributed(world_size, calibrate_rank, dtype_name)
     fields = {}
     for name, value in per_rank[0].items():
         values = [rank[name] for rank in per_rank]
-        fields[name] = statistics.median(values) if isinstance(value, float) else value
+        fields[name] = float(statistics.median(values)) if isinstance(value, float) else value
     if not memory_per_device_gb:
         import os
         memory_per_device_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30 / world_size

@@ -35,6 +35,8 @@ class ForwardCost:
     attention: float
     elementwise: float
     tp: float
+    scores: float = 0.0
+    """Of ``elementwise``: the unfused softmax's ``s^2`` scores (selective recompute runs them again)."""
 
 
 def collective_seconds(volume_bytes: float, *, span: int, hardware: Hardware, count: int = 1) -> float:
@@ -110,10 +112,19 @@ def _elementwise_bytes(config: TransformerConfig, tokens: float, t: int, *, flas
         nbytes += routed * (gated * f + f) * e + 4 * routed * h * e  # activation + permute / unpermute
     else:
         nbytes += tokens * (gated * f + f) / t * e
-    if not flash:  # scores written, read by softmax, probabilities written, read by the value GEMM
-        scores = micro_batch_size * config.num_attention_heads / t * seq_length / cp * seq_length
-        nbytes += scores * (4 * e + (2 * mask_bytes + e if config.attention_dropout > 0 else 0))
-    return nbytes
+    return nbytes + _scores_bytes(config, t, flash=flash, micro_batch_size=micro_batch_size, seq_length=seq_length,
+                                  cp=cp, mask_bytes=mask_bytes)
+
+
+def _scores_bytes(config: TransformerConfig, t: int, *, flash: bool, micro_batch_size: int, seq_length: int,
+                  cp: int, mask_bytes: int) -> float:
+    """Without flash attention: the scores written, read by softmax, the probabilities written (and dropped
+    out), read by the value GEMM."""
+    if flash:
+        return 0.0
+    scores = micro_batch_size * config.num_attention_heads / t * seq_length / cp * seq_length
+    e = element_bytes(config)
+    return scores * (4 * e + (2 * mask_bytes + e if config.attention_dropout > 0 else 0))
 
 
 def _fp8_layer_share(config: TransformerConfig, hardware: Hardware) -> float:
@@ -151,11 +162,13 @@ def layer_forward_cost(config: TransformerConfig, hardware: Hardware, *, micro_b
     elementwise = _bytes_seconds(_elementwise_bytes(config, tokens, t, flash=flash, moe_layer=moe_layer,
                                                     micro_batch_size=micro_batch_size, seq_length=seq_length,
                                                     cp=c, mask_bytes=mask_bytes), hardware)
+    scores = _bytes_seconds(_scores_bytes(config, t, flash=flash, micro_batch_size=micro_batch_size,
+                                          seq_length=seq_length, cp=c, mask_bytes=mask_bytes), hardware)
     tp = 0.0
     if t > 1:
         volume = 4 * (t - 1) / t * tokens * config.hidden_size * element_bytes(config)
         tp = collective_seconds(volume, span=t, hardware=hardware, count=4 if config.sequence_parallel else 2)
-    return ForwardCost(gemm=gemm, attention=attention, elementwise=elementwise, tp=tp)
+    return ForwardCost(gemm=gemm, attention=attention, elementwise=elementwise, tp=tp, scores=scores)
 
 
 def output_layer_forward_seconds(config: TransformerConfig, hardware: Hardware, *, tokens: float,

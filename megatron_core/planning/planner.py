@@ -21,18 +21,16 @@ from typing import Iterator, Optional
 
 from megatron_core.config import TransformerConfig
 from megatron_core.planning.activations import ActivationShape, in_flight_microbatches, stage_activation_bytes
+from megatron_core.planning.choose import choose_plan
+from megatron_core.planning.hardware import Hardware
 from megatron_core.planning.moe import (
     dense_mlp_parameters,
-    ep_comm_bytes,
-    etp_comm_bytes,
     expert_ffn,
     expert_parameters_per_rank,
     moe_dense_parameters,
     moe_layers_on_stage,
     stage_layer_count,
 )
-from megatron_core.planning.choose import choose_plan
-from megatron_core.planning.hardware import Hardware
 from megatron_core.planning.step_time import (
     StepTime,
     cp_comm_bytes,
@@ -329,7 +327,8 @@ def plan_layout(base: TransformerConfig, workload: Workload, hardware: Hardware,
     flops = hardware_flops_per_iteration(config, batch_size=workload.global_batch_size,
                                          seq_length=workload.seq_length, padded_vocab_size=padded)
     stage_params = [(stage_parameters(config, workload, pp_rank=r)[0],
-                     stage_expert_parameters(config, pp_rank=r, ep=layout.ep, etp=layout.etp)) for r in range(layout.pp)]
+                     stage_expert_parameters(config, pp_rank=r, ep=layout.ep, etp=layout.etp))
+                    for r in range(layout.pp)]
     timing = step_time(config, workload, layout, hardware, num_microbatches=m, padded_vocab_size=padded,
                        stage_params=stage_params, optimizer_params=_optimizer_params(stage_params, layout))
     step = timing.total
@@ -432,7 +431,7 @@ def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-__all__ = ["Hardware", "Workload", "Layout", "Plan", "SearchSpace", "cp_comm_bytes", "cp_comm_seconds", "ep_comm_seconds",
-           "layout_config", "stage_expert_parameters",
+__all__ = ["Hardware", "Workload", "Layout", "Plan", "SearchSpace", "cp_comm_bytes", "cp_comm_seconds",
+           "ep_comm_seconds", "layout_config", "stage_expert_parameters",
            "model_state_bytes", "optimizer_state_bytes", "rank_activation_bytes", "rank_transient_bytes",
            "stage_parameters", "plan_layout", "valid_layouts", "rank_plans"]

@@ -41,8 +41,9 @@ def explain(plans: list, *, budget_bytes: float, tolerance: float, top: int = 5)
              f"ZeRO transients {chosen.transient_bytes / 2**30:.2f}), {chosen.step_seconds:.3f} s per step, "
              f"{chosen.tflops_per_device:.1f} TFLOP/s per device"]
     if fastest is not chosen:
-        lines.append(f"the fastest, {layout_name(fastest)}, is {100 * (1 - fastest.step_seconds / chosen.step_seconds):.1f}% "
-                     f"faster: within the {100 * tolerance:g}% tolerance, the simpler layout is chosen")
+        faster = 100 * (1 - fastest.step_seconds / chosen.step_seconds)
+        lines.append(f"the fastest, {layout_name(fastest)}, is {faster:.1f}% faster: within the {100 * tolerance:g}% "
+                     "tolerance, the simpler layout is chosen")
     lines += ["", "step time by part (milliseconds per step on the busiest pipeline stage; the parts sum to the "
               "step):", "", parts_table(plans, top), "", "why each axis has its size:"]
     lines += [f"- {line}" for line in axis_reasons(chosen, plans, budget_bytes, tolerance)]

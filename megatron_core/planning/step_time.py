@@ -18,7 +18,12 @@ import functools
 import math
 
 from megatron_core.config import TransformerConfig
-from megatron_core.pipeline_parallel.schedule_plan import Op, interleaved_ops, one_f_one_b_ops, simulate, zero_bubble_ops
+from megatron_core.pipeline_parallel.schedule_plan import (
+    interleaved_ops,
+    one_f_one_b_ops,
+    simulate,
+    zero_bubble_ops,
+)
 from megatron_core.planning.hardware import Hardware
 from megatron_core.planning.layer_cost import (
     bytes_seconds,
@@ -133,7 +138,7 @@ def _stage_microbatch(config: TransformerConfig, workload, layout, hardware: Har
     recomputed = recomputed_layers_per_chunk(config, config.num_layers // chunks) * (layout.vpp or 1)
     layer_forward = (dense.gemm + dense.attention + dense.elementwise) if layers else 0.0
     recompute = (recomputed * layer_forward if layout.recompute == "full"
-                 else attention if layout.recompute == "selective" else 0.0)
+                 else attention + total("scores") if layout.recompute == "selective" else 0.0)
     tp_again = recomputed * dense.tp if layout.recompute == "full" else 0.0
     overhead = layers * hardware.layer_overhead_us * 1e-6 * (1 + (recomputed / max(layers, 1) / 3))
     cp_layer = collective_seconds(cp_comm_bytes(config, workload, layout), span=layout.tp * layout.cp,
@@ -246,4 +251,5 @@ def step_time(config: TransformerConfig, workload, layout, hardware: Hardware, *
     return StepTime(parts={name: parts.get(name, 0.0) for name in PARTS}, stage=busiest)
 
 
-__all__ = ["PARTS", "StepTime", "cp_comm_bytes", "cp_comm_seconds", "ep_comm_seconds", "offload_seconds", "pipeline_seconds", "step_time"]
+__all__ = ["PARTS", "StepTime", "cp_comm_bytes", "cp_comm_seconds", "ep_comm_seconds", "offload_seconds",
+           "pipeline_seconds", "step_time"]
