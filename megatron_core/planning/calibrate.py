@@ -1,18 +1,23 @@
 """Measuring this machine for the planner (``tools/plan_parallelism.py --calibrate FILE``): the GEMM efficiency
-curve, memory bandwidth, the fixed cost of one transformer layer's forward + backward, and the all-reduce's
-latency and bus bandwidth over ``world_size`` gloo ranks (or NCCL on GPUs). Each is a small benchmark of a few
-hundred milliseconds; the result is a hardware profile (``planning.hardware``) written as JSON.
+curve, the fixed cost of one transformer layer's forward + backward, the rate of its element-wise ops, and the
+all-reduce's latency and bus bandwidth over ``world_size`` gloo ranks, all ranks measuring at once (as they
+will train). Each is a small benchmark; the result is a hardware profile (``planning.hardware``) as JSON.
 
-- GEMMs ``[d, d] x [d, d]`` and skinny ones (``[4096, d] x [d, 256]``) for d from 16 to 1024; the rate fits
-  ``R d / (d + d_half)`` (least squares on ``1 / rate = 1 / R + (d_half / R) / d``): ``peak_tflops = R``,
-  ``compute_efficiency = 1``, ``gemm_half_dim = d_half``.
-- Memory bandwidth: ``z = x + y`` on 32 MiB tensors (3 x 32 MiB moved).
-- Layer overhead: forward + backward of a GPT layer at hidden 32, 8 tokens, where no FLOP or byte matters.
+- GEMMs ``[d, d] x [d, d]`` and skinny ones (``[4096, d] x [d, 256]``, ``[4096, 256] x [256, d]``) for d from
+  16 to 1024, each in the forward, input-gradient and weight-gradient orientation; least squares (relative to
+  each time) of ``t = t0 + F / R + (d_half / R) F / d``: ``peak_tflops = R``, ``compute_efficiency = 1``,
+  ``gemm_half_dim = d_half`` (``t0``, the call's fixed cost, is in the layer overhead).
+- Layer overhead: forward + backward of a GPT layer at hidden 32, 8 tokens (a GPT of 3 layers minus one of
+  1, over 2), where no FLOP or byte matters.
+- Element-wise rate (``memory_bandwidth_gbps``): a GPT layer at hidden 192 and 384 tokens, less its modeled
+  GEMM, attention and overhead time, over the planner's element-wise bytes for it. On a CPU, dropout's random
+  numbers, dtype conversions and ``exp`` make these ops slower than DRAM bandwidth; a GPU's are bound by HBM.
 - All-reduce: median time of 8-byte and 16 MiB all-reduces: latency and ``2 (n - 1) / n x bytes / time``.
 On a CPU every rank runs one thread (as the test and benchmark ranks do); devices = ranks, one node.
 """
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from typing import Callable
@@ -21,55 +26,40 @@ import numpy
 import torch
 import torch.distributed as dist
 
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+from megatron_core.planning.hardware import Hardware
+from megatron_core.planning.layer_cost import elementwise_layer_bytes, layer_forward_cost
 
 
-def _median_seconds(fn: Callable[[], object], device: torch.device, *, repeats: int = 5, warmup: int = 2) -> float:
+def _median_seconds(fn: Callable[[], object], *, repeats: int = 5, warmup: int = 2) -> float:
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(repeats):
-        _sync(device)
         start = time.perf_counter()
         fn()
-        _sync(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
 
-def gemm_curve(device: torch.device, dtype: torch.dtype, dims=(16, 32, 64, 128, 256, 512, 1024)) -> dict:
-    """``peak_tflops`` and ``gemm_half_dim`` fitted to measured GEMM times (see the module docstring): least
-    squares, relative to each time, of ``t = t0 + F / R + (d_half / R) F / d`` (``F`` the FLOPs, ``d`` the smallest
-    dimension, ``t0`` the call's fixed cost, which the layer overhead already counts)."""
-    rows, times = [], []
+def gemm_curve(dtype: torch.dtype, dims=(16, 32, 64, 128, 256, 512, 1024)) -> dict:
+    """``peak_tflops`` and ``gemm_half_dim`` fitted to measured GEMM times (see the module docstring)."""
+    rows = []
     for d in dims:
         for m, n, k in ((d, d, d), (4096, 256, d), (4096, d, 256)):
-            a = torch.randn(m, k, device=device, dtype=dtype)
-            b = torch.randn(k, n, device=device, dtype=dtype)
-            seconds = _median_seconds(lambda: a @ b, device)
-            flops = 2.0 * m * n * k
-            rows.append([1.0 / seconds, flops / seconds, flops / min(m, n, k) / seconds])
-            times.append(1.0)
-    (t0, inverse_rate, half_over_rate), *_ = numpy.linalg.lstsq(numpy.array(rows), numpy.array(times), rcond=None)
-    inverse_rate = max(inverse_rate, 1e-18)
+            a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+            at, bt = a.t().contiguous(), b.t().contiguous()
+            for product in (lambda: a @ b, lambda: a @ bt.t(), lambda: at.t() @ b):  # forward, dgrad, wgrad
+                seconds, flops = _median_seconds(product), 2.0 * m * n * k
+                rows.append([1.0 / seconds, flops / seconds, flops / min(m, n, k) / seconds])
+    (_, inverse_rate, half_over_rate), *_ = numpy.linalg.lstsq(numpy.array(rows), numpy.ones(len(rows)), rcond=None)
+    inverse_rate = max(float(inverse_rate), 1e-18)
     return {"peak_tflops": 1.0 / inverse_rate / 1e12, "compute_efficiency": 1.0,
-            "gemm_half_dim": max(half_over_rate / inverse_rate, 0.0)}
+            "gemm_half_dim": max(float(half_over_rate) / inverse_rate, 0.0)}
 
 
-def memory_bandwidth_gbps(device: torch.device, dtype: torch.dtype = torch.float32) -> float:
-    numel = (32 << 20) // torch.finfo(dtype).bits * 8
-    x, y = torch.randn(numel, device=device, dtype=dtype), torch.randn(numel, device=device, dtype=dtype)
-    z = torch.empty_like(x)
-    seconds = _median_seconds(lambda: torch.add(x, y, out=z), device)
-    return 3 * x.numel() * x.element_size() / seconds / 1e9
-
-
-def layer_overhead_us(dtype: torch.dtype) -> float:
-    """The per-layer cost no FLOP explains: forward + backward of a GPT of 3 layers minus one of 1 layer, at
-    hidden 32 and 8 tokens, over 2 (call inside a process group; the model is local: no collective runs)."""
+def _gpt_layer_seconds(dtype: torch.dtype, *, hidden: int, heads: int, seq: int, batch: int) -> tuple[float, object]:
+    """Seconds of one GPT layer's forward + backward (a GPT of 3 layers minus one of 1, over 2) at this shape,
+    dropout 0.1; and the layer's config (call inside a process group: the model is local, no collective)."""
     from megatron_core import destroy_model_parallel, initialize_model_parallel
     from megatron_core.config import TransformerConfig
     from megatron_core.models import GPTModel
@@ -77,44 +67,58 @@ def layer_overhead_us(dtype: torch.dtype) -> float:
     from megatron_core.transformer.specs import layer_spec_for
     state = initialize_model_parallel()
     model_parallel_seed(1, tp_rank=state.tp_rank, tracker=state.rng_tracker)
-    tokens = torch.randint(0, 64, (1, 8))
-    positions = torch.arange(8).unsqueeze(0)
-    seconds = {}
+    tokens, positions = torch.randint(0, 64, (batch, seq)), torch.arange(seq).expand(batch, seq)
+    seconds, config = {}, None
     for layers in (1, 3):
-        config = TransformerConfig(num_layers=layers, hidden_size=32, num_attention_heads=4, params_dtype=dtype,
+        config = TransformerConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=heads, params_dtype=dtype,
                                    bf16=dtype == torch.bfloat16, hidden_dropout=0.1, attention_dropout=0.1,
-                                   max_position_embeddings=8)
-        model = GPTModel(config, parallel_state=state, vocab_size=64, max_sequence_length=8,
+                                   max_position_embeddings=seq)
+        model = GPTModel(config, parallel_state=state, vocab_size=64, max_sequence_length=seq,
                          layer_spec=layer_spec_for(config), make_vocab_size_divisible_by=8)
-        seconds[layers] = _median_seconds(
-            lambda: model(tokens, positions, labels=tokens).float().sum().backward(), torch.device("cpu"),
-            repeats=15, warmup=3)
+        seconds[layers] = _median_seconds(lambda: model(tokens, positions, labels=tokens).float().sum().backward(),
+                                          repeats=9)
     destroy_model_parallel(state)
-    return max(seconds[3] - seconds[1], 0.0) / 2 * 1e6
+    return max(seconds[3] - seconds[1], 0.0) / 2, config
 
 
-def allreduce(device: torch.device, group=None) -> dict:
+def layer_overhead_us(dtype: torch.dtype) -> float:
+    """The per-layer cost no FLOP or byte explains: one layer at hidden 32 and 8 tokens."""
+    return _gpt_layer_seconds(dtype, hidden=32, heads=4, seq=8, batch=1)[0] * 1e6
+
+
+def elementwise_bandwidth_gbps(dtype: torch.dtype, fields: dict) -> float:
+    """The rate of the framework's element-wise ops in the planner's bytes (see the module docstring); ``fields``
+    holds the GEMM curve and layer overhead measured before."""
+    seconds, config = _gpt_layer_seconds(dtype, hidden=192, heads=3, seq=384, batch=1)
+    machine = Hardware(num_devices=1, memory_per_device_gb=1, **{k: fields[k] for k in (
+        "peak_tflops", "compute_efficiency", "gemm_half_dim", "layer_overhead_us")})
+    cost = layer_forward_cost(config, machine, micro_batch_size=1, seq_length=384, flash=False, mask_bytes=2)
+    rest = seconds - 3 * (cost.gemm + cost.attention) - machine.layer_overhead_us * 1e-6
+    nbytes = 3 * elementwise_layer_bytes(config, micro_batch_size=1, seq_length=384, flash=False, mask_bytes=2)
+    return nbytes / max(rest, 0.05 * seconds) / 1e9
+
+
+def allreduce(group=None) -> dict:
     """Latency (us) and bus bandwidth (GB/s) of an all-reduce over ``group`` (call on every rank)."""
     ranks = dist.get_world_size(group)
-    small = torch.zeros(2, device=device)
-    large = torch.zeros(4 << 20, device=device)  # 16 MiB of fp32
-    latency = _median_seconds(lambda: dist.all_reduce(small, group=group), device, repeats=9)
-    seconds = _median_seconds(lambda: dist.all_reduce(large, group=group), device)
+    small, large = torch.zeros(2), torch.zeros(4 << 20)  # 16 MiB of fp32
+    latency = _median_seconds(lambda: dist.all_reduce(small, group=group), repeats=9)
+    seconds = _median_seconds(lambda: dist.all_reduce(large, group=group))
     busbw = 2 * (ranks - 1) / ranks * large.numel() * 4 / max(seconds - latency, 1e-9) / 1e9
     return {"latency_us": latency * 1e6, "bus_gbps": busbw}
 
 
 def calibrate_rank(dtype_name: str = "bfloat16") -> dict:
-    """Run on every rank of a process group (``run_distributed``): this rank's measurements. On a CPU with one
-    thread per rank, as the ranks that train here run."""
-    device = torch.device("cpu")
+    """Run on every rank of a process group (``run_distributed``): this rank's measurements, on one thread."""
     dtype = getattr(torch, dtype_name)
     torch.set_num_threads(1)
-    comm = allreduce(device)
+    comm = allreduce()
     dist.barrier()
-    fields = gemm_curve(device, dtype)
+    fields = gemm_curve(dtype)
     dist.barrier()
-    fields.update(memory_bandwidth_gbps=memory_bandwidth_gbps(device), layer_overhead_us=layer_overhead_us(dtype))
+    fields["layer_overhead_us"] = layer_overhead_us(dtype)
+    dist.barrier()
+    fields["memory_bandwidth_gbps"] = elementwise_bandwidth_gbps(dtype, fields)
     world = dist.get_world_size()
     fields.update(intra_node_bandwidth_gbps=comm["bus_gbps"], inter_node_bandwidth_gbps=comm["bus_gbps"],
                   intra_node_latency_us=comm["latency_us"], inter_node_latency_us=comm["latency_us"],
@@ -134,10 +138,10 @@ def calibrate(world_size: int = 2, *, dtype_name: str = "bfloat16", memory_per_d
         values = [rank[name] for rank in per_rank]
         fields[name] = float(statistics.median(values)) if isinstance(value, float) else value
     if not memory_per_device_gb:
-        import os
         memory_per_device_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30 / world_size
     fields["memory_per_device_gb"] = memory_per_device_gb
     return fields
 
 
-__all__ = ["calibrate", "calibrate_rank", "gemm_curve", "memory_bandwidth_gbps", "layer_overhead_us", "allreduce"]
+__all__ = ["calibrate", "calibrate_rank", "gemm_curve", "layer_overhead_us", "elementwise_bandwidth_gbps",
+           "allreduce"]

@@ -141,7 +141,7 @@ def layer_forward_cost(config: TransformerConfig, hardware: Hardware, *, micro_b
                        moe_layer: bool = False, ep: int = 1, etp: int = 1, flash: bool = True,
                        mask_bytes: int = 1) -> ForwardCost:
     """One layer's forward on one rank of ``config``'s tp x cp (the config carries the layout's sizes)."""
-    t, c = config.tensor_model_parallel_size, config.context_parallel_size
+    t, c = config.tensor_model_parallel_size or 1, config.context_parallel_size or 1
     tokens = micro_batch_size * seq_length / c
     gemms = _attention_linears(config, tokens, t) + _mlp_linears(config, tokens, t, moe_layer=moe_layer, ep=ep,
                                                                  etp=etp)
@@ -171,6 +171,15 @@ def layer_forward_cost(config: TransformerConfig, hardware: Hardware, *, micro_b
     return ForwardCost(gemm=gemm, attention=attention, elementwise=elementwise, tp=tp, scores=scores)
 
 
+def elementwise_layer_bytes(config: TransformerConfig, *, micro_batch_size: int, seq_length: int, flash: bool = True,
+                            mask_bytes: int = 1) -> float:
+    """The element-wise bytes of one dense layer's forward on one rank (what ``layer_forward_cost`` divides by
+    the memory bandwidth)."""
+    t, c = config.tensor_model_parallel_size or 1, config.context_parallel_size or 1
+    return _elementwise_bytes(config, micro_batch_size * seq_length / c, t, flash=flash, moe_layer=False,
+                              micro_batch_size=micro_batch_size, seq_length=seq_length, cp=c, mask_bytes=mask_bytes)
+
+
 def output_layer_forward_seconds(config: TransformerConfig, hardware: Hardware, *, tokens: float,
                                  padded_vocab_size: int) -> tuple[float, float]:
     """(GEMM, element-wise) seconds of the last stage's output layer and fp32 cross-entropy forward."""
@@ -185,5 +194,5 @@ def bytes_seconds(nbytes: float, hardware: Hardware) -> float:
     return _bytes_seconds(nbytes, hardware)
 
 
-__all__ = ["ForwardCost", "collective_seconds", "element_bytes", "layer_forward_cost", "output_layer_forward_seconds",
-           "bytes_seconds"]
+__all__ = ["ForwardCost", "collective_seconds", "element_bytes", "elementwise_layer_bytes", "layer_forward_cost",
+           "output_layer_forward_seconds", "bytes_seconds"]

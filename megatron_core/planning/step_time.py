@@ -18,6 +18,7 @@ import functools
 import math
 
 from megatron_core.config import TransformerConfig
+from megatron_core.distributed.ddp_config import DistributedDataParallelConfig
 from megatron_core.pipeline_parallel.schedule_plan import (
     interleaved_ops,
     one_f_one_b_ops,
@@ -196,13 +197,15 @@ def pipeline_seconds(forward: list, backward: list, *, num_microbatches: int, vp
     return span + (m - simulated) * max(f + x for f, x in zip(forward, backward))
 
 
-def _dp_parts(params: float, ranks: int, zero_stage: int, m: int, element: int, span: int,
-              hardware: Hardware) -> tuple[float, float, float]:
+def _dp_parts(params: float, ranks: int, zero_stage: int, m: int, element: int, span: int, hardware: Hardware,
+              units: int) -> tuple[float, float, float]:
     """(gradient-reduction seconds, parameter-gather seconds after the step, overlappable gathers) for
-    ``params`` over ``ranks``."""
+    ``params`` over ``ranks``: one collective per bucket (the wrapper's bucket size; at ZeRO 3 one per unit,
+    ``units`` of them) per step, or per micro-batch from ZeRO 2 on."""
     if ranks == 1 or not params:
         return 0.0, 0.0, 0.0
-    ring, buckets = (ranks - 1) / ranks, max(1, math.ceil(params / BUCKET_ELEMENTS))
+    bucket = DistributedDataParallelConfig(zero_stage=zero_stage).resolved_bucket_size(ranks, total_numel=int(params))
+    ring, buckets = (ranks - 1) / ranks, units if zero_stage == 3 else max(1, math.ceil(params / bucket))
     grads = 4 * params
     per_step = zero_stage < 2
     reduce = collective_seconds((2 if per_step else m) * ring * grads, span=span, hardware=hardware,
@@ -238,9 +241,12 @@ def step_time(config: TransformerConfig, workload, layout, hardware: Hardware, *
     parts["bubble"] = max(span - m * (forward[busiest] + backward[busiest]), 0.0)
     dense, experts = stage_params[busiest]
     e, group_span = element_bytes(config), layout.tp * layout.cp * layout.dp
-    reduce, after, during = (sum(x) for x in zip(
-        _dp_parts(dense, layout.dp * layout.cp, layout.zero_stage, m, e, group_span, hardware),
-        _dp_parts(experts, layout.expert_dp, layout.zero_stage, m, e, group_span, hardware)))
+    layers = stage_layer_count(config, busiest)
+    units = 4 * layers + 2  # ZeRO 3 gathers: QKV, proj, fc1, fc2 per layer (norms and biases ride along), plus the
+    reduce, after, during = (sum(x) for x in zip(  # embedding and output layer
+        _dp_parts(dense, layout.dp * layout.cp, layout.zero_stage, m, e, group_span, hardware, units),
+        _dp_parts(experts, layout.expert_dp, layout.zero_stage, m, e, group_span, hardware,
+                  moe_layers_on_stage(config, pp_rank=busiest))))
     window = backward[busiest] * (m if layout.zero_stage >= 2 else 1)
     parts["dp"] = max(reduce - hardware.comm_overlap * min(reduce, window), 0.0)
     compute = m * (forward[busiest] + backward[busiest])
