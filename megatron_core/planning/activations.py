@@ -120,6 +120,8 @@ def layer_activation_bytes(config: TransformerConfig, shape: ActivationShape, *,
             partitioned += e * s * b * (q_dim + 2 * kv_dim)          # Q, K, V after the inner all-to-all
         if shape.cp_comm_type == "allgather":
             partitioned += 2 * e * shape.seq_length * b * kv_dim     # K, V of the whole sequence
+    elif not selective and (config.window_size is not None or config.softmax_type != "vanilla"):
+        partitioned += e * s * b * q_dim + 4 * a * s * b             # block attention (window / sinks): out, lse
     elif not selective:
         full = shape.seq_length                                      # a2a: all tokens, a / cp heads
         core = e * a * s * full * b                                  # softmax output

@@ -4,8 +4,8 @@ axis: tp (with and without SP), pp (1F1B and interleaved), cp, ep, dp x ZeRO 1-3
 recompute. Used by ``tests/distributed/test_planner_time.py`` and ``scripts/benchmark.py --only planner``.
 
 The model is large enough for its GEMMs and element-wise ops to matter on a CPU (hidden 256, 256 tokens per
-sequence) and small enough for a step to take about a tenth of a second; at most 2 ranks, one per core, one
-thread each (the calibration's conditions).
+sequence) and small enough for a step to take about half a second; every layout on 2 ranks, one per core, one
+thread each: the calibration's conditions (two ranks measuring at once share the memory system).
 """
 from __future__ import annotations
 
@@ -25,9 +25,9 @@ MODEL = dict(num_layers=4, hidden_size=256, num_attention_heads=4, hidden_dropou
 MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_token_dispatcher_type="alltoall", moe_aux_loss_coeff=0.0)
 
 LAYOUTS = {  # name: (layout, MoE)
-    "single": (Layout(1, 1, 1, None, 0, False, None), False),
-    "selective recompute": (Layout(1, 1, 1, None, 0, False, "selective"), False),
-    "full recompute": (Layout(1, 1, 1, None, 0, False, "full"), False),
+    "dp 2": (Layout(1, 1, 2, None, 0, False, None), False),
+    "dp 2 selective recompute": (Layout(1, 1, 2, None, 0, False, "selective"), False),
+    "dp 2 full recompute": (Layout(1, 1, 2, None, 0, False, "full"), False),
     "tp 2": (Layout(2, 1, 1, None, 0, False, None), False),
     "tp 2 SP": (Layout(2, 1, 1, None, 0, True, None), False),
     "pp 2": (Layout(1, 2, 1, None, 0, False, None), False),
