@@ -25,6 +25,7 @@ import torch
 
 from megatron_core.context_parallel import fused
 from megatron_core.context_parallel.band import Band, band_tiles
+from megatron_core.utils import accelerator
 
 TILE_ELEMENTS = 1 << 20
 """Scores per tile (``b * hq * rows * sk``): about two such fp32 buffers (8 MiB) live at once in backward."""
@@ -115,8 +116,7 @@ def tile_keep_mask(shape: tuple[int, ...], *, p: float, seed: int, first_row: in
                    device: torch.device) -> torch.Tensor:
     """Dropout keep mask (True with probability ``1 - p``) of the tile starting at query row ``first_row``,
     drawn from its own generator, so backward draws exactly the forward's mask again."""
-    generator = torch.Generator(device=device)
-    generator.manual_seed(seed * 1_000_003 + first_row)
+    generator = accelerator.seeded_generator(device, seed * 1_000_003 + first_row)  # (a dry run: None)
     return torch.rand(shape, generator=generator, device=device) >= p
 
 

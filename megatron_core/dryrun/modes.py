@@ -7,6 +7,10 @@ states, ``.tolist()`` of real tensors) keeps its values. A scalar read off a fak
 ``bool(t)``) has no value; it reads as 0 (False), which is what a healthy step's checks expect: no inf in the
 gradients, a finite loss. Values are meaningless in a dry run; shapes, bytes, FLOPs and collectives are not.
 
+``register_cuda_attention`` runs ``F.scaled_dot_product_attention`` on fake CUDA tensors through the fused kernel a
+CUDA build picks (flash, else memory-efficient): a CPU build has no CUDA kernel chooser, so the call would
+decompose into the math path, whose ``[s, s]`` scores a GPU never holds.
+
 ``CollectiveRecorder`` records every ``c10d`` op (all-reduce, all-gather, reduce-scatter, all-to-all, send,
 recv, broadcast) with its bytes and group size.
 """
@@ -14,13 +18,16 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import flop_registry
+
+from megatron_core.context_parallel.fused import kernel_for
 
 _SCALAR_READS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default)
 
@@ -43,12 +50,14 @@ class FakeCudaMode(TorchDispatchMode):
     """CUDA tensors fake, the rest real (module docstring). ``scalar_reads`` counts the value-less reads.
 
     It holds a ``FakeTensorMode`` entered with it: torch runs that mode after every user mode, and its
-    presence is also what lets ``torch.randn(..., device="cuda")`` skip CUDA's lazy initialization."""
+    presence is also what lets ``torch.randn(..., device="cuda")`` skip CUDA's lazy initialization. Creating
+    one registers ``cuda_sdpa`` (``register_cuda_attention``)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.fake = FakeTensorMode(allow_non_fake_inputs=True)
         self.scalar_reads = 0
+        register_cuda_attention()
 
     def __enter__(self):
         self.fake.__enter__()
@@ -73,6 +82,64 @@ class FakeCudaMode(TorchDispatchMode):
         if func == torch.ops.aten.is_pinned.default:
             return False
         return func(*args, **kwargs)  # on to the FakeTensorMode
+
+
+def cuda_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+              enable_gqa=False) -> Optional[torch.Tensor]:
+    """``F.scaled_dot_product_attention`` through the kernel a CUDA build chooses for these inputs (flash:
+    16-bit, head dim a multiple of 8 up to 256, no mask, sm80+; else memory-efficient), so that autograd saves
+    what it saves on a GPU (q, k, v, the output and its fp32 log-sum-exp). None where the call is not on CUDA
+    or neither kernel takes it (the caller then runs the math path, as a CUDA build would)."""
+    kernel = kernel_for(query) if query.device.type == "cuda" and not enable_gqa else None
+    if kernel == "cuda_flash" and attn_mask is None:
+        return torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal, False,
+                                                                  scale=scale)[0]
+    if kernel is not None:
+        log_sumexp = any(t.requires_grad for t in (query, key, value)) and torch.is_grad_enabled()
+        return torch.ops.aten._scaled_dot_product_efficient_attention(query, key, value, attn_mask, log_sumexp,
+                                                                      dropout_p, is_causal, scale=scale)[0]
+    return None
+
+
+def _sdpa_on_cuda(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                  enable_gqa=False) -> torch.Tensor:
+    out = cuda_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    if out is not None:
+        return out
+    return torch.ops.aten._scaled_dot_product_attention_math(query, key, value, attn_mask, dropout_p, is_causal,
+                                                             scale=scale, enable_gqa=enable_gqa)[0]
+
+
+_CUDA_ATTENTION: list = []
+
+
+def register_cuda_attention() -> None:
+    """Registers ``cuda_sdpa`` as this process's CUDA kernel of ``aten::scaled_dot_product_attention`` (at its
+    ``AutogradCUDA`` key, where a CUDA build's own chooser sits), once. Dry-run processes only: a CPU build has
+    no CUDA chooser, and the op would decompose into its math path. A dispatch-level kernel, not a Python
+    function mode, so that it also holds in backward (activation recompute) and on autograd's threads."""
+    if not _CUDA_ATTENTION:
+        library = torch.library.Library("aten", "IMPL")
+        library.impl("scaled_dot_product_attention", _sdpa_on_cuda, "AutogradCUDA")
+        _CUDA_ATTENTION.append(library)  # kept alive: the registration lasts as long as the library object
+
+
+class FlopCounter(TorchDispatchMode):
+    """Total FLOPs of the ops run (``torch.utils.flop_counter``'s formulas). Not ``FlopCounterMode``: its module
+    tracker's hooks kept every activation of a checkpointed region alive (7 GB of phantom activations in a
+    dry run of 70B with full recompute)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.total = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        count = flop_registry.get(func._overloadpacket)
+        if count is not None:
+            self.total += count(*args, **kwargs, out_val=out)
+        return out
 
 
 @dataclasses.dataclass

@@ -20,9 +20,8 @@ import time
 from typing import Optional, Sequence
 
 import torch.distributed as dist
-from torch.utils.flop_counter import FlopCounterMode
 
-from megatron_core.dryrun.modes import CollectiveRecorder, FakeCudaMode
+from megatron_core.dryrun.modes import CollectiveRecorder, FakeCudaMode, FlopCounter
 from megatron_core.optimizer.memory import memory_categories
 from megatron_core.planning.planner import Workload, stage_expert_parameters, stage_parameters
 from megatron_core.training.arguments import parse_args
@@ -89,12 +88,12 @@ def _train(run, steps: int, recorder: CollectiveRecorder) -> dict:
             last = step == steps - 1
             if last:
                 recorder.seen.clear()
-                counter = FlopCounterMode(display=False)
+                counter = FlopCounter()
             begin = time.perf_counter()
             with counter if last else contextlib.nullcontext():
                 train_step(run, batches)
             step_seconds.append(time.perf_counter() - begin)
-    return {"tracker": tracker, "launches": list(launches), "flops": counter.get_total_flops(),
+    return {"tracker": tracker, "launches": list(launches), "flops": counter.total,
             "step_seconds": step_seconds}
 
 

@@ -26,6 +26,7 @@ import dataclasses
 from typing import Optional
 
 from megatron_core.config import TransformerConfig
+from megatron_core.planning.fp8 import fp8_layer_saving
 from megatron_core.planning.moe import moe_mlp_activation_bytes
 
 
@@ -72,6 +73,18 @@ class ActivationShape:
     @property
     def local_seq_length(self) -> float:
         return self.seq_length / self.cp
+
+    @property
+    def on_cuda(self) -> bool:
+        """Whether this is a CUDA run (its dropout masks are 1 byte): attention then runs fused SDPA."""
+        return self.mask_bytes == 1
+
+
+def runs_sdpa(config: TransformerConfig, shape: ActivationShape) -> bool:
+    """Whether core attention runs fused SDPA (``DotProductAttention.implementation``: causal, no explicit
+    mask, on CUDA or without attention dropout; no sliding window or sinks), which saves no ``[s, s]`` tensor."""
+    plain = config.softmax_type == "vanilla" and config.window_size is None
+    return plain and (shape.on_cuda or config.attention_dropout == 0)
 
 
 def layer_activation_bytes(config: TransformerConfig, shape: ActivationShape, *, selective: bool = False,
@@ -122,6 +135,9 @@ def layer_activation_bytes(config: TransformerConfig, shape: ActivationShape, *,
             partitioned += 2 * e * shape.seq_length * b * kv_dim     # K, V of the whole sequence
     elif not selective and (config.window_size is not None or config.softmax_type != "vanilla"):
         partitioned += e * s * b * q_dim + 4 * a * s * b             # block attention (window / sinks): out, lse
+    elif not selective and runs_sdpa(config, shape):  # flash / efficient (a2a: all tokens, a / cp heads)
+        partitioned += e * s * b * (2 * (q_dim - kv_dim) + q_dim)   # k, v repeated to every head; the output
+        partitioned += 4 * a * s * b                                 # its fp32 log-sum-exp
     elif not selective:
         full = shape.seq_length                                      # a2a: all tokens, a / cp heads
         core = e * a * s * full * b                                  # softmax output
@@ -194,9 +210,11 @@ def output_activation_bytes(config: TransformerConfig, shape: ActivationShape, p
 
 
 def stage_activation_bytes(config: TransformerConfig, shape: ActivationShape, *, layers: int, first: bool,
-                           last: bool, in_flight: int, padded_vocab_size: int, moe_layers: int = 0) -> float:
+                           last: bool, in_flight: int, padded_vocab_size: int, moe_layers: int = 0,
+                           fp8_layers: tuple[int, int] = (0, 0)) -> float:
     """Peak bytes saved for backward by one pipeline stage holding ``in_flight`` micro-batches, of whose
-    ``layers`` ``moe_layers`` are MoE layers (counted as their average where only some are held).
+    ``layers`` ``moe_layers`` are MoE layers (counted as their average where only some are held) and
+    ``fp8_layers`` ``(dense, moe)`` run their linears in FP8 (``planning.fp8``: 1-byte saved inputs).
 
     Full recompute keeps each checkpointed segment's input (``e sbh``, over t with SP) per micro-batch, and
     one segment's full activations while it is recomputed in backward.
@@ -204,7 +222,9 @@ def stage_activation_bytes(config: TransformerConfig, shape: ActivationShape, *,
     selective = config.recompute_granularity == "selective"
     dense_layer = layer_activation_bytes(config, shape, selective=selective)
     moe_layer = layer_activation_bytes(config, shape, selective=selective, moe_layer=True) if moe_layers else 0.0
-    full_layer = (moe_layers * moe_layer + (layers - moe_layers) * dense_layer) / layers if layers else 0.0
+    fp8_less = fp8_layers[0] * fp8_layer_saving(config, shape) if fp8_layers[0] else 0.0
+    fp8_less += fp8_layers[1] * fp8_layer_saving(config, shape, moe_layer=True) if fp8_layers[1] else 0.0
+    full_layer = (moe_layers * moe_layer + (layers - moe_layers) * dense_layer - fp8_less) / layers if layers else 0.0
     held, segments, recomputed = _recompute_layer_counts(config, layers)
     segment_input = shape.element_bytes * shape.local_seq_length * shape.micro_batch_size * config.hidden_size
     segment_input /= shape.tp if shape.sequence_parallel else 1

@@ -31,6 +31,7 @@ from megatron_core.planning.layer_cost import elementwise_layer_bytes, layer_for
 
 
 def _median_seconds(fn: Callable[[], object], *, repeats: int = 5, warmup: int = 2) -> float:
+    """The median of ``repeats`` timings after ``warmup`` calls."""
     for _ in range(warmup):
         fn()
     times = []
@@ -95,7 +96,10 @@ def elementwise_bandwidth_gbps(dtype: torch.dtype, fields: dict) -> float:
     cost = layer_forward_cost(config, machine, micro_batch_size=1, seq_length=384, flash=False, mask_bytes=2)
     rest = seconds - 3 * (cost.gemm + cost.attention) - machine.layer_overhead_us * 1e-6
     nbytes = 3 * elementwise_layer_bytes(config, micro_batch_size=1, seq_length=384, flash=False, mask_bytes=2)
-    return nbytes / max(rest, 0.05 * seconds) / 1e9
+    if seconds <= 0 or rest <= 0.05 * seconds:
+        raise RuntimeError(f"calibration: one layer took {seconds * 1e3:.1f} ms, of which the GEMMs and overhead "
+                           f"explain all but {rest * 1e3:.1f} ms; the machine was busy: calibrate again when idle")
+    return nbytes / rest / 1e9
 
 
 def allreduce(group=None) -> dict:

@@ -21,6 +21,7 @@ from megatron_core import destroy_model_parallel, initialize_model_parallel
 from megatron_core.config import TransformerConfig
 from megatron_core.context_parallel import split_batch
 from megatron_core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron_core.fp8 import update_fp8_scales
 from megatron_core.models import GPTModel
 from megatron_core.optimizer import OptimizerConfig, get_optimizer, memory_report
 from megatron_core.optimizer.memory import memory_categories
@@ -205,6 +206,7 @@ def measure_layout(config_kwargs: dict, *, tp: int, pp: int, zero_stage: int, vo
                      else iter(batches), model=chunks if vpp else chunks[0], num_microbatches=num_microbatches,
                      seq_length=seq_length, micro_batch_size=micro_batch_size, parallel_state=state)
         optimizer.step()
+        update_fp8_scales(chunks, state)  # FP8 delayed scaling (as training/loop.py): the next step's scales
         seconds = time.perf_counter() - start
     transient = None
     if track_live:

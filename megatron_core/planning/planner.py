@@ -22,6 +22,7 @@ from typing import Iterator, Optional
 from megatron_core.config import TransformerConfig
 from megatron_core.planning.activations import ActivationShape, in_flight_microbatches, stage_activation_bytes
 from megatron_core.planning.choose import choose_plan
+from megatron_core.planning.fp8 import fp8_layers_on_stage
 from megatron_core.planning.hardware import Hardware
 from megatron_core.planning.moe import (
     expert_ffn,
@@ -203,7 +204,8 @@ def rank_activation_bytes(config: TransformerConfig, workload: Workload, *, pp_r
     in_flight = in_flight_microbatches(pp_rank, pp, num_microbatches, vpp)
     shape = _shape(config, workload, ep, etp)
     stage = dict(layers=stage_layer_count(config, pp_rank), first=pp_rank == 0, last=pp_rank == pp - 1,
-                 padded_vocab_size=padded, moe_layers=moe_layers_on_stage(config, pp_rank=pp_rank))
+                 padded_vocab_size=padded, moe_layers=moe_layers_on_stage(config, pp_rank=pp_rank),
+                 fp8_layers=fp8_layers_on_stage(config, pp_rank=pp_rank))
     peak = stage_activation_bytes(config, shape, in_flight=in_flight, **stage)
     if zero_bubble_defer is None:
         return peak

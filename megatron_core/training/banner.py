@@ -18,6 +18,7 @@ from typing import Any, Iterator, Optional
 
 import torch.distributed as dist
 
+from megatron_core.fp8.config import fp8_runs_emulated
 from megatron_core.optimizer.memory import memory_categories
 from megatron_core.pipeline_parallel.schedule_plan import resolve_zero_bubble_defer
 from megatron_core.planning.planner import Workload, model_state_bytes, rank_activation_bytes, rank_transient_bytes
@@ -55,14 +56,14 @@ def predicted_stage_bytes(run) -> dict[str, float]:
                         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
                         mask_bytes=1 if run.state.device.type == "cuda" else (2 if (config.bf16 or config.fp16) else 4))
     zero = getattr(args, "zero_stage", 0) or 0
-    pp_rank = run.state.pp_rank
+    pp_rank, experts = run.state.pp_rank, dict(ep=run.state.ep_size, etp=run.state.etp_size)
     return {"model states": model_state_bytes(config, workload, pp_rank=pp_rank, dp=run.state.dp_cp_size,
-                                              zero_stage=zero,
+                                              zero_stage=zero, **experts,
                                               instances=run.state.num_distributed_optimizer_instances),
-            "activations": rank_activation_bytes(config, workload, pp_rank=pp_rank,
+            "activations": rank_activation_bytes(config, workload, pp_rank=pp_rank, **experts,
                                                  num_microbatches=run.num_microbatches,
                                                  zero_bubble_defer=_zero_bubble_defer(run)),
-            "ZeRO transients": rank_transient_bytes(config, workload, pp_rank=pp_rank, zero_stage=zero)}
+            "ZeRO transients": rank_transient_bytes(config, workload, pp_rank=pp_rank, zero_stage=zero, **experts)}
 
 
 def _corpus_tokens(dataset) -> Optional[int]:
@@ -102,6 +103,9 @@ def start_banner(run) -> Optional[str]:
         return None
     nodes = max(1, state.world_size // int(os.environ.get("LOCAL_WORLD_SIZE", state.world_size)))
     precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
+    if run.config.fp8 is not None:  # the planner line below counts FP8's 1-byte saved inputs (planning/fp8.py)
+        fp8, where = run.config.fp8, "emulated" if fp8_runs_emulated() else "tensor cores"
+        precision += f" + fp8 {fp8.fp8_format} {fp8.fp8_recipe} ({where})"
     lines = [f"megatron_core: {state.describe()} on {nodes} node(s) | ZeRO stage {getattr(args, 'zero_stage', 0)} | "
              f"{precision} | {run.num_microbatches} micro-batches of {args.micro_batch_size} per step per dp rank"]
     groups = [f"tp {list(state.tp_ranks)}", f"cp {list(state.cp_ranks)}", f"dp {list(state.dp_ranks)}",

@@ -230,6 +230,8 @@ class SelfAttention(nn.Module):
                                                   window=normalize_window(self.config.window_for(self.layer_number)),
                                                   layer_number=self.layer_number)
             key, value = inference_cache.update(self.layer_number, key, value)  # [offset + s, b, groups/tp, d]
+        if query._base is None and key._base is None:  # rope / qk-norm copied q and k out of mixed: saved alone,
+            value = value.contiguous()  # v (a view) would keep the whole QKV output alive for backward
         if self.config.recomputes("core_attn"):
             context = checkpoint(self.core_attention, query, key, value, attention_mask,
                                  rng_tracker=self.rng_tracker)

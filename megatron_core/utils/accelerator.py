@@ -137,6 +137,16 @@ def seeded_rng_state(device: torch.device, seed: int) -> torch.Tensor:
     return generator.get_state()
 
 
+def seeded_generator(device: torch.device, seed: int) -> Optional[torch.Generator]:
+    """A new generator of ``device`` seeded with ``seed``; None for a dry run's CUDA (a CPU build has no CUDA
+    generator, and a draw on fake tensors needs none: it has no values)."""
+    if device.type == "cuda" and is_dry_run():
+        return None
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return generator
+
+
 def holds_no_data(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` has shape but no values: on the meta device, or a dry run's fake tensor (writing
     values into it would only cost time)."""

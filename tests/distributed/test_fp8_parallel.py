@@ -48,15 +48,20 @@ def _tp_steps(tp, recipe, overrides, steps=3):
     from megatron_core import initialize_model_parallel
     from megatron_core.distributed import finalize_model_grads
     from megatron_core.fp8 import Fp8Config, update_fp8_scales
-    state = initialize_model_parallel(tensor_model_parallel_size=tp)
+    from megatron_core.transformer.moe import moe_layer_spec
+    state = initialize_model_parallel(tensor_model_parallel_size=tp)  # ep 1, etp 1
     config = tiny_config(tensor_model_parallel_size=tp, fp8=Fp8Config(**RECIPES[recipe]), **overrides)
-    model = build_model(config, state)
+    model = build_model(config, state, **({"layer_spec": moe_layer_spec()} if "moe" in overrides else {}))
     results = []
     for step in range(steps):
         input_ids, positions, labels = make_batch(seed=step)
         loss = model(input_ids, positions, labels=labels)
         loss.mean().backward()
         finalize_model_grads(model, state)
+        if tp > 1 and "moe" in overrides:  # whole experts on every tp rank, each its own tokens (DDP's expert-dp sum)
+            for name, p in model.named_parameters():
+                if ".local_experts." in name:
+                    dist.all_reduce(p.grad, group=state.expert_dp_group)
         results.append((loss.detach(), _grads(model)))
         _sgd(model)
         update_fp8_scales([model], state)
@@ -84,6 +89,30 @@ def test_tp2_sequence_parallel_matches_tp1(distributed, recipe, case):
             torch.testing.assert_close(mine, ref, rtol=1e-6, atol=0)
     if recipe == "delayed":
         assert any((s != 1).any() for s in ref_scales)
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_moe_tp2_etp1_delayed_matches_tp1(distributed, grouped):
+    """MoE layers at tp 2 with SP and whole experts (ep 1, etp 1: expert tp != tp): each rank routes its half of
+    the tokens through every expert; delayed scaling's amaxes, reduced over tp at the update, give tp 1's scales,
+    so losses, grads and scales equal the single-process FP8 run (tensorwise current scaling would quantize each
+    rank's tokens with their own amax: not layout-invariant, docs/fp8.md)."""
+    from megatron_core.transformer.moe import MoEConfig
+    moe = MoEConfig(num_moe_experts=4, moe_router_topk=2, moe_token_dispatcher_type="alltoall",
+                    moe_grouped_gemm=grouped)
+    reference, ref_scales = _tp_steps(1, "delayed", {**BASE, "moe": moe})
+    per_rank = distributed(2, _tp_steps, 2, "delayed", {**BASE, "moe": moe, "sequence_parallel": True})
+    for step, (ref_loss, ref_grads) in enumerate(reference):
+        gathered = full_grads([results[step][1] for results, _ in per_rank])
+        for results, _ in per_rank:
+            torch.testing.assert_close(results[step][0], ref_loss, **LOSS_TOL)
+        for name, grad in gathered.items():
+            torch.testing.assert_close(grad, ref_grads[name][0], **GRAD_TOL, msg=lambda m: f"step {step} {name}: {m}")
+    for _, scales in per_rank:
+        for mine, ref in zip(scales, ref_scales):
+            torch.testing.assert_close(mine, ref, rtol=1e-6, atol=0)
+    experts = [s for s in ref_scales if s.dim() == 3]  # [E, 2, 3] tables: every expert calibrated
+    assert experts and all((s > 0).all() for s in experts)
 
 
 MICRO_BATCHES = 4

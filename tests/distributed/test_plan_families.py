@@ -6,7 +6,6 @@ import pytest
 
 from megatron_core.planning.planner import Layout
 from megatron_core.transformer.moe import MoEConfig
-
 from tests.distributed.test_planner import MODEL, predicted_and_measured
 
 LLAMA = {**MODEL, "num_query_groups": 2, "activation": "swiglu", "normalization": "RMSNorm",

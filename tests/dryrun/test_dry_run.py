@@ -10,6 +10,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SMALL = ("--num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 128 --max-position-embeddings 128 "
          "--micro-batch-size 1 --bf16 --normalization RMSNorm --swiglu --position-embedding-type rope "
@@ -20,6 +22,16 @@ LLAMA3_70B = ("--num-layers 80 --hidden-size 8192 --num-attention-heads 64 --gro
               "--tokenizer-type NullTokenizer --vocab-size 128256 --swiglu --normalization RMSNorm "
               "--position-embedding-type rope --untie-embeddings-and-output-weights --disable-bias-linear --bf16 "
               "--micro-batch-size 1").split()
+LLAMA3_8B = ("--hidden-size 4096 --num-attention-heads 32 --group-query-attention --num-query-groups 8 "
+             "--ffn-hidden-size 14336 --max-position-embeddings 131072 --tokenizer-type NullTokenizer "
+             "--vocab-size 128256 --swiglu --normalization RMSNorm --position-embedding-type rope "
+             "--untie-embeddings-and-output-weights --disable-bias-linear --bf16 --micro-batch-size 1").split()
+MIXTRAL_8X7B = ("--hidden-size 4096 --num-attention-heads 32 --group-query-attention --num-query-groups 8 "
+                "--ffn-hidden-size 14336 --seq-length 4096 --max-position-embeddings 32768 "
+                "--tokenizer-type NullTokenizer --vocab-size 32000 --swiglu --normalization RMSNorm "
+                "--position-embedding-type rope --untie-embeddings-and-output-weights --disable-bias-linear --bf16 "
+                "--micro-batch-size 1 --num-experts 8 --moe-router-topk 2 --moe-token-dispatcher-type alltoall "
+                "--moe-grouped-gemm").split()
 
 
 def dry_run(tmp_path, world_size: int, flags: list[str], *, ranks: str = "first-last", extra=()) -> tuple:
@@ -69,12 +81,17 @@ def test_memory_bound_and_bad_ranks_fail_clearly(tmp_path):
     assert done.returncode == 2 and "outside the world of --world-size 4" in done.stderr
 
 
+def _states(result: dict) -> int:
+    return sum(result["peak_breakdown"].get(k, 0) for k in ("parameters", "gradients", "master_weights",
+                                                            "optimizer_states"))
+
+
 def test_llama3_70b_at_128_ranks_first_and_last_stage(tmp_path):
     """The issue's layout: tp 8 x pp 4 x dp 4, distributed optimizer, SP, selective recompute, 8 micro-batches,
     ranks 0 and 127 (first and last pipeline stage) at once. Parameters per rank are the exact shard count and
     the model states (bf16 parameters, fp32 grads, masters and Adam states sharded over dp) equal the planner's
-    bytes. The planner's activations are low for this layout (total measured / predicted: rank 0 1.20, rank 127
-    1.26; the issue's target is 10%, not met yet): the total is held to 30% here, so a regression fails."""
+    bytes; the measured peak is within 10% of the planner's (measured / predicted: rank 0 1.006, rank 127 1.019;
+    1.20 and 1.26 before SDPA took its flash kernel in a dry run and rope and v stopped saving extra copies)."""
     flags = LLAMA3_70B + ["--tensor-model-parallel-size", "8", "--pipeline-model-parallel-size", "4",
                           "--sequence-parallel", "--use-distributed-optimizer", "--recompute-granularity",
                           "selective", "--global-batch-size", "32"]
@@ -84,8 +101,56 @@ def test_llama3_70b_at_128_ranks_first_and_last_stage(tmp_path):
     for result in ranks:
         assert result["parameters"] == result["parameters_exact"]
         assert result["num_microbatches"] == 8
-        states = sum(result["peak_breakdown"].get(k, 0) for k in ("parameters", "gradients", "master_weights",
-                                                                  "optimizer_states"))
-        assert abs(states / result["predicted_breakdown"]["model states"] - 1) < 1e-6, result
-        assert abs(result["peak_bytes"] / result["predicted_bytes"] - 1) < 0.30, result
+        assert abs(_states(result) / result["predicted_breakdown"]["model states"] - 1) < 1e-6, result
+        assert abs(result["peak_bytes"] / result["predicted_bytes"] - 1) < 0.10, result
         assert result["fits"] and result["wall_seconds"] < 300
+
+
+def test_mixtral_8x7b_at_64_ranks_first_and_last_stage(tmp_path):
+    """An MoE layout: Mixtral-8x7B's layer shape (4 of its 32 layers: the cost is per layer) at tp 2 x ep 8
+    (etp 1, expert-dp 4) x pp 2 x dp 16, SP, distributed optimizer, the all-to-all dispatcher. The dispatcher
+    assumes balanced routing (fake tensors have no routing values: ``BalancedRouting``). Parameters and model
+    states (experts sharded over expert-dp) are exact; the peak within 10% of the planner's (all 32 layers:
+    rank 0 1.017, rank 63 1.014)."""
+    flags = MIXTRAL_8X7B + ["--num-layers", "4", "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size",
+                            "2", "--expert-model-parallel-size", "8", "--expert-tensor-parallel-size", "1",
+                            "--sequence-parallel", "--use-distributed-optimizer", "--global-batch-size", "64"]
+    done, report = dry_run(tmp_path, 64, flags, extra=["--jobs", "2"])
+    ranks = _ok(done, report)
+    assert [r["coordinates"]["ep"] for r in ranks] == [0, 7] and [r["coordinates"]["pp"] for r in ranks] == [0, 1]
+    for result in ranks:
+        assert result["parameters"] == result["parameters_exact"]
+        assert abs(_states(result) / result["predicted_breakdown"]["model states"] - 1) < 1e-6, result
+        assert abs(result["peak_bytes"] / result["predicted_bytes"] - 1) < 0.10, result
+        assert any(c["op"] == "alltoall_base_" and c["group_size"] == 8 for c in result["collectives_per_step"])
+
+
+LAYOUTS = {  # world size, flags (real hidden sizes, fewer layers), measured / predicted peak when written
+    "70b-vpp-full-recompute": (64, LLAMA3_70B + "--num-layers 16 --tensor-model-parallel-size 8 "
+                               "--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 4 "
+                               "--sequence-parallel --use-distributed-optimizer --recompute-granularity full "
+                               "--recompute-method uniform --recompute-num-layers 1 "
+                               "--global-batch-size 32".split()),  # 1.072
+    "8b-no-recompute": (32, LLAMA3_8B + "--num-layers 4 --seq-length 8192 --tensor-model-parallel-size 4 "
+                        "--pipeline-model-parallel-size 2 --sequence-parallel --use-distributed-optimizer "
+                        "--global-batch-size 16".split()),  # 1.027: SDPA's flash kernel, no [s, s] saved
+    "8b-cp4-32k": (16, LLAMA3_8B + "--num-layers 4 --seq-length 32768 --attention-dropout 0 "
+                   "--tensor-model-parallel-size 2 --context-parallel-size 4 --sequence-parallel "
+                   "--use-distributed-optimizer --recompute-granularity selective "
+                   "--global-batch-size 2".split()),  # 1.045 (the ring, flash blocks)
+    "8b-zero3": (64, LLAMA3_8B + "--num-layers 4 --seq-length 8192 --zero-stage 3 --recompute-granularity selective "
+                 "--global-batch-size 64".split()),  # 0.838: the planner adds ZeRO's transients to the peak
+}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_planner_memory_matches_dry_runs_of_large_layouts(tmp_path, name):
+    """Rank 0 of each layout: exact parameters; the measured peak within 10% of the planner's (ZeRO-3: the
+    planner counts the gathered parameters and gradient buckets at the activations' peak, which the run does
+    not reach at once: over-predicted by 16%, held to [0.80, 1.10])."""
+    world_size, flags = LAYOUTS[name]
+    done, report = dry_run(tmp_path, world_size, flags, ranks="0")
+    (result,) = _ok(done, report)
+    assert result["parameters"] == result["parameters_exact"]
+    low = 0.80 if name == "8b-zero3" else 0.90
+    assert low < result["peak_bytes"] / result["predicted_bytes"] < 1.10, result

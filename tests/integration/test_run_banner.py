@@ -27,6 +27,9 @@ def _train_and_capture(argv, png):
     # them this stage measured 1.45x the prediction)
     (2, _layout(1, 2, 1, ["--enable-zero-bubble", "--zero-bubble-defer", "all"]),
      "tp 1 x cp 1 x pp 2 x dp 1 (world 2)"),
+    # FP8: the banner names the recipe and the planner counts the 1-byte saved inputs (planning/fp8.py)
+    (2, _layout(2, 1, 1, ["--sequence-parallel", "--fp8-format", "hybrid", "--fp8-recipe", "delayed"]),
+     "tp 2 x cp 1 x pp 1 x dp 1 (world 2)"),
 ])
 def test_banner_and_measured_memory(distributed, tmp_path, world, argv, layout):
     png = str(tmp_path / "loss.png")
@@ -34,6 +37,7 @@ def test_banner_and_measured_memory(distributed, tmp_path, world, argv, layout):
     assert f"megatron_core: {layout} on 1 node(s)" in text
     assert "groups of rank 0: tp [0" in text and "parameters per model-parallel rank: pp 0 tp 0:" in text
     assert " 0.0 k" not in text  # ZeRO-3 counts full shapes, not its shards
+    assert (" + fp8 hybrid delayed (emulated) |" in text) == ("--fp8-format" in argv)
     assert "data: 3 iterations x global batch 8 x seq 32 = 768 training tokens" in text
     pp = 2 if "pp 2" in layout else 1
     assert len(re.findall(r"planner: pp stage \d predicted peak", text)) == pp

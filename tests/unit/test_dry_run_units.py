@@ -1,12 +1,17 @@
 """The CPU-side pieces of the dry run, and CPU tests for the bugs it found in CUDA paths."""
+import dataclasses
 import importlib.util
 import pathlib
 
 import pytest
 import torch
 
+from megatron_core import initialize_model_parallel
+from megatron_core.config import TransformerConfig
 from megatron_core.distributed.param_and_grad_buffer import _same_memory
-from megatron_core.transformer.rope import RotaryEmbedding
+from megatron_core.planning.activations import ActivationShape, layer_activation_bytes
+from megatron_core.transformer.attention import SelfAttention
+from megatron_core.transformer.rope import RotaryEmbedding, _rotate_half, apply_rotary_pos_emb
 from megatron_core.utils import accelerator
 from megatron_core.utils.live_memory import LiveMemoryTracker
 
@@ -79,3 +84,76 @@ def test_tracker_sampling_on_allocations_finds_the_same_peaks():
             step()
         peaks.append((tracker.peak_total, tracker.peak_breakdown))
     assert peaks[0] == peaks[1] and peaks[0][0] > 6 * 32 * 64 * 4
+
+
+def _saved_storages(fn) -> list[torch.Tensor]:
+    """The distinct storages autograd saves while ``fn()`` runs (one tensor each)."""
+    saved = {}
+
+    def pack(tensor):
+        saved.setdefault(tensor.untyped_storage().data_ptr(), tensor)
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        fn()
+    return list(saved.values())
+
+
+def test_rotary_embedding_saves_only_its_angles():
+    """Found by the dry run's census of saved tensors: autograd saved rope's fp32 cos and sin for q and for k in
+    every layer (17 MB a layer at Llama-3-70B); ``_Rotary`` saves the angles every layer shares, and its
+    backward equals autograd's through the plain formula."""
+    angles = RotaryEmbedding(8)(torch.arange(6).unsqueeze(0))  # [s, b, 1, d]
+    x = torch.randn(6, 1, 3, 12, dtype=torch.bfloat16, requires_grad=True)
+    saved = _saved_storages(lambda: apply_rotary_pos_emb(x, angles, mscale=1.3))
+    assert [t.untyped_storage().data_ptr() for t in saved] == [angles.untyped_storage().data_ptr()]
+    grad = torch.randn(6, 1, 3, 12, dtype=torch.bfloat16)
+    got = torch.autograd.grad(apply_rotary_pos_emb(x, angles, mscale=1.3), x, grad)[0]
+    x32, cos, sin = x[..., :8].float(), angles.cos() * 1.3, angles.sin() * 1.3
+    reference = torch.cat([(x32 * cos + _rotate_half(x32) * sin).to(x.dtype), x[..., 8:]], dim=-1)
+    torch.testing.assert_close(got, torch.autograd.grad(reference, x, grad)[0], rtol=0, atol=0)
+
+
+def test_attention_does_not_save_the_qkv_output_through_v():
+    """v is a view of the fused QKV output: saved as such (by SDPA, or by the selective-recompute checkpoint) it
+    kept the whole ``[s, b, (heads + 2 groups) d]`` tensor alive, 19 MB a layer at 70B instead of v's 2 MB.
+    With rope (q and k are copies), v is saved on its own."""
+    config = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, hidden_dropout=0.0,
+                               attention_dropout=0.0, position_embedding_type="rope", bf16=False)
+    layer = SelfAttention(config, layer_number=1, parallel_state=initialize_model_parallel())
+    hidden = torch.randn(16, 2, 64, requires_grad=True)
+    angles = RotaryEmbedding(16)(torch.arange(16).unsqueeze(0))
+    saved = _saved_storages(lambda: layer(hidden, rotary_pos_emb=angles))
+    weights = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    activations = [t.untyped_storage().nbytes() for t in saved if t.untyped_storage().data_ptr() not in weights]
+    assert max(activations) == 16 * 2 * 64 * 4 < 16 * 2 * 3 * 64 * 4  # q, k, v, output: [s, b, 64]; not qkv
+
+
+def test_planner_counts_fused_attention_on_cuda():
+    """On CUDA (1-byte masks) core attention runs SDPA: no ``[s, s]`` softmax is saved but k and v repeated to
+    every head, the output and its fp32 log-sum-exp (the dry run measured the softmax model 1.9x high at
+    Mixtral without recompute). The CPU with attention dropout keeps the softmax path and its terms."""
+    config = TransformerConfig(num_layers=2, hidden_size=256, num_attention_heads=8, num_query_groups=2,
+                               ffn_hidden_size=512, attention_dropout=0.1, max_position_embeddings=1024)
+    s, b, t, e, a, q, kv = 1024, 1, 2, 2, 8, 256, 64
+    cuda = ActivationShape(seq_length=s, micro_batch_size=b, tp=t, sequence_parallel=True, mask_bytes=1)
+    core = layer_activation_bytes(config, cuda) - layer_activation_bytes(config, cuda, selective=True)
+    assert core == (e * s * b * (2 * (q - kv) + q) + 4 * a * s * b) / t
+    cpu = dataclasses.replace(cuda, mask_bytes=2)
+    core = layer_activation_bytes(config, cpu) - layer_activation_bytes(config, cpu, selective=True)
+    assert core == a * s * s * b * (e + 2 + e) / t  # softmax, its dropout mask and output
+
+
+def test_context_parallel_dropout_mask_in_a_dry_run(monkeypatch):
+    """Found by the dry run of a cp layout: the ring's dropout tiles made a CUDA ``torch.Generator``, which a CPU
+    build cannot ('Cannot get CUDA generator without ATen_cuda library'); a dry run draws without one."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from megatron_core.context_parallel.blocks import tile_keep_mask
+    monkeypatch.setenv(accelerator.FAKE_CUDA_ENV, "sm_90")
+    with FakeTensorMode():
+        keep = tile_keep_mask((2, 4, 8), p=0.1, seed=3, first_row=0, device=torch.device("cuda"))
+    assert keep.shape == (2, 4, 8) and keep.dtype == torch.bool and keep.device.type == "cuda"
+    monkeypatch.delenv(accelerator.FAKE_CUDA_ENV)
+    first = tile_keep_mask((2, 4, 8), p=0.5, seed=3, first_row=0, device=torch.device("cpu"))
+    assert torch.equal(first, tile_keep_mask((2, 4, 8), p=0.5, seed=3, first_row=0, device=torch.device("cpu")))

@@ -196,6 +196,23 @@ def test_first_last_layers_bf16_leave_those_layers_unquantized():
     torch.testing.assert_close(first(x)[0], plain.decoder.layers[0].mlp(x)[0], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("grouped", [False, True])
+def test_first_last_layers_bf16_keep_the_outer_moe_layers_experts_unquantized(grouped):
+    """MoELayer names its layer to the experts: the first and last MoE layers' expert GEMMs run in high
+    precision (bit-equal to a model without FP8), the middle ones in FP8."""
+    state = initialize_model_parallel(tensor_model_parallel_size=1)
+    moe = MoEConfig(num_moe_experts=4, moe_router_topk=2, moe_grouped_gemm=grouped)
+    config = tiny_config(num_layers=4, moe=moe, fp8=Fp8Config(fp8_recipe="tensorwise", first_last_layers_bf16=True))
+    model = build_model(config, state, layer_spec=moe_layer_spec())
+    plain = build_model(dataclasses.replace(config, fp8=None), state, layer_spec=moe_layer_spec())
+    experts = [layer.mlp.experts for layer in model.decoder.layers]
+    assert [e.fp8 is not None for e in experts] == [False, True, True, False]
+    tokens, counts = torch.randn(10, 16), [4, 0, 3, 3]
+    for number, (mine, ref) in enumerate(zip(experts, (layer.mlp.experts for layer in plain.decoder.layers))):
+        same = torch.equal(mine(tokens, counts), ref(tokens, counts))
+        assert same == (number in (0, 3)), number
+
+
 def _experts(grouped, recipe="tensorwise", gated=True):
     moe = MoEConfig(num_moe_experts=4, moe_router_topk=2, moe_grouped_gemm=grouped)
     config = tiny_config(fp8=Fp8Config(fp8_recipe=recipe), moe=moe, activation="swiglu" if gated else "gelu")

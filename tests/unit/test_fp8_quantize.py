@@ -286,6 +286,21 @@ def test_block_operands_under_scaled_mm_warn_and_emulate():
     assert torch.equal(out, (a.dequantize() @ b.dequantize().t()).bfloat16())
 
 
+@pytest.mark.parametrize("weight_block", [(128, 128), (1, 128)])
+def test_blockwise_scaled_mm_scales_have_the_layout_torch_checks(weight_block):
+    """The Hopper blockwise path (untested on a GPU here) hands F.scaled_mm scales in the shapes and strides
+    torch's meta kernel demands (1x128: [rows, R/128] column-major; 128x128: [R/128 padded to 4, N/128])."""
+    import dataclasses
+
+    from megatron_core.fp8.gemm import _blockwise_scaled_mm
+
+    def on_meta(q):
+        return dataclasses.replace(q, data=q.data.to("meta"), scale_inv=q.scale_inv.to("meta"))
+    a, b = quantize_blocks(sample(256, 640), E4M3), quantize_blocks(sample(384, 640, 2), E4M3, weight_block)
+    out = _blockwise_scaled_mm(on_meta(a), on_meta(b))  # R/128 = 5: the 128x128 scales are padded to 8
+    assert out.shape == (256, 384) and out.dtype == torch.float32
+
+
 def test_auto_backend_makes_no_cuda_call_on_cpu(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("torch.cuda called on a CPU code path")

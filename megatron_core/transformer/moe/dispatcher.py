@@ -12,13 +12,14 @@ token's expert outputs in the same order.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 from megatron_core.tensor_parallel.mappings import all_to_all
 from megatron_core.tensor_parallel.utils import group_rank, group_size
+from megatron_core.utils.accelerator import holds_no_data
 
 
 @dataclasses.dataclass
@@ -28,13 +29,64 @@ class CommStats:
     bytes_sent: int = 0
 
 
-def permute(tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
+@dataclasses.dataclass(frozen=True)
+class BalancedRouting:
+    """The routing a dispatcher assumes when the routing map holds no values (a dry run's fake tensors:
+    shapes, no data), so that every count, split size and permutation it derives from routing has a size.
+
+    Balanced routing, the state the load-balancing loss drives a run to: of ``rows`` token rows each expert
+    receives ``rows * topk / E`` (the remainder one each to the first experts), capped at ``capacity(rows)``
+    when a capacity factor is set, exactly ``capacity(rows)`` (at most ``rows``) when padded to capacity. Every
+    rank of a group holds the same number of rows (training micro-batches have one shape), so what a rank
+    receives equals what it sends. Real runs never consult it: their routing maps have values.
+
+    Args:
+        topk: experts per token (``moe_router_topk``).
+        capacity: tokens per expert for a number of rows, or None when dropless (``MoEConfig.capacity``).
+        pad_to_capacity: ``moe_pad_expert_input_to_capacity``.
+    """
+
+    topk: int
+    capacity: Optional[Callable[[int], Optional[int]]] = None
+    pad_to_capacity: bool = False
+
+    def counts(self, rows: int, num_experts: int) -> list[int]:
+        """Assignments per expert (all ``num_experts``) of ``rows`` token rows."""
+        base, extra = divmod(rows * self.topk, num_experts)
+        counts = [base + (e < extra) for e in range(num_experts)]
+        cap = self.capacity(rows) if self.capacity is not None else None
+        if cap is not None:
+            counts = [min(cap, rows)] * num_experts if self.pad_to_capacity else [min(c, cap) for c in counts]
+        return counts
+
+
+def _assumed_counts(routing_map: torch.Tensor, balanced: Optional[BalancedRouting], *, num_experts: int,
+                    first: int = 0) -> Optional[list[int]]:
+    """None for a routing map with values (a real run); the balanced counts of its columns (global experts
+    ``first, first + routing_map.shape[1]``) for one without (a dry run)."""
+    if not holds_no_data(routing_map):
+        return None
+    if balanced is None:
+        raise ValueError(f"the routing map {tuple(routing_map.shape)} holds no values (a dry run's fake tensors): "
+                         "pass the dispatcher balanced=BalancedRouting(topk=...) to size its tokens per expert")
+    return balanced.counts(routing_map.shape[0], num_experts)[first:first + routing_map.shape[1]]
+
+
+def permute(tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor,
+            assumed_counts: Optional[list[int]] = None):
     """Expert-major copy of the routed tokens.
 
     ``tokens [T, h]``, ``routing_map [T, E]``, ``probs [T, E]`` -> ``(permuted [M, h], token_index [M],
-    permuted_probs [M], counts [E])`` with M the number of assignments. No collective.
+    permuted_probs [M], counts [E])`` with M the number of assignments. No collective. ``assumed_counts``
+    (a dry run, where the map has no values: ``BalancedRouting``) sizes M and the counts instead of the map;
+    the tensors then have the shapes of such a routing, their values none.
     """
     num_tokens, num_experts = routing_map.shape
+    if assumed_counts is not None:
+        num_assigned = sum(assumed_counts)
+        token_index = torch.arange(num_assigned, device=tokens.device) % num_tokens                # [M]
+        counts = torch.tensor(assumed_counts, device=routing_map.device)
+        return (tokens.index_select(0, token_index), token_index, probs.t().reshape(-1)[:num_assigned], counts)
     map_t = routing_map.t()                                                          # [E, T]
     token_index = torch.arange(num_tokens, device=tokens.device).expand(num_experts, -1).masked_select(map_t)
     return tokens.index_select(0, token_index), token_index, probs.t().masked_select(map_t), map_t.sum(dim=1)
@@ -74,26 +126,34 @@ class AllToAllDispatcher:
     """
 
     def __init__(self, *, num_experts: int, ep_group: Optional[dist.ProcessGroup],
-                 stats: Optional[CommStats] = None) -> None:
+                 stats: Optional[CommStats] = None, balanced: Optional[BalancedRouting] = None) -> None:
         self.ep_group, self.ep = ep_group, group_size(ep_group)
         self.num_experts, self.num_local = num_experts, num_experts // self.ep
-        self.stats = stats
+        self.first = group_rank(ep_group) * self.num_local
+        self.stats, self.balanced = stats, balanced
 
     def dispatch(self, tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor):
         """-> ``(expert_input [N, h], tokens_per_local_expert list, handle)``."""
-        permuted, token_index, permuted_probs, counts = permute(tokens, routing_map, probs)
+        assumed = _assumed_counts(routing_map, self.balanced, num_experts=self.num_experts)
+        permuted, token_index, permuted_probs, counts = permute(tokens, routing_map, probs, assumed)
         handle = _Handle(token_index, permuted_probs, tokens.shape[0])
         if self.ep == 1:
-            return permuted, counts.tolist(), handle
+            return permuted, assumed or counts.tolist(), handle
         send = counts.view(self.ep, self.num_local)                                   # [ep, E_local]
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send.contiguous(), group=self.ep_group)          # [ep (source), E_local]
-        handle.input_splits, handle.output_splits = send.sum(1).tolist(), recv.sum(1).tolist()
-        handle.recv_sizes = recv.flatten().tolist()
+        if assumed is None:
+            send_sizes, recv_sizes = send.tolist(), recv.tolist()                    # [ep][E_local] each
+        else:  # balanced: every source sends this rank's experts what this rank sends them
+            send_sizes = [assumed[r * self.num_local:(r + 1) * self.num_local] for r in range(self.ep)]
+            recv_sizes = [assumed[self.first:self.first + self.num_local]] * self.ep
+        handle.input_splits = [sum(row) for row in send_sizes]
+        handle.output_splits = [sum(row) for row in recv_sizes]
+        handle.recv_sizes = [n for row in recv_sizes for n in row]
         received = all_to_all(permuted, self.ep_group, output_split_sizes=handle.output_splits,
                               input_split_sizes=handle.input_splits, stats=self.stats)              # [N, h]
         expert_input = _reorder(received, handle.recv_sizes, self.ep, self.num_local)  # by (expert, source)
-        return expert_input, recv.sum(0).tolist(), handle
+        return expert_input, [sum(column) for column in zip(*recv_sizes)], handle
 
     def combine(self, expert_output: torch.Tensor, handle: _Handle) -> torch.Tensor:
         if self.ep > 1:
@@ -176,21 +236,22 @@ class AllGatherDispatcher:
     ``[ep * T_max, h]`` weighted outputs (backward: all-gather). Ranks may hold different token counts T:
     an all-reduce (max, no gradient) of T finds ``T_max``, every rank pads its tokens, probs and routing map
     with ``T_max - T`` rows routed nowhere (probability 0, so they get no expert and no gradient), and combine
-    drops the padding rows of the reduce-scattered ``[T_max, h]``.
+    drops the padding rows of the reduce-scattered ``[T_max, h]``. A dry run (no values: ``balanced``) takes
+    every rank's T as this rank's.
     """
 
     def __init__(self, *, num_experts: int, ep_group: Optional[dist.ProcessGroup],
-                 stats: Optional[CommStats] = None) -> None:
+                 stats: Optional[CommStats] = None, balanced: Optional[BalancedRouting] = None) -> None:
         self.ep_group, self.ep = ep_group, group_size(ep_group)
         self.num_experts, self.num_local = num_experts, num_experts // self.ep
         self.first = group_rank(ep_group) * self.num_local
-        self.stats = stats
+        self.stats, self.balanced = stats, balanced
 
     def _pad_to_group_max(self, tokens, probs, routing_map):
         """Rows appended so that every ep rank holds ``T_max`` tokens (an all-reduce of T, no gradient)."""
         count = torch.tensor([tokens.shape[0]], dtype=torch.int64, device=tokens.device)
         dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.ep_group)
-        extra = int(count.item()) - tokens.shape[0]
+        extra = 0 if holds_no_data(count) else int(count.item()) - tokens.shape[0]  # dry run: no values
         if extra == 0:
             return tokens, probs, routing_map
         tokens = torch.cat([tokens, tokens.new_zeros(extra, tokens.shape[1])])                  # [T_max, h]
@@ -205,9 +266,12 @@ class AllGatherDispatcher:
             tokens, probs, routing_map = gather_routed_tokens(tokens, probs, routing_map, self.ep_group,
                                                               self.stats)                 # [ep T_max, .]
         local = slice(self.first, self.first + self.num_local)
-        permuted, token_index, permuted_probs, counts = permute(tokens, routing_map[:, local], probs[:, local])
+        assumed = _assumed_counts(routing_map[:, local], self.balanced, num_experts=self.num_experts,
+                                  first=self.first)
+        permuted, token_index, permuted_probs, counts = permute(tokens, routing_map[:, local], probs[:, local],
+                                                                assumed)
         handle = _Handle(token_index, permuted_probs, tokens.shape[0], local_tokens=local_tokens)
-        return permuted, counts.tolist(), handle
+        return permuted, assumed or counts.tolist(), handle
 
     def combine(self, expert_output: torch.Tensor, handle: _Handle) -> torch.Tensor:
         out = unpermute(expert_output, handle.token_index, handle.probs, handle.num_tokens)  # [ep T_max, h]

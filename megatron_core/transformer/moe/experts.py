@@ -209,16 +209,18 @@ class LocalExperts(nn.Module):
                 self.fp8_state.follow(tokens.device)
             ids = torch.tensor(self.expert_ids, device=tokens.device)
             hidden = self.activation(self._linear(padded, w1, b1, expert=ids, fc=0))
-            return self._linear(hidden, w2, None if b2 is None else self._fc2_bias(b2), expert=ids,
-                                fc=1)[self._valid(padded, counts)]
+            return self._unpad(self._linear(hidden, w2, None if b2 is None else self._fc2_bias(b2), expert=ids,
+                                            fc=1), counts)
         hidden = torch.bmm(padded, w1.transpose(1, 2))                          # [E_local, max_n, f(*2)]
         hidden = self.activation(hidden if b1 is None else hidden + b1)
         out = torch.bmm(hidden, w2.transpose(1, 2))                             # [E_local, max_n, h]
         out = out if b2 is None else out + self._fc2_bias(b2)
-        return out[self._valid(padded, counts)]                                 # [N, h], expert-major
+        return self._unpad(out, counts)                                         # [N, h], expert-major
 
     @staticmethod
-    def _valid(padded: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """``[E_local, max_n]``: which rows of the padded groups are tokens."""
-        return torch.arange(padded.shape[1], device=padded.device)[None, :] < torch.tensor(
-            counts, device=padded.device)[:, None]
+    def _unpad(padded: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """``[E_local, max_n, h]`` -> ``[N, h]``: each group's first ``counts[e]`` rows, expert-major. Slices by
+        the host-side counts (a boolean-mask index would sync the device and has no size in a dry run)."""
+        if all(n == padded.shape[1] for n in counts):
+            return padded.flatten(0, 1)
+        return torch.cat([padded[e, :n] for e, n in enumerate(counts)])

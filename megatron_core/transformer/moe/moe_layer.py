@@ -19,6 +19,7 @@ from megatron_core.transformer.mlp import MLP
 from megatron_core.transformer.moe.dispatcher import (
     AllGatherDispatcher,
     AllToAllDispatcher,
+    BalancedRouting,
     CommStats,
     gather_routed_tokens,
     reduce_scatter_tokens,
@@ -93,15 +94,17 @@ class MoELayer(nn.Module):
         self.etp_group = parallel_state.etp_group if etp > 1 else None
         self.experts = LocalExperts(config, expert_ids=range(first, first + local), expert_seeds=seeds,
                                     device=parallel_state.device, etp_rank=parallel_state.etp_rank if etp > 1 else 0,
-                                    etp_size=etp, etp_group=self.etp_group)
+                                    etp_size=etp, etp_group=self.etp_group, layer_number=layer_number)
         self.shared_experts: Optional[MLP] = None
         if moe.moe_shared_expert_intermediate_size:
             shared = dataclasses.replace(config, ffn_hidden_size=moe.moe_shared_expert_intermediate_size, moe=None)
             self.shared_experts = MLP(shared, layer_number=layer_number, parallel_state=parallel_state)
         self.comm_stats = CommStats()
         dispatcher = AllToAllDispatcher if moe.moe_token_dispatcher_type == "alltoall" else AllGatherDispatcher
+        balanced = BalancedRouting(topk=moe.moe_router_topk, capacity=moe.capacity,
+                                   pad_to_capacity=moe.moe_pad_expert_input_to_capacity)  # dry runs only
         self.dispatcher = dispatcher(num_experts=moe.num_moe_experts, ep_group=parallel_state.ep_group,
-                                     stats=self.comm_stats)
+                                     stats=self.comm_stats, balanced=balanced)
 
     def forward(self, hidden: torch.Tensor):
         check_replicated_tokens(self, tp=self.tp_size, sequence_parallel=self.sequence_parallel)

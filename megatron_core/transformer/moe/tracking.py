@@ -53,7 +53,7 @@ def moe_loss_report(chunks: Sequence[nn.Module], state: ParallelState, *, num_la
     _all_reduce(table, state.pp_group)
     _all_reduce(table[:-1], state.dp_group)
     table[:-1] /= state.dp_size
-    layers = table[-1].nonzero().flatten().tolist()
+    layers = [n for n, is_moe in enumerate(table[-1].tolist()) if is_moe]  # not nonzero(): no size in a dry run
     if not layers:
         return {}
     report = {name: float(table[i, layers].mean()) for i, name in enumerate(LOSS_NAMES)}

@@ -1,0 +1,86 @@
+"""What FP8 training (``config.fp8``, ``megatron_core.fp8``) changes in the planner's memory count: what the FP8
+linear (``fp8.linear._Fp8Linear``) really saves for backward.
+
+Activations: under a per-tensor recipe (delayed, tensorwise) with FP8 weight gradients, an FP8 linear saves its
+input as the quantized 1-byte tensor (and a 0-dim fp32 scale) for the weight-gradient GEMM, so the
+high-precision input is freed where nothing else holds it: per FP8 layer and micro-batch
+
+    linear_qkv, linear_fc1   input (the norm output) s b h: 1 byte instead of e, without sequence parallelism
+    linear_proj              input s b q_dim / t: 1 byte instead of e
+    linear_fc2               input s b ffn / t: 1 byte instead of e
+    routed experts           fc1 input M h and fc2 input M f / etp (M assignments): 1 byte instead of e
+    shared expert            fc2 input as linear_fc2; its fc1 input is the router's input, which stays
+                             saved in high precision, so without SP its 1-byte copy adds s b h
+
+Not changed: a column-parallel layer under sequence parallelism saves its local high-precision chunk (backward
+re-gathers it); block recipes (blockwise, mxfp8) and ``fp8_wgrad=False`` save the high-precision input (the
+wgrad GEMM quantizes along the token dim, or does not quantize); delayed scaling's calibration step (the first)
+saves the high-precision input. The saved weight is the parameter (grouped experts: the stacked weights, as
+without FP8). Multi-latent attention's projections and MTP layers are counted as high precision (an over-count).
+
+Model states: unchanged. The layers keep their parameters in the model's dtype and quantize the weight at each
+call (no FP8 weight copy is kept), and ``--fp8-param-gather`` gathers the high-precision shards (docs/fp8.md),
+so neither the weight bytes nor the gathered ZeRO-3 units change. Delayed scaling's state is ``4 (3 L + 3)``
+bytes per linear (amax history of length L, scales): negligible.
+
+FLOPs: the same GEMMs; MFU is taken against the FP8 peak (``training.metrics.peak_for_device_name(fp8=True)``).
+``tests/distributed/test_plan_fp8.py`` checks the count against measured steps.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from megatron_core.config import TransformerConfig
+from megatron_core.fp8.config import layer_fp8
+from megatron_core.planning.moe import assignments, expert_ffn
+
+if TYPE_CHECKING:
+    from megatron_core.planning.activations import ActivationShape
+
+
+def saves_fp8_inputs(config: TransformerConfig) -> bool:
+    """Whether the FP8 linears of ``config`` save their inputs as FP8 bytes (per-tensor recipe, FP8 wgrad)."""
+    fp8 = config.fp8
+    return fp8 is not None and fp8.fp8_recipe in ("delayed", "tensorwise") and fp8.fp8_wgrad
+
+
+def fp8_layers_on_stage(config: TransformerConfig, *, pp_rank: int) -> tuple[int, int]:
+    """``(dense, moe)``: the transformer layers of pipeline rank ``pp_rank`` (every model chunk) whose linears
+    run in FP8 (``layer_fp8``: ``--first-last-layers-bf16`` keeps the outer ones in high precision)."""
+    if config.fp8 is None:
+        return 0, 0
+    vpp = config.virtual_pipeline_model_parallel_size
+    dense = moe = 0
+    for vp in range(vpp or 1):
+        offset, count = config.pipeline_layer_range(pp_rank, vp if vpp else None)
+        for number in range(offset + 1, offset + count + 1):
+            if layer_fp8(config, number) is None:
+                continue
+            is_moe = config.moe is not None and config.moe.is_moe_layer(number, config.num_layers)
+            moe, dense = moe + is_moe, dense + (not is_moe)
+    return dense, moe
+
+
+def fp8_layer_saving(config: TransformerConfig, shape: "ActivationShape", *, moe_layer: bool = False) -> float:
+    """Bytes one FP8 transformer layer saves less than the same layer in high precision, per micro-batch on one
+    tp rank (see the module docstring; 0 where the FP8 linears save high-precision inputs)."""
+    if not saves_fp8_inputs(config):
+        return 0.0
+    s, b, h, t = shape.local_seq_length, shape.micro_batch_size, config.hidden_size, shape.tp
+    less = shape.element_bytes - 1  # bytes per element an FP8 copy saves
+    column_input = 0.0 if shape.sequence_parallel else less * s * b * h  # qkv's / fc1's (SP: the local chunk)
+    saving = 0.0
+    if not config.multi_latent_attention:
+        saving += column_input + less * s * b * config.kv_channels * config.num_attention_heads / t
+    if not moe_layer:
+        return saving + column_input + less * s * b * config.ffn_hidden_size / t
+    tokens = s * b / (t if shape.sequence_parallel else 1)
+    m = shape.etp * assignments(config, tokens)
+    saving += less * m * (h + expert_ffn(config) / shape.etp)
+    shared = config.moe.moe_shared_expert_intermediate_size or 0
+    if shared:
+        saving += less * s * b * shared / t - (0.0 if shape.sequence_parallel else s * b * h)
+    return saving
+
+
+__all__ = ["saves_fp8_inputs", "fp8_layers_on_stage", "fp8_layer_saving"]
