@@ -12,7 +12,8 @@ will train). Each is a small benchmark; the result is a hardware profile (``plan
 - Element-wise rate (``memory_bandwidth_gbps``): a GPT layer at hidden 192 and 384 tokens, less its modeled
   GEMM, attention and overhead time, over the planner's element-wise bytes for it. On a CPU, dropout's random
   numbers, dtype conversions and ``exp`` make these ops slower than DRAM bandwidth; a GPU's are bound by HBM.
-- All-reduce: median time of 8-byte and 16 MiB all-reduces: latency and ``2 (n - 1) / n x bytes / time``.
+- All-reduce: ``2 (n - 1) / n x bytes / time`` of a 16 MiB all-reduce, and the latency between GEMMs (what
+  256 KiB all-reduces add to rounds of GEMMs, less their bytes' time; waiting for the slower rank included).
 On a CPU every rank runs one thread (as the test and benchmark ranks do); devices = ranks, one node.
 """
 from __future__ import annotations
@@ -30,8 +31,9 @@ from megatron_core.planning.hardware import Hardware
 from megatron_core.planning.layer_cost import elementwise_layer_bytes, layer_forward_cost
 
 
-def _median_seconds(fn: Callable[[], object], *, repeats: int = 5, warmup: int = 2) -> float:
-    """The median of ``repeats`` timings after ``warmup`` calls."""
+def _fastest_seconds(fn: Callable[[], object], *, repeats: int = 5, warmup: int = 2) -> float:
+    """The fastest of ``repeats`` timings after ``warmup`` calls: the least disturbed by whatever else runs
+    (``time_validation`` takes the fastest step too)."""
     for _ in range(warmup):
         fn()
     times = []
@@ -39,7 +41,7 @@ def _median_seconds(fn: Callable[[], object], *, repeats: int = 5, warmup: int =
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return min(times)
 
 
 def gemm_curve(dtype: torch.dtype, dims=(16, 32, 64, 128, 256, 512, 1024)) -> dict:
@@ -50,7 +52,7 @@ def gemm_curve(dtype: torch.dtype, dims=(16, 32, 64, 128, 256, 512, 1024)) -> di
             a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
             at, bt = a.t().contiguous(), b.t().contiguous()
             for product in (lambda: a @ b, lambda: a @ bt.t(), lambda: at.t() @ b):  # forward, dgrad, wgrad
-                seconds, flops = _median_seconds(product), 2.0 * m * n * k
+                seconds, flops = _fastest_seconds(product), 2.0 * m * n * k
                 rows.append([1.0 / seconds, flops / seconds, flops / min(m, n, k) / seconds])
     (_, inverse_rate, half_over_rate), *_ = numpy.linalg.lstsq(numpy.array(rows), numpy.ones(len(rows)), rcond=None)
     inverse_rate = max(float(inverse_rate), 1e-18)
@@ -76,7 +78,7 @@ def _gpt_layer_seconds(dtype: torch.dtype, *, hidden: int, heads: int, seq: int,
                                    max_position_embeddings=seq)
         model = GPTModel(config, parallel_state=state, vocab_size=64, max_sequence_length=seq,
                          layer_spec=layer_spec_for(config), make_vocab_size_divisible_by=8)
-        seconds[layers] = _median_seconds(lambda: model(tokens, positions, labels=tokens).float().sum().backward(),
+        seconds[layers] = _fastest_seconds(lambda: model(tokens, positions, labels=tokens).float().sum().backward(),
                                           repeats=9)
     destroy_model_parallel(state)
     return max(seconds[3] - seconds[1], 0.0) / 2, config
@@ -102,21 +104,34 @@ def elementwise_bandwidth_gbps(dtype: torch.dtype, fields: dict) -> float:
     return nbytes / rest / 1e9
 
 
-def allreduce(group=None) -> dict:
-    """Latency (us) and bus bandwidth (GB/s) of an all-reduce over ``group`` (call on every rank)."""
+def allreduce(group=None, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """Latency (us) and bus bandwidth (GB/s) of an all-reduce over ``group`` (call on every rank): the bandwidth
+    from a 16 MiB all-reduce alone, the latency from what ten 256 KiB all-reduces add to ten rounds of GEMMs
+    less their bytes' time: collectives issued between computations, as a step issues them, cost more than
+    alone (waking the transport, waiting for the slower rank)."""
     ranks = dist.get_world_size(group)
-    small, large = torch.zeros(2), torch.zeros(4 << 20)  # 16 MiB of fp32
-    latency = _median_seconds(lambda: dist.all_reduce(small, group=group), repeats=9)
-    seconds = _median_seconds(lambda: dist.all_reduce(large, group=group))
-    busbw = 2 * (ranks - 1) / ranks * large.numel() * 4 / max(seconds - latency, 1e-9) / 1e9
-    return {"latency_us": latency * 1e6, "bus_gbps": busbw}
+    ring = 2 * (ranks - 1) / ranks
+    large, message = torch.zeros(4 << 20), torch.zeros(128 << 10, dtype=dtype)
+    seconds = _fastest_seconds(lambda: dist.all_reduce(large, group=group))
+    busbw = ring * large.numel() * 4 / seconds
+    a, w = torch.randn(512, 256, dtype=dtype), torch.randn(256, 1024, dtype=dtype)
+
+    def rounds(with_collective: bool) -> None:
+        for _ in range(10):
+            for _ in range(4):
+                a @ w
+            if with_collective:
+                dist.all_reduce(message, group=group)
+    added = (_fastest_seconds(lambda: rounds(True), repeats=7) - _fastest_seconds(lambda: rounds(False), repeats=7)) / 10
+    latency = max(added - ring * message.numel() * message.element_size() / busbw, 0.0)
+    return {"latency_us": latency * 1e6, "bus_gbps": busbw / 1e9}
 
 
 def calibrate_rank(dtype_name: str = "bfloat16") -> dict:
     """Run on every rank of a process group (``run_distributed``): this rank's measurements, on one thread."""
     dtype = getattr(torch, dtype_name)
     torch.set_num_threads(1)
-    comm = allreduce()
+    comm = allreduce(dtype=dtype)
     dist.barrier()
     fields = gemm_curve(dtype)
     dist.barrier()

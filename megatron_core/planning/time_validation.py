@@ -9,7 +9,6 @@ thread each: the calibration's conditions (two ranks measuring at once share the
 """
 from __future__ import annotations
 
-import statistics
 from typing import Callable
 
 import torch
@@ -57,10 +56,10 @@ def _measure(layout: Layout, model: dict, steps: int) -> float:
 
 
 def measured_seconds(distributed: Callable, layout: Layout, moe: bool, *, rounds: int = 3) -> float:
-    """Median over ``rounds`` of the slowest rank's last step (of 2: the first warms up)."""
+    """The fastest over ``rounds`` of the slowest rank's last step (of 2: the first warms up): the step least
+    disturbed by whatever else runs on the machine (the calibration takes the fastest timings too)."""
     ranks = layout.tp * layout.pp * layout.dp * layout.cp
-    return statistics.median(max(distributed(ranks, _measure, layout, _model(layout, moe), 2))
-                             for _ in range(rounds))
+    return min(max(distributed(ranks, _measure, layout, _model(layout, moe), 2)) for _ in range(rounds))
 
 
 def predicted_seconds(layout: Layout, moe: bool, profile: dict) -> float:
