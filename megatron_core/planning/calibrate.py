@@ -122,7 +122,8 @@ def allreduce(group=None, dtype: torch.dtype = torch.bfloat16) -> dict:
                 a @ w
             if with_collective:
                 dist.all_reduce(message, group=group)
-    added = (_fastest_seconds(lambda: rounds(True), repeats=7) - _fastest_seconds(lambda: rounds(False), repeats=7)) / 10
+    with_collectives = _fastest_seconds(lambda: rounds(True), repeats=7)
+    added = (with_collectives - _fastest_seconds(lambda: rounds(False), repeats=7)) / 10
     latency = max(added - ring * message.numel() * message.element_size() / busbw, 0.0)
     return {"latency_us": latency * 1e6, "bus_gbps": busbw / 1e9}
 
