@@ -31,9 +31,7 @@ from megatron_core.planning.hardware import Hardware
 from megatron_core.planning.layer_cost import elementwise_layer_bytes, layer_forward_cost
 
 
-def _fastest_seconds(fn: Callable[[], object], *, repeats: int = 5, warmup: int = 2) -> float:
-    """The fastest of ``repeats`` timings after ``warmup`` calls: the least disturbed by whatever else runs
-    (``time_validation`` takes the fastest step too)."""
+def _timings(fn: Callable[[], object], repeats: int, warmup: int = 2) -> list[float]:
     for _ in range(warmup):
         fn()
     times = []
@@ -41,7 +39,18 @@ def _fastest_seconds(fn: Callable[[], object], *, repeats: int = 5, warmup: int 
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return min(times)
+    return times
+
+
+def _fastest_seconds(fn: Callable[[], object], *, repeats: int = 5) -> float:
+    """The fastest of ``repeats`` timings: the least disturbed by whatever else runs (``time_validation``
+    takes the fastest step too)."""
+    return min(_timings(fn, repeats))
+
+
+def _median_seconds(fn: Callable[[], object], *, repeats: int = 5) -> float:
+    """The median of ``repeats`` timings: the typical cost (of collectives, which a step pays many times)."""
+    return statistics.median(_timings(fn, repeats))
 
 
 def gemm_curve(dtype: torch.dtype, dims=(16, 32, 64, 128, 256, 512, 1024)) -> dict:
@@ -122,8 +131,8 @@ def allreduce(group=None, dtype: torch.dtype = torch.bfloat16) -> dict:
                 a @ w
             if with_collective:
                 dist.all_reduce(message, group=group)
-    with_collectives = _fastest_seconds(lambda: rounds(True), repeats=7)
-    added = (with_collectives - _fastest_seconds(lambda: rounds(False), repeats=7)) / 10
+    with_collectives = _median_seconds(lambda: rounds(True), repeats=9)  # a step pays the typical cost of each
+    added = (with_collectives - _median_seconds(lambda: rounds(False), repeats=9)) / 10  # of its collectives
     latency = max(added - ring * message.numel() * message.element_size() / busbw, 0.0)
     return {"latency_us": latency * 1e6, "bus_gbps": busbw / 1e9}
 
