@@ -106,10 +106,13 @@ def _row(result: dict, bound: float) -> str:
     exact = "exact" if result["parameters"] == round(result["parameters_exact"]) else \
         f"planner counts {result['parameters_exact']:,.0f}"
     fits = "fits" if peak <= bound else "DOES NOT FIT"
+    compiled = result.get("compiled_kernels")
+    kernels = (f"; {compiled['kernels']} Triton kernels compiled for {compiled['target']} "
+               f"({compiled['cubin_bytes'] / 1e3:.0f} kB of cubin)") if compiled else ""
     return (f" rank {result['rank']:>5} ({result['layout_coordinates']}): {result['parameters'] / 1e9:.3f} B params "
             f"({exact}); peak {peak / GIB:.2f} GiB ({parts}) vs planner {predicted / GIB:.2f} GiB "
             f"(measured / predicted {peak / max(predicted, 1):.3f}); {fits} {bound / GIB:.0f} GiB; "
-            f"{result['flops_per_step'] / 1e12:.1f} TFLOP per step; {result['wall_seconds']:.0f} s")
+            f"{result['flops_per_step'] / 1e12:.1f} TFLOP per step; {result['wall_seconds']:.0f} s{kernels}")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -32,7 +32,8 @@ class DistributedDataParallelConfig:
 
     overlap_grad_reduce: bool = True
     """Launch each bucket's collective from a backward hook as soon as its grads are ready (else all buckets
-    are reduced by ``finish_grad_sync()``)."""
+    are reduced by ``finish_grad_sync()``). Matters at stages 0-1 only: stages 2-3 always launch from the hooks, since
+    their full-size grad buckets are transient (deferred, all of them would exist at once at backward's end)."""
 
     grad_reduce_in_fp32: bool = True
     """Accumulate and reduce grads in fp32 even for bf16/fp16 parameters (4 bytes/param of grads)."""

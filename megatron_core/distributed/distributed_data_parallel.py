@@ -252,7 +252,9 @@ class DistributedDataParallel(nn.Module):
         if bucket.add_grad(param):
             if self.gatherer is not None:
                 self.gatherer.on_bucket_grads_done(bucket)
-            if self.config.overlap_grad_reduce:
+            # stages 2-3 launch from the hooks even without overlap_grad_reduce: deferred to the backward's
+            # end, every transient bucket would exist at once (the whole model's grads in fp32)
+            if self.config.overlap_grad_reduce or self.config.zero_stage >= 2:
                 self._launch_in_order(force=False)
         if self.config.zero_stage == 3:
             self._retire_completed()  # (stage 2 frees its buckets at fixed points: a predictable peak)

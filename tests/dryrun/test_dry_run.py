@@ -73,6 +73,20 @@ def test_small_3d_layout_counts_exact_parameters_and_collectives(tmp_path):
     assert first["flops_per_step"] > 0
 
 
+def test_compile_kernels_builds_the_captured_launches_for_sm_90(tmp_path):
+    """``--compile-kernels sm_90``: every distinct Triton launch the step captured (the fused RMSNorm and
+    cross-entropy, forward and backward) is compiled to a cubin for sm_90 by triton's own compiler, on a
+    machine without a GPU or driver."""
+    done, report = dry_run(tmp_path, 2, SMALL + ["--num-layers", "2", "--global-batch-size", "2"], ranks="0",
+                           extra=["--compile-kernels", "sm_90"])
+    (result,) = _ok(done, report)
+    compiled = result["compiled_kernels"]
+    assert compiled["target"] == "sm_90" and compiled["cubin_bytes"] > 0, compiled
+    assert {"_norm_fwd_kernel", "_norm_bwd_kernel", "_ce_stats_kernel", "_ce_bwd_kernel"} <= set(compiled["names"])
+    assert compiled["kernels"] <= result["kernel_launches"]
+    assert "Triton kernels compiled for sm_90" in done.stdout
+
+
 def test_memory_bound_and_bad_ranks_fail_clearly(tmp_path):
     done, report = dry_run(tmp_path, 2, SMALL + ["--global-batch-size", "2"], ranks="0",
                            extra=["--memory-per-device-gb", "0.000001"])
@@ -139,18 +153,22 @@ LAYOUTS = {  # world size, flags (real hidden sizes, fewer layers), measured / p
                    "--use-distributed-optimizer --recompute-granularity selective "
                    "--global-batch-size 2".split()),  # 1.045 (the ring, flash blocks)
     "8b-zero3": (64, LLAMA3_8B + "--num-layers 4 --seq-length 8192 --zero-stage 3 --recompute-granularity selective "
-                 "--global-batch-size 64".split()),  # 0.838: the planner adds ZeRO's transients to the peak
+                 "--global-batch-size 64".split()),  # 0.838: see below
 }
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_planner_memory_matches_dry_runs_of_large_layouts(tmp_path, name):
     """Rank 0 of each layout: exact parameters; the measured peak within 10% of the planner's (ZeRO-3: the
-    planner counts the gathered parameters and gradient buckets at the activations' peak, which the run does
-    not reach at once: over-predicted by 16%, held to [0.80, 1.10])."""
+    planner counts the gathered output layer, its grad and its fp32 bucket at the activations' peak, where
+    only the gathered layer exists, and misses the logits' grad there: 0.838, held to [0.80, 1.10]; see
+    docs/performance.md). ZeRO-3's grad buckets peak at the output layer's (27% of the model's fp32 grads), not
+    the whole model's: with --overlap-grad-reduce off (the default) they all existed at once before."""
     world_size, flags = LAYOUTS[name]
     done, report = dry_run(tmp_path, world_size, flags, ranks="0")
     (result,) = _ok(done, report)
     assert result["parameters"] == result["parameters_exact"]
     low = 0.80 if name == "8b-zero3" else 0.90
     assert low < result["peak_bytes"] / result["predicted_bytes"] < 1.10, result
+    if name == "8b-zero3":  # parameters_exact: the whole stage's (ZeRO-3 shards them over dp)
+        assert result["peak_by_category"]["grad_buckets"] < 4 * result["parameters_exact"] / 3, result
