@@ -115,7 +115,7 @@ def elementwise_bandwidth_gbps(dtype: torch.dtype, fields: dict) -> float:
 
 def allreduce(group=None, dtype: torch.dtype = torch.bfloat16) -> dict:
     """Latency (us) and bus bandwidth (GB/s) of an all-reduce over ``group`` (call on every rank): the bandwidth
-    from a 16 MiB all-reduce alone, the latency from what ten 256 KiB all-reduces add to ten rounds of GEMMs
+    from a 16 MiB all-reduce alone, the latency from what twenty 256 KiB all-reduces add to twenty rounds of GEMMs
     less their bytes' time: collectives issued between computations, as a step issues them, cost more than
     alone (waking the transport, waiting for the slower rank)."""
     ranks = dist.get_world_size(group)
@@ -126,13 +126,13 @@ def allreduce(group=None, dtype: torch.dtype = torch.bfloat16) -> dict:
     a, w = torch.randn(512, 256, dtype=dtype), torch.randn(256, 1024, dtype=dtype)
 
     def rounds(with_collective: bool) -> None:
-        for _ in range(10):
+        for _ in range(20):
             for _ in range(4):
                 a @ w
             if with_collective:
                 dist.all_reduce(message, group=group)
     with_collectives = _median_seconds(lambda: rounds(True), repeats=9)  # a step pays the typical cost of each
-    added = (with_collectives - _median_seconds(lambda: rounds(False), repeats=9)) / 10  # of its collectives
+    added = (with_collectives - _median_seconds(lambda: rounds(False), repeats=9)) / 20  # of its collectives
     latency = max(added - ring * message.numel() * message.element_size() / busbw, 0.0)
     return {"latency_us": latency * 1e6, "bus_gbps": busbw / 1e9}
 

@@ -131,10 +131,15 @@ def _stage_microbatch(config: TransformerConfig, workload, layout, hardware: Har
         return n_dense * getattr(dense, field) + moe_layers * getattr(moe, field)
 
     gemm, attention, elementwise, tp = total("gemm"), total("attention"), total("elementwise"), total("tp")
+    tp_backward = tp
     if pp_rank == layout.pp - 1:
         out_gemm, out_bytes = output_layer_forward_seconds(config, hardware, tokens=b * s / layout.cp,
                                                            padded_vocab_size=padded_vocab_size)
         gemm, elementwise = gemm + out_gemm, elementwise + out_bytes
+    if layout.tp > 1:  # the embedding's all-reduce (SP: reduce-scatter) and the output layer's input gathered
+        edge = _edge_tp_seconds(config, hardware, layout, tokens=b * s / layout.cp,  # (SP) or its grad all-reduced
+                                first=pp_rank == 0, last=pp_rank == layout.pp - 1)
+        tp, tp_backward = tp + edge[0], tp_backward + edge[1]
     chunks = layout.pp * (layout.vpp or 1)
     recomputed = recomputed_layers_per_chunk(config, config.num_layers // chunks) * (layout.vpp or 1)
     layer_forward = (dense.gemm + dense.attention + dense.elementwise) if layers else 0.0
@@ -155,8 +160,28 @@ def _stage_microbatch(config: TransformerConfig, workload, layout, hardware: Har
                                                     hardware=hardware)
     return {"gemm": (gemm, 2 * gemm), "attention": (attention, 2 * attention),
             "elementwise": (elementwise, 2 * elementwise), "recompute": (0.0, recompute),
-            "overhead": (overhead / 3, overhead * 2 / 3), "tp": (tp, tp + tp_again), "cp": (cp / 3, cp * 2 / 3),
+            "overhead": (overhead / 3, overhead * 2 / 3), "tp": (tp, tp_backward + tp_again),
+            "cp": (cp / 3, cp * 2 / 3),
             "ep": (ep / 3, ep * 2 / 3), "pp": (pp, pp)}
+
+
+def _edge_tp_seconds(config: TransformerConfig, hardware: Hardware, layout, *, tokens: float, first: bool,
+                     last: bool) -> tuple[float, float]:
+    """(forward, backward) tp seconds of one micro-batch outside the layers: the vocab-parallel embedding's
+    all-reduce (reduce-scatter under SP) on the first stage; on the last, the output layer's input all-gathered
+    (SP; its grad reduce-scattered in backward) or its grad all-reduced, and the vocab-parallel loss's three
+    small all-reduces (max, sum of exponentials, target logit)."""
+    t, e, h = layout.tp, element_bytes(config), config.hidden_size
+    sp = layout.sequence_parallel
+    activation = (t - 1) / t * tokens * h * e * (1 if sp else 2)
+    forward = backward = 0.0
+    if first:
+        forward += collective_seconds(activation, span=t, hardware=hardware)
+    if last:
+        loss = collective_seconds(3 * 4 * tokens, span=t, hardware=hardware, count=3)
+        forward += loss + (collective_seconds(activation, span=t, hardware=hardware) if sp else 0.0)
+        backward += collective_seconds(activation, span=t, hardware=hardware)
+    return forward, backward
 
 
 @functools.lru_cache(maxsize=4096)
