@@ -14,7 +14,7 @@ Every number is one a user can check against a spec sheet or a benchmark:
 - ``intra_node_bandwidth_gbps`` / ``inter_node_bandwidth_gbps``: the bus bandwidth of a collective inside a
   node (NVLink) and per device between nodes (InfiniBand), each with a per-message ``latency_us``.
 - ``layer_overhead_us``: the fixed time of one layer's forward plus backward per micro-batch that no FLOP or
-  byte explains (kernel launches, dispatch); large on a CPU, a few hundred microseconds on a GPU.
+  byte explains (kernel launches, dispatch); about 1.5 ms on this CPU, 100 us assumed on a GPU.
 - ``comm_overlap``: the fraction of data-parallel traffic that runs under backward compute (1 where
   collectives run on their own stream, as NCCL's; less on a CPU, where gloo's threads share the cores).
 """
@@ -60,24 +60,20 @@ class Hardware:
 # NVLink; 8 NICs per node of HDR 200 Gb/s (A100) or NDR 400 Gb/s (H100/H200/B200) = 25 / 50 GB/s per GPU, of
 # which a ring reaches ~90%). Large-GEMM efficiency: cuBLAS bf16 at 8192^3 reaches ~0.8 of peak on A100 and
 # ~0.7 on H100/H200/B200 (public cuBLAS/torch.matmul benchmarks).
+_GPU = dict(layer_overhead_us=100, comm_overlap=1.0, intra_node_latency_us=8, inter_node_latency_us=25,
+            inter_node_bandwidth_gbps=45, pcie_bandwidth_gbps=50)
 PROFILES: dict[str, dict] = {
-    "a100": dict(name="a100", memory_per_device_gb=80, peak_tflops=312, fp8_peak_tflops=None,
-                 compute_efficiency=0.8, gemm_half_dim=64, memory_bandwidth_gbps=2039,
-                 intra_node_bandwidth_gbps=230, inter_node_bandwidth_gbps=22, intra_node_latency_us=10,
-                 inter_node_latency_us=30, layer_overhead_us=100, comm_overlap=1.0, pcie_bandwidth_gbps=25),
-    "h100": dict(name="h100", memory_per_device_gb=80, peak_tflops=989, fp8_peak_tflops=1979,
-                 compute_efficiency=0.7, gemm_half_dim=96, memory_bandwidth_gbps=3350,
-                 intra_node_bandwidth_gbps=450, inter_node_bandwidth_gbps=45, intra_node_latency_us=8,
-                 inter_node_latency_us=25, layer_overhead_us=100, comm_overlap=1.0, pcie_bandwidth_gbps=50),
-    "h200": dict(name="h200", memory_per_device_gb=141, peak_tflops=989, fp8_peak_tflops=1979,
-                 compute_efficiency=0.72, gemm_half_dim=96, memory_bandwidth_gbps=4800,
-                 intra_node_bandwidth_gbps=450, inter_node_bandwidth_gbps=45, intra_node_latency_us=8,
-                 inter_node_latency_us=25, layer_overhead_us=100, comm_overlap=1.0, pcie_bandwidth_gbps=50),
-    "b200": dict(name="b200", memory_per_device_gb=180, peak_tflops=2250, fp8_peak_tflops=4500,
-                 compute_efficiency=0.7, gemm_half_dim=128, memory_bandwidth_gbps=8000,
-                 intra_node_bandwidth_gbps=900, inter_node_bandwidth_gbps=45, intra_node_latency_us=8,
-                 inter_node_latency_us=25, layer_overhead_us=100, comm_overlap=1.0, pcie_bandwidth_gbps=50),
+    "a100": dict(_GPU, name="a100", memory_per_device_gb=80, peak_tflops=312, fp8_peak_tflops=None,
+                 compute_efficiency=0.8, gemm_half_dim=64, memory_bandwidth_gbps=2039, intra_node_bandwidth_gbps=230,
+                 inter_node_bandwidth_gbps=22, intra_node_latency_us=10, inter_node_latency_us=30,
+                 pcie_bandwidth_gbps=25),
+    "h100": dict(_GPU, name="h100", memory_per_device_gb=80, peak_tflops=989, fp8_peak_tflops=1979,
+                 compute_efficiency=0.7, gemm_half_dim=96, memory_bandwidth_gbps=3350, intra_node_bandwidth_gbps=450),
+    "b200": dict(_GPU, name="b200", memory_per_device_gb=180, peak_tflops=2250, fp8_peak_tflops=4500,
+                 compute_efficiency=0.7, gemm_half_dim=128, memory_bandwidth_gbps=8000, intra_node_bandwidth_gbps=900),
 }
+PROFILES["h200"] = dict(PROFILES["h100"], name="h200", memory_per_device_gb=141, compute_efficiency=0.72,
+                        memory_bandwidth_gbps=4800)  # H100's compute and links, HBM3e
 PROFILE_FIELDS = tuple(f.name for f in dataclasses.fields(Hardware) if f.name != "num_devices")
 
 
