@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 from typing import Any, Optional
 
 import torch
@@ -110,18 +111,15 @@ def _sdpa_on_cuda(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fa
                                                              scale=scale, enable_gqa=enable_gqa)[0]
 
 
-_CUDA_ATTENTION: list = []
-
-
-def register_cuda_attention() -> None:
+@functools.cache
+def register_cuda_attention() -> torch.library.Library:
     """Registers ``cuda_sdpa`` as this process's CUDA kernel of ``aten::scaled_dot_product_attention`` (at its
     ``AutogradCUDA`` key, where a CUDA build's own chooser sits), once. Dry-run processes only: a CPU build has
     no CUDA chooser, and the op would decompose into its math path. A dispatch-level kernel, not a Python
     function mode, so that it also holds in backward (activation recompute) and on autograd's threads."""
-    if not _CUDA_ATTENTION:
-        library = torch.library.Library("aten", "IMPL")
-        library.impl("scaled_dot_product_attention", _sdpa_on_cuda, "AutogradCUDA")
-        _CUDA_ATTENTION.append(library)  # kept alive: the registration lasts as long as the library object
+    library = torch.library.Library("aten", "IMPL")
+    library.impl("scaled_dot_product_attention", _sdpa_on_cuda, "AutogradCUDA")
+    return library  # cached, so kept alive: the registration lasts as long as the library object
 
 
 class FlopCounter(TorchDispatchMode):

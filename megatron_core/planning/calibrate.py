@@ -7,8 +7,8 @@ will train). Each is a small benchmark; the result is a hardware profile (``plan
   16 to 1024, each in the forward, input-gradient and weight-gradient orientation; least squares (relative to
   each time) of ``t = t0 + F / R + (d_half / R) F / d``: ``peak_tflops = R``, ``compute_efficiency = 1``,
   ``gemm_half_dim = d_half`` (``t0``, the call's fixed cost, is in the layer overhead).
-- Layer overhead: forward + backward of a GPT layer at hidden 32, 8 tokens (a GPT of 3 layers minus one of
-  1, over 2), where no FLOP or byte matters.
+- Layer overhead: forward + backward of a GPT layer at hidden 32, 8 tokens (a GPT of 9 layers minus one of
+  1, over 8), where no FLOP or byte matters.
 - Element-wise rate (``memory_bandwidth_gbps``): a GPT layer at hidden 192 and 384 tokens, less its modeled
   GEMM, attention and overhead time, over the planner's element-wise bytes for it. On a CPU, dropout's random
   numbers, dtype conversions and ``exp`` make these ops slower than DRAM bandwidth; a GPU's are bound by HBM.
@@ -42,14 +42,9 @@ def _timings(fn: Callable[[], object], repeats: int, warmup: int = 2) -> list[fl
     return times
 
 
-def _fastest_seconds(fn: Callable[[], object], *, repeats: int = 5) -> float:
-    """The fastest of ``repeats`` timings: the least disturbed by whatever else runs (``time_validation``
-    takes the fastest step too)."""
-    return min(_timings(fn, repeats))
-
-
 def _median_seconds(fn: Callable[[], object], *, repeats: int = 5) -> float:
-    """The median of ``repeats`` timings: the typical cost (of collectives, which a step pays many times)."""
+    """The median of ``repeats`` timings: the typical cost, as a step pays it (``time_validation`` takes the
+    median step too)."""
     return statistics.median(_timings(fn, repeats))
 
 
@@ -61,7 +56,7 @@ def gemm_curve(dtype: torch.dtype, dims=(16, 32, 64, 128, 256, 512, 1024)) -> di
             a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
             at, bt = a.t().contiguous(), b.t().contiguous()
             for product in (lambda: a @ b, lambda: a @ bt.t(), lambda: at.t() @ b):  # forward, dgrad, wgrad
-                seconds, flops = _fastest_seconds(product), 2.0 * m * n * k
+                seconds, flops = _median_seconds(product), 2.0 * m * n * k
                 rows.append([1.0 / seconds, flops / seconds, flops / min(m, n, k) / seconds])
     (_, inverse_rate, half_over_rate), *_ = numpy.linalg.lstsq(numpy.array(rows), numpy.ones(len(rows)), rcond=None)
     inverse_rate = max(float(inverse_rate), 1e-18)
@@ -69,9 +64,11 @@ def gemm_curve(dtype: torch.dtype, dims=(16, 32, 64, 128, 256, 512, 1024)) -> di
             "gemm_half_dim": max(float(half_over_rate) / inverse_rate, 0.0)}
 
 
-def _gpt_layer_seconds(dtype: torch.dtype, *, hidden: int, heads: int, seq: int, batch: int) -> tuple[float, object]:
-    """Seconds of one GPT layer's forward + backward (a GPT of 3 layers minus one of 1, over 2) at this shape,
-    dropout 0.1; and the layer's config (call inside a process group: the model is local, no collective)."""
+def _gpt_layer_seconds(dtype: torch.dtype, *, hidden: int, heads: int, seq: int, batch: int, layers: int = 3,
+                       repeats: int = 9) -> tuple[float, object]:
+    """Seconds of one GPT layer's forward + backward (a GPT of ``layers`` layers minus one of 1, over
+    ``layers - 1``) at this shape, dropout 0.1; and the layer's config (call inside a process group: the model
+    is local, no collective)."""
     from megatron_core import destroy_model_parallel, initialize_model_parallel
     from megatron_core.config import TransformerConfig
     from megatron_core.models import GPTModel
@@ -81,21 +78,21 @@ def _gpt_layer_seconds(dtype: torch.dtype, *, hidden: int, heads: int, seq: int,
     model_parallel_seed(1, tp_rank=state.tp_rank, tracker=state.rng_tracker)
     tokens, positions = torch.randint(0, 64, (batch, seq)), torch.arange(seq).expand(batch, seq)
     seconds, config = {}, None
-    for layers in (1, 3):
-        config = TransformerConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=heads, params_dtype=dtype,
+    for count in (1, layers):
+        config = TransformerConfig(num_layers=count, hidden_size=hidden, num_attention_heads=heads, params_dtype=dtype,
                                    bf16=dtype == torch.bfloat16, hidden_dropout=0.1, attention_dropout=0.1,
                                    max_position_embeddings=seq)
         model = GPTModel(config, parallel_state=state, vocab_size=64, max_sequence_length=seq,
                          layer_spec=layer_spec_for(config), make_vocab_size_divisible_by=8)
-        seconds[layers] = _fastest_seconds(lambda: model(tokens, positions, labels=tokens).float().sum().backward(),
-                                          repeats=9)
+        seconds[count] = _median_seconds(lambda: model(tokens, positions, labels=tokens).float().sum().backward(),
+                                         repeats=repeats)
     destroy_model_parallel(state)
-    return max(seconds[3] - seconds[1], 0.0) / 2, config
+    return max(seconds[layers] - seconds[1], 0.0) / (layers - 1), config
 
 
 def layer_overhead_us(dtype: torch.dtype) -> float:
     """The per-layer cost no FLOP or byte explains: one layer at hidden 32 and 8 tokens."""
-    return _gpt_layer_seconds(dtype, hidden=32, heads=4, seq=8, batch=1)[0] * 1e6
+    return _gpt_layer_seconds(dtype, hidden=32, heads=4, seq=8, batch=1, layers=9, repeats=21)[0] * 1e6
 
 
 def elementwise_bandwidth_gbps(dtype: torch.dtype, fields: dict) -> float:
@@ -121,7 +118,7 @@ def allreduce(group=None, dtype: torch.dtype = torch.bfloat16) -> dict:
     ranks = dist.get_world_size(group)
     ring = 2 * (ranks - 1) / ranks
     large, message = torch.zeros(4 << 20), torch.zeros(128 << 10, dtype=dtype)
-    seconds = _fastest_seconds(lambda: dist.all_reduce(large, group=group))
+    seconds = _median_seconds(lambda: dist.all_reduce(large, group=group))
     busbw = ring * large.numel() * 4 / seconds
     a, w = torch.randn(512, 256, dtype=dtype), torch.randn(256, 1024, dtype=dtype)
 

@@ -9,15 +9,16 @@ sequence parallelism, the lowest ep, and only then the faster.
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from types import MappingProxyType
+from typing import Callable, Mapping, Optional
 
-RECOMPUTE_ORDER = {None: 0, "selective": 1, "full": 2}
-AXES: dict[str, Callable] = {
+RECOMPUTE_ORDER = MappingProxyType({None: 0, "selective": 1, "full": 2})
+AXES: Mapping[str, Callable] = MappingProxyType({
     "tp": lambda lay: lay.tp, "pp": lambda lay: lay.pp, "cp": lambda lay: lay.cp, "dp": lambda lay: lay.dp,
     "ep": lambda lay: lay.ep, "vpp": lambda lay: lay.vpp or 1, "ZeRO": lambda lay: lay.zero_stage,
     "recompute": lambda lay: lay.recompute or "none",
     "SP": lambda lay: "on" if lay.sequence_parallel else "off",
-}
+})
 
 
 def simplicity(plan) -> tuple:

@@ -23,7 +23,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Optional
+from types import MappingProxyType
+from typing import Mapping, Optional
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -60,20 +61,23 @@ class Hardware:
 # NVLink; 8 NICs per node of HDR 200 Gb/s (A100) or NDR 400 Gb/s (H100/H200/B200) = 25 / 50 GB/s per GPU, of
 # which a ring reaches ~90%). Large-GEMM efficiency: cuBLAS bf16 at 8192^3 reaches ~0.8 of peak on A100 and
 # ~0.7 on H100/H200/B200 (public cuBLAS/torch.matmul benchmarks).
-_GPU = dict(layer_overhead_us=100, comm_overlap=1.0, intra_node_latency_us=8, inter_node_latency_us=25,
-            inter_node_bandwidth_gbps=45, pcie_bandwidth_gbps=50)
-PROFILES: dict[str, dict] = {
-    "a100": dict(_GPU, name="a100", memory_per_device_gb=80, peak_tflops=312, fp8_peak_tflops=None,
-                 compute_efficiency=0.8, gemm_half_dim=64, memory_bandwidth_gbps=2039, intra_node_bandwidth_gbps=230,
-                 inter_node_bandwidth_gbps=22, intra_node_latency_us=10, inter_node_latency_us=30,
-                 pcie_bandwidth_gbps=25),
-    "h100": dict(_GPU, name="h100", memory_per_device_gb=80, peak_tflops=989, fp8_peak_tflops=1979,
-                 compute_efficiency=0.7, gemm_half_dim=96, memory_bandwidth_gbps=3350, intra_node_bandwidth_gbps=450),
-    "b200": dict(_GPU, name="b200", memory_per_device_gb=180, peak_tflops=2250, fp8_peak_tflops=4500,
-                 compute_efficiency=0.7, gemm_half_dim=128, memory_bandwidth_gbps=8000, intra_node_bandwidth_gbps=900),
-}
-PROFILES["h200"] = dict(PROFILES["h100"], name="h200", memory_per_device_gb=141, compute_efficiency=0.72,
-                        memory_bandwidth_gbps=4800)  # H100's compute and links, HBM3e
+_GPU = MappingProxyType(dict(layer_overhead_us=100, comm_overlap=1.0, intra_node_latency_us=8,
+                            inter_node_latency_us=25, inter_node_bandwidth_gbps=45, pcie_bandwidth_gbps=50))
+_H100 = MappingProxyType(dict(_GPU, name="h100", memory_per_device_gb=80, peak_tflops=989, fp8_peak_tflops=1979,
+                              compute_efficiency=0.7, gemm_half_dim=96, memory_bandwidth_gbps=3350,
+                              intra_node_bandwidth_gbps=450))
+PROFILES: Mapping[str, Mapping] = MappingProxyType({
+    "a100": MappingProxyType(dict(_GPU, name="a100", memory_per_device_gb=80, peak_tflops=312, fp8_peak_tflops=None,
+                                  compute_efficiency=0.8, gemm_half_dim=64, memory_bandwidth_gbps=2039,
+                                  intra_node_bandwidth_gbps=230, inter_node_bandwidth_gbps=22,
+                                  intra_node_latency_us=10, inter_node_latency_us=30, pcie_bandwidth_gbps=25)),
+    "h100": _H100,
+    "h200": MappingProxyType(dict(_H100, name="h200", memory_per_device_gb=141, compute_efficiency=0.72,
+                                  memory_bandwidth_gbps=4800)),  # H100's compute and links, HBM3e
+    "b200": MappingProxyType(dict(_GPU, name="b200", memory_per_device_gb=180, peak_tflops=2250,
+                                  fp8_peak_tflops=4500, compute_efficiency=0.7, gemm_half_dim=128,
+                                  memory_bandwidth_gbps=8000, intra_node_bandwidth_gbps=900)),
+})
 PROFILE_FIELDS = tuple(f.name for f in dataclasses.fields(Hardware) if f.name != "num_devices")
 
 

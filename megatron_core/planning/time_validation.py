@@ -9,6 +9,8 @@ thread each: the calibration's conditions (two ranks measuring at once share the
 """
 from __future__ import annotations
 
+import statistics
+from types import MappingProxyType
 from typing import Callable
 
 import torch
@@ -20,10 +22,12 @@ from megatron_core.planning.planner import Layout, Workload, plan_layout
 from megatron_core.transformer.moe.config import MoEConfig
 
 S, B, V, M = 256, 2, 1024, 4
-MODEL = dict(num_layers=4, hidden_size=256, num_attention_heads=4, hidden_dropout=0.1, attention_dropout=0.1)
-MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_token_dispatcher_type="alltoall", moe_aux_loss_coeff=0.0)
+MODEL = MappingProxyType(dict(num_layers=4, hidden_size=256, num_attention_heads=4, hidden_dropout=0.1,
+                              attention_dropout=0.1))
+MOE = MappingProxyType(dict(num_moe_experts=4, moe_router_topk=2, moe_token_dispatcher_type="alltoall",
+                            moe_aux_loss_coeff=0.0))
 
-LAYOUTS = {  # name: (layout, MoE)
+LAYOUTS = MappingProxyType({  # name: (layout, MoE)
     "dp 2": (Layout(1, 1, 2, None, 0, False, None), False),
     "dp 2 selective recompute": (Layout(1, 1, 2, None, 0, False, "selective"), False),
     "dp 2 full recompute": (Layout(1, 1, 2, None, 0, False, "full"), False),
@@ -36,7 +40,7 @@ LAYOUTS = {  # name: (layout, MoE)
     "dp 2 ZeRO-2": (Layout(1, 1, 2, None, 2, False, None), False),
     "dp 2 ZeRO-3": (Layout(1, 1, 2, None, 3, False, None), False),
     "MoE ep 2": (Layout(1, 1, 2, None, 1, False, None, 1, 2), True),
-}
+})
 
 
 def _model(layout: Layout, moe: bool) -> dict:
@@ -56,10 +60,11 @@ def _measure(layout: Layout, model: dict, steps: int) -> float:
 
 
 def measured_seconds(distributed: Callable, layout: Layout, moe: bool, *, rounds: int = 3) -> float:
-    """The fastest over ``rounds`` of the slowest rank's last step (of 2: the first warms up): the step least
-    disturbed by whatever else runs on the machine (the calibration takes the fastest timings too)."""
+    """The median over ``rounds`` of the slowest rank's last step (of 2: the first warms up); the calibration
+    takes median timings too."""
     ranks = layout.tp * layout.pp * layout.dp * layout.cp
-    return min(max(distributed(ranks, _measure, layout, _model(layout, moe), 2)) for _ in range(rounds))
+    return statistics.median(max(distributed(ranks, _measure, layout, _model(layout, moe), 2))
+                             for _ in range(rounds))
 
 
 def predicted_seconds(layout: Layout, moe: bool, profile: dict) -> float:
