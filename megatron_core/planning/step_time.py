@@ -136,9 +136,9 @@ def _stage_microbatch(config: TransformerConfig, workload, layout, hardware: Har
         out_gemm, out_bytes = output_layer_forward_seconds(config, hardware, tokens=b * s / layout.cp,
                                                            padded_vocab_size=padded_vocab_size)
         gemm, elementwise = gemm + out_gemm, elementwise + out_bytes
-    if layout.tp > 1:  # the embedding's all-reduce (SP: reduce-scatter) and the output layer's input gathered
-        edge = _edge_tp_seconds(config, hardware, layout, tokens=b * s / layout.cp,  # (SP) or its grad all-reduced
-                                first=pp_rank == 0, last=pp_rank == layout.pp - 1)
+    if layout.tp > 1:  # the embedding's, the output layer's and the loss's collectives (outside the layers)
+        edge = _edge_tp_seconds(config, hardware, layout, tokens=b * s / layout.cp, first=pp_rank == 0,
+                                last=pp_rank == layout.pp - 1)
         tp, tp_backward = tp + edge[0], tp_backward + edge[1]
     chunks = layout.pp * (layout.vpp or 1)
     recomputed = recomputed_layers_per_chunk(config, config.num_layers // chunks) * (layout.vpp or 1)
