@@ -29,7 +29,6 @@ MOE = MappingProxyType(dict(num_moe_experts=4, moe_router_topk=2, moe_token_disp
 
 LAYOUTS = MappingProxyType({  # name: (layout, MoE)
     "dp 2": (Layout(1, 1, 2, None, 0, False, None), False),
-    "dp 2 selective recompute": (Layout(1, 1, 2, None, 0, False, "selective"), False),
     "dp 2 full recompute": (Layout(1, 1, 2, None, 0, False, "full"), False),
     "tp 2": (Layout(2, 1, 1, None, 0, False, None), False),
     "tp 2 SP": (Layout(2, 1, 1, None, 0, True, None), False),
@@ -37,7 +36,6 @@ LAYOUTS = MappingProxyType({  # name: (layout, MoE)
     "pp 2 vpp 2": (Layout(1, 2, 1, 2, 0, False, None), False),
     "cp 2": (Layout(1, 1, 1, None, 0, False, None, 2), False),
     "dp 2 ZeRO-1": (Layout(1, 1, 2, None, 1, False, None), False),
-    "dp 2 ZeRO-2": (Layout(1, 1, 2, None, 2, False, None), False),
     "dp 2 ZeRO-3": (Layout(1, 1, 2, None, 3, False, None), False),
     "MoE ep 2": (Layout(1, 1, 2, None, 1, False, None, 1, 2), True),
 })
