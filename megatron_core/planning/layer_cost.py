@@ -54,7 +54,8 @@ def _gemm_seconds(flops: float, hardware: Hardware, *dims: float) -> float:
     return flops / (hardware.peak_tflops * 1e12 * gemm_efficiency(hardware, *dims))
 
 
-def _bytes_seconds(nbytes: float, hardware: Hardware) -> float:
+def bytes_seconds(nbytes: float, hardware: Hardware) -> float:
+    """Seconds to stream ``nbytes`` through device memory (0 when the profile has no memory bandwidth)."""
     return nbytes / (hardware.memory_bandwidth_gbps * 1e9) if hardware.memory_bandwidth_gbps else 0.0
 
 
@@ -150,7 +151,7 @@ def layer_forward_cost(config: TransformerConfig, hardware: Hardware, *, micro_b
     if fp8_share:  # FP8 GEMMs at the FP8 peak, plus quantizing each GEMM's input and weight (read e, write 1 B)
         fp8 = dataclasses.replace(hardware, peak_tflops=hardware.fp8_peak_tflops)
         quantize = sum((element_bytes(config) + 1) * (dims[0] * dims[1] + dims[1] * dims[2]) for _, dims in gemms)
-        fp8_gemm = sum(_gemm_seconds(flops, fp8, *dims) for flops, dims in gemms) + _bytes_seconds(quantize, hardware)
+        fp8_gemm = sum(_gemm_seconds(flops, fp8, *dims) for flops, dims in gemms) + bytes_seconds(quantize, hardware)
         gemm = fp8_share * fp8_gemm + (1 - fp8_share) * gemm
     if config.multi_latent_attention:
         d = config.qk_head_dim + config.qk_pos_emb_head_dim
@@ -159,10 +160,10 @@ def layer_forward_cost(config: TransformerConfig, hardware: Hardware, *, micro_b
         d = config.kv_channels
         core_flops = 4.0 * config.num_attention_heads / t * tokens * seq_length * d
     attention = _gemm_seconds(core_flops, hardware, tokens / micro_batch_size, seq_length, d)
-    elementwise = _bytes_seconds(_elementwise_bytes(config, tokens, t, flash=flash, moe_layer=moe_layer,
+    elementwise = bytes_seconds(_elementwise_bytes(config, tokens, t, flash=flash, moe_layer=moe_layer,
                                                     micro_batch_size=micro_batch_size, seq_length=seq_length,
                                                     cp=c, mask_bytes=mask_bytes), hardware)
-    scores = _bytes_seconds(_scores_bytes(config, t, flash=flash, micro_batch_size=micro_batch_size,
+    scores = bytes_seconds(_scores_bytes(config, t, flash=flash, micro_batch_size=micro_batch_size,
                                           seq_length=seq_length, cp=c, mask_bytes=mask_bytes), hardware)
     tp = 0.0
     if t > 1:
@@ -186,12 +187,7 @@ def output_layer_forward_seconds(config: TransformerConfig, hardware: Hardware, 
     t = config.tensor_model_parallel_size
     vocab = padded_vocab_size / t
     gemm = _gemm_seconds(2.0 * tokens * config.hidden_size * vocab, hardware, tokens, config.hidden_size, vocab)
-    return gemm, _bytes_seconds(tokens * vocab * (element_bytes(config) + 3 * 4), hardware)
-
-
-def bytes_seconds(nbytes: float, hardware: Hardware) -> float:
-    """Seconds to stream ``nbytes`` through device memory (0 when the profile has no memory bandwidth)."""
-    return _bytes_seconds(nbytes, hardware)
+    return gemm, bytes_seconds(tokens * vocab * (element_bytes(config) + 3 * 4), hardware)
 
 
 __all__ = ["ForwardCost", "collective_seconds", "element_bytes", "elementwise_layer_bytes", "layer_forward_cost",

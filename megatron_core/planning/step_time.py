@@ -91,9 +91,15 @@ def cp_comm_bytes(config: TransformerConfig, workload, layout) -> float:
 
 def cp_comm_seconds(config: TransformerConfig, workload, layout, hardware: Hardware, num_microbatches: int) -> float:
     """Context-parallel seconds of one step, no overlap (cp groups span ``tp x cp`` consecutive ranks)."""
-    per_layer = collective_seconds(cp_comm_bytes(config, workload, layout), span=layout.tp * layout.cp,
-                                   hardware=hardware, count=2 * (layout.cp - 1))
-    return per_layer * (config.num_layers // layout.pp) * num_microbatches
+    return _cp_layer_seconds(config, workload, layout, hardware) * (config.num_layers // layout.pp) * num_microbatches
+
+
+def _cp_layer_seconds(config: TransformerConfig, workload, layout, hardware: Hardware) -> float:
+    """One layer's cp traffic per micro-batch, forward and backward (cp groups span ``tp x cp`` ranks)."""
+    if layout.cp == 1:
+        return 0.0
+    return collective_seconds(cp_comm_bytes(config, workload, layout), span=layout.tp * layout.cp,
+                              hardware=hardware, count=2 * (layout.cp - 1))
 
 
 def _ep_layer_seconds(config: TransformerConfig, workload, layout, hardware: Hardware) -> float:
@@ -147,8 +153,7 @@ def _stage_microbatch(config: TransformerConfig, workload, layout, hardware: Har
                  else attention + total("scores") if layout.recompute == "selective" else 0.0)
     tp_again = recomputed * dense.tp if layout.recompute == "full" else 0.0
     overhead = layers * hardware.layer_overhead_us * 1e-6 * (1 + (recomputed / max(layers, 1) / 3))
-    cp_layer = collective_seconds(cp_comm_bytes(config, workload, layout), span=layout.tp * layout.cp,
-                                  hardware=hardware, count=2 * (layout.cp - 1)) if layout.cp > 1 else 0.0
+    cp_layer = _cp_layer_seconds(config, workload, layout, hardware)
     core = dense.attention * 3
     cp = layers * max(cp_layer - hardware.comm_overlap * min(cp_layer, core), 0.0)
     ep = moe_layers * _ep_layer_seconds(config, workload, layout, hardware) if moe_layers else 0.0
