@@ -50,6 +50,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron_core.distributed.ddp_config import DistributedDataParallelConfig
+from megatron_core.distributed.fp8_param_gather import attach_fp8_param_gather
 from megatron_core.distributed.param_and_grad_buffer import Bucket, BucketKind
 from megatron_core.distributed.zero3 import ParameterGatherer, plan_units
 from megatron_core.tensor_parallel.initialization import init_flat_values, logical_shape, swap_meta_parameters_
@@ -108,6 +109,7 @@ class DistributedDataParallel(nn.Module):
         self.buckets = self._build_buckets()
         self._param_to_bucket = {p: b for b in self.buckets for p in b.params}
         self._allocate_storage()
+        attach_fp8_param_gather(self.buckets)  # tagged FP8 weights (--fp8-param-gather), stages 1-2
         self._hooks = [p.register_post_accumulate_grad_hook(_weak_grad_hook(self))
                        for p in self._param_to_bucket]
         self.gatherer: Optional[ParameterGatherer] = None
@@ -363,6 +365,14 @@ class DistributedDataParallel(nn.Module):
         for bucket in self.buckets:
             bucket.wait_param_sync()
 
+    def restore_exact_params(self) -> None:
+        """``--fp8-param-gather``: gives the FP8-gathered weights their exact values on every rank again (a
+        plain all-gather of each bucket that holds dequantized ones, in bucket order; a no-op otherwise)."""
+        self.finish_param_sync()
+        for bucket in self.buckets:
+            if bucket.fp8_gather is not None:
+                bucket.fp8_gather.restore_exact()
+
     def _install_param_sync_hooks(self) -> list:
         """Forward pre-hooks that wait, just before a module's first use, for the gather of its buckets."""
         if self.config.zero_stage not in (1, 2):
@@ -380,8 +390,9 @@ class DistributedDataParallel(nn.Module):
 
     @contextlib.contextmanager
     def gathered_parameters(self) -> Iterator[None]:
-        """Stage 3: every parameter is full inside the context (e.g. for export); a no-op otherwise."""
-        self.finish_param_sync()
+        """Every parameter full and exact inside the context (e.g. for export): stage 3 gathers them, stages 1-2
+        restore FP8-gathered weights (``restore_exact_params``)."""
+        self.restore_exact_params()
         for bucket in self.buckets:
             bucket.wait_gather()
         try:
@@ -394,9 +405,9 @@ class DistributedDataParallel(nn.Module):
         """Yields the parameters of one bucket at a time, full while the caller holds them: at stage 3 each
         bucket is all-gathered (collective over its dp group, the same order on every rank) before and
         released after its turn, so at most one bucket's full parameters exist beyond the shards; at other
-        stages the parameters are full already and are yielded in one list. Then the parameters outside
-        buckets (frozen ones), if any."""
-        self.finish_param_sync()
+        stages the parameters are full already (exact: ``restore_exact_params``) and are yielded in one list. Then
+        the parameters outside buckets (frozen ones), if any."""
+        self.restore_exact_params()
         if self.config.zero_stage != 3:
             yield list(self.module.parameters())
             return

@@ -122,6 +122,7 @@ class Bucket:
         self._grad_work = self._recv = self._param_work = self._gather_work = None
         self.shard_home: Optional[Any] = None  # ZeRO-3 parameter offload: where the shard lives between uses
         self._fetched_for_gather = False
+        self.fp8_gather = None  # stages 1-2 with --fp8-param-gather: an Fp8ParamGather (fp8_param_gather.py)
 
     @property
     def param_bytes(self) -> int:
@@ -305,11 +306,13 @@ class Bucket:
     # ----------------------------------------------------------------------------------------------------------
     # parameters, stages 1-2: the updated shards are all-gathered after the optimizer step
     def start_param_sync(self) -> None:
-        """Stages 1-2: all-gathers the updated shards into the full parameters (asynchronous)."""
+        """Stages 1-2: all-gathers the updated shards into the full parameters (asynchronous); the FP8 weights
+        as FP8 bytes with ``fp8_gather`` (``Fp8ParamGather.start``)."""
         if self.shard_params or self.dp_size == 1:
             return
         self.wait_param_sync()
-        self._param_work = self._all_gather(None)  # the shard is a view of its slot: in place
+        work = self.fp8_gather.start() if self.fp8_gather is not None else None
+        self._param_work = work or self._all_gather(None)  # the shard is a view of its slot: in place
 
     def wait_param_sync(self) -> None:
         if self._param_work is not None:

@@ -56,6 +56,7 @@ class Fp8ScalingState(nn.Module):
         self.register_buffer("fp8_scale", torch.zeros(*full, device=device))
         self._ready_version: Optional[int] = None
         self.register_buffer("fp8_amax_step", torch.zeros(*full, device=device), persistent=False)
+        self.amax_step_cleared_version = self.fp8_amax_step._version  # no amax recorded since (fp8_param_gather)
 
     def fp8_max(self) -> torch.Tensor:
         """``[3]`` the largest finite value of each role's format."""
@@ -97,6 +98,7 @@ class Fp8ScalingState(nn.Module):
         usable = (amax > 0) & torch.isfinite(amax)
         self.fp8_scale.copy_(torch.where(usable, scale, self.fp8_scale))
         self.fp8_amax_step.zero_()
+        self.amax_step_cleared_version = self.fp8_amax_step._version
 
     def extra_repr(self) -> str:
         return f"shape={self.shape}, history_len={self.config.fp8_amax_history_len}"
@@ -137,10 +139,11 @@ def _all_reduce_max(value: torch.Tensor, group) -> None:
 
 @torch.no_grad()
 def update_fp8_scales(model_chunks: Sequence[nn.Module], parallel_state) -> None:
-    """Once per optimizer step (every rank calls it, after ``optimizer.step()``): reduce the step's amaxes of
-    every delayed-scaling state with MAX over ``tp_group`` and ``dp_cp_group`` (two all-reduces of one flat
-    tensor; none without FP8 delayed scaling) and advance the histories and scales. Model chunks may be
-    wrapped (``DistributedDataParallel``): their ``modules()`` include the wrapped model's."""
+    """Once per optimizer step (every rank calls it, after the backward passes; called before ``optimizer.step()``
+    it lets ``fp8_param_gather`` gather the weights in FP8 with the new scales, after it they are gathered exactly):
+    reduces the step's amaxes of every delayed-scaling state with MAX over ``tp_group`` and ``dp_cp_group`` (two
+    all-reduces of one flat tensor; none without FP8 delayed scaling) and advances the histories and scales. Model
+    chunks may be wrapped (``DistributedDataParallel``): their ``modules()`` include the wrapped model's."""
     states = scaling_states(model_chunks)
     if not states:
         return

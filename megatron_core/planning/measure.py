@@ -205,8 +205,8 @@ def measure_layout(config_kwargs: dict, *, tp: int, pp: int, zero_stage: int, vo
             schedule(forward_step_func=forward_step, data_iterator=[iter(batches) for _ in chunks] if vpp
                      else iter(batches), model=chunks if vpp else chunks[0], num_microbatches=num_microbatches,
                      seq_length=seq_length, micro_batch_size=micro_batch_size, parallel_state=state)
-        optimizer.step()
         update_fp8_scales(chunks, state)  # FP8 delayed scaling (as training/loop.py): the next step's scales
+        optimizer.step()
         seconds = time.perf_counter() - start
     transient = None
     if track_live:

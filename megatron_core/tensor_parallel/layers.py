@@ -22,6 +22,7 @@ from torch import nn
 
 from megatron_core.fp8.config import Fp8Config
 from megatron_core.fp8.linear import fp8_linear, layer_plan, scaling_state
+from megatron_core.fp8.param_gather import tag_weight
 from megatron_core.tensor_parallel.comm_overlap import all_gather_linear, linear_reduce_scatter
 from megatron_core.tensor_parallel.initialization import (
     InitMethod,
@@ -142,6 +143,8 @@ class ColumnParallelLinear(nn.Module):
         self.bias = (_zero_bias(self.output_size_per_partition, dtype=params_dtype, device=device,
                                 is_parallel=True, stride=stride) if bias else None)
         self.fp8, self.fp8_state = fp8, scaling_state(fp8, device=device)
+        if self.weight is not None:
+            tag_weight(self.weight, fp8, self.fp8_state, amax_group=tp_group if self.tp_size > 1 else None)
 
     def forward(self, input_: torch.Tensor, weight: Optional[torch.Tensor] = None):
         """``input_`` ``[..., input_size]`` (``[s/tp, b, input_size]`` with sequence_parallel)."""
@@ -237,6 +240,7 @@ class RowParallelLinear(nn.Module):
         if self.bias is not None and sequence_parallel:
             self.bias.sequence_parallel = True
         self.fp8, self.fp8_state = fp8, scaling_state(fp8, device=device)
+        tag_weight(self.weight, fp8, self.fp8_state, amax_group=tp_group if self.tp_size > 1 else None)
 
     def forward(self, input_: torch.Tensor):
         """``input_`` ``[..., input_size/tp]`` (or ``[..., input_size]`` when not input_is_parallel)."""

@@ -250,8 +250,10 @@ def train_step(run: Run, batches: list[dict]) -> dict:
         mtp_losses = (mtp_loss_report(run.chunks, run.state, run.config.mtp_num_layers)
                       if run.config.mtp_num_layers is not None else {})
     with _phase(run, "the optimizer step (grad reduction over data-parallel ranks, norm over model-parallel ranks)"):
+        # FP8 delayed scaling: amaxes reduced over tp, dp x cp; new scales. Before the step (the same numbers: the
+        # step reads no scale), so that --fp8-param-gather knows the next forward's weight scales at its gather
+        update_fp8_scales(run.chunks, run.state)
         update_ok, grad_norm, num_zeros = run.optimizer.step()
-        update_fp8_scales(run.chunks, run.state)  # FP8 delayed scaling: amaxes reduced over tp, dp x cp; new scales
     if update_ok:
         run.scheduler.step(increment)
     return {"lm_loss": lm_loss, "lr": lr, "grad_norm": grad_norm, "skipped": not update_ok, "num_zeros": num_zeros,

@@ -33,6 +33,7 @@ from torch import nn
 from megatron_core.config import TransformerConfig
 from megatron_core.fp8.config import Fp8Config, layer_fp8
 from megatron_core.fp8.linear import fp8_linear, layer_plan, scaling_state
+from megatron_core.fp8.param_gather import tag_weight
 from megatron_core.parallel_state import ParallelState
 from megatron_core.tensor_parallel import (
     ColumnParallelLinear,
@@ -82,6 +83,7 @@ class ReplicatedLinear(nn.Module):
         for param in self.parameters():
             set_tensor_model_parallel_attributes(param, is_parallel=False, dim=-1, stride=1)
             param.sequence_parallel = sequence_parallel
+        tag_weight(self.weight, fp8, self.fp8_state)  # replicated: the amax needs no tp reduction
 
     def forward(self, input_: torch.Tensor):
         if input_.shape[-1] != self.input_size:

@@ -251,3 +251,142 @@ def test_zero_dp2_with_fp8_param_gather_matches_dp1(distributed, stage):
             torch.testing.assert_close(mine[..., :2], ref[..., :2], rtol=1e-6, atol=0)
             torch.testing.assert_close(mine[..., 2] * 2, ref[..., 2], rtol=1e-6, atol=0)
     assert ref_losses[-1] < ref_losses[0]
+
+
+def _count_sent_bytes(counter):
+    """Wraps ``dist.isend`` and ``dist.all_gather_single`` (the parameter gathers' transfers: p2p, or the
+    collective) to add the bytes each call sends to ``counter[0]``; returns the undo."""
+    originals = dist.isend, dist.all_gather_single
+
+    def isend(tensor, *args, **kwargs):
+        counter[0] += tensor.numel() * tensor.element_size()
+        return originals[0](tensor, *args, **kwargs)
+
+    def all_gather_single(output, tensor, *args, **kwargs):
+        counter[0] += tensor.numel() * tensor.element_size()
+        return originals[1](output, tensor, *args, **kwargs)
+    dist.isend, dist.all_gather_single = isend, all_gather_single
+
+    def undo():
+        dist.isend, dist.all_gather_single = originals
+    return undo
+
+
+def _gather_split(ddp):
+    """Bytes this rank's shards send per peer: ``(elements of FP8 linears' weights, bytes of the other parameters
+    at the parameter dtype, the shards' whole bytes with padding, FP8 weights holding a gathered FP8 copy)``."""
+    weights = {m.weight for m in ddp.module.modules()
+               if getattr(m, "fp8", None) is not None and isinstance(getattr(m, "weight", None), torch.nn.Parameter)}
+    fp8 = other = whole = 0
+    for bucket in ddp.buckets:
+        whole += bucket.shard_size * bucket.kind.param_dtype.itemsize
+        for param, _, _, lo, hi in bucket.shard_pieces():
+            if param in weights:
+                fp8 += hi - lo
+            else:
+                other += (hi - lo) * bucket.kind.param_dtype.itemsize
+    copies = sum(getattr(w, "fp8_gathered", None) is not None for w in weights)
+    return fp8, other, whole, (copies, len(weights))
+
+
+def _build_zero(stage, recipe, param_gather, p2p, state):
+    from megatron_core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron_core.fp8 import Fp8Config
+    from megatron_core.optimizer import OptimizerConfig, get_optimizer
+    fp8 = Fp8Config(**RECIPES[recipe], fp8_param_gather=param_gather)
+    model = build_model(tiny_config(fp8=fp8, params_dtype=torch.bfloat16, bf16=True, **BASE), state)
+    ddp = DistributedDataParallel(model, config=DistributedDataParallelConfig(zero_stage=stage, p2p_collectives=p2p),
+                                  dp_group=state.dp_group)
+    optimizer = get_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, clip_grad=1.0), ddp, parallel_state=state)
+    return ddp, optimizer
+
+
+def _train_step(ddp, optimizer, state, step, counter):
+    """One step over this rank's micro-batches; delayed scales updated before the optimizer step (so the gather
+    knows the next forward's scale). Returns (loss, grad shards, masters, bytes the step's gathers sent)."""
+    import contextlib
+
+    from megatron_core.distributed import finalize_model_grads
+    from megatron_core.fp8 import update_fp8_scales
+    optimizer.zero_grad()
+    mine = list(range(state.dp_rank, MICRO_BATCHES, state.dp_size))
+    total = torch.zeros(())
+    for i, micro in enumerate(mine):
+        input_ids, positions, labels = make_batch(seed=MICRO_BATCHES * step + micro)
+        with ddp.no_sync() if i < len(mine) - 1 else contextlib.nullcontext():
+            loss = ddp(input_ids, positions, labels=labels).float().mean() / len(mine)
+            loss.backward()
+        total += loss.detach()
+    finalize_model_grads([ddp], state)
+    grads = [b.grad_shard.clone() for b in ddp.buckets]
+    update_fp8_scales([ddp], state)
+    counter[0] = 0
+    undo = _count_sent_bytes(counter)
+    try:
+        assert optimizer.step()[0]
+    finally:
+        undo()
+    masters = [p.master.clone() for p in optimizer.pieces]
+    return total, grads, masters, counter[0]
+
+
+def _fp8_gather_run(stage, recipe, param_gather, p2p, steps=3):
+    """``steps`` steps at dp 2 (bf16 parameters, Adam, clipping); then a resume check: a fresh model and optimizer
+    loading the state dicts (saved with ``ddp.state_dict()``: exact) runs one more step as the original does."""
+    from megatron_core import initialize_model_parallel
+    state = initialize_model_parallel(tensor_model_parallel_size=1)
+    ddp, optimizer = _build_zero(stage, recipe, param_gather, p2p, state)
+    counter, results = [0], []
+    for step in range(steps):
+        results.append(_train_step(ddp, optimizer, state, step, counter))
+    import copy
+    saved = ({k: v.clone() for k, v in ddp.state_dict().items()}, copy.deepcopy(optimizer.state_dict()))
+    params = dict(saved[0])
+    fresh, fresh_opt = _build_zero(stage, recipe, param_gather, p2p, state)
+    fresh.load_state_dict(saved[0])
+    fresh_opt.load_state_dict(saved[1])
+    resumed = _train_step(fresh, fresh_opt, state, steps, counter)
+    continued = _train_step(ddp, optimizer, state, steps, counter)
+    return results, params, resumed[:3], continued[:3], _gather_split(ddp)
+
+
+def _assert_equal(a, b, what):
+    if isinstance(a, (list, tuple)):
+        assert len(a) == len(b), what
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_equal(x, y, f"{what}[{i}]")
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), what
+        for k in a:
+            _assert_equal(a[k], b[k], f"{what}[{k}]")
+    else:
+        assert torch.equal(a, b), f"{what} differs"
+
+
+@pytest.mark.parametrize("stage,recipe,p2p", [(1, "tensorwise", None), (2, "tensorwise", None),
+                                              (1, "delayed", None), (2, "delayed", None), (1, "tensorwise", False)])
+def test_fp8_param_gather_sends_fp8_bytes_bit_identical(distributed, stage, recipe, p2p):
+    """``fp8_param_gather`` at dp 2 (bf16 parameters): losses, reduced grads, fp32 masters and the final
+    (exact) parameters bit-identical to the run without it over 3 steps, a resume from its state dicts too;
+    the step's gathers send the FP8 weights in 1 byte per element instead of 2 (p2p: exactly; the collective
+    pads each rank's message to the largest)."""
+    plain = distributed(2, _fp8_gather_run, stage, recipe, False, p2p)
+    fp8 = distributed(2, _fp8_gather_run, stage, recipe, True, p2p)
+    for rank, (ref, mine) in enumerate(zip(plain, fp8)):
+        (ref_steps, ref_params, ref_resumed, ref_continued, _), (steps, params, resumed, continued, split) = ref, mine
+        _assert_equal(ref_resumed, ref_continued, f"rank {rank} resumed step without the flag")
+        _assert_equal([s[:3] for s in steps], [s[:3] for s in ref_steps], f"rank {rank} steps")
+        _assert_equal(params, ref_params, f"rank {rank} parameters")
+        _assert_equal(resumed, continued, f"rank {rank} resumed step")
+        _assert_equal(continued, ref_continued, f"rank {rank} step after the checkpoint")
+        fp8_elements, other_bytes, whole_bytes, (copies, weights) = split
+        assert fp8_elements > 0
+        for step, ((*_, sent_plain), (*_, sent_fp8)) in enumerate(zip(ref_steps, steps)):
+            assert sent_plain == whole_bytes, f"rank {rank} step {step}: the plain gather sent {sent_plain}"
+            if p2p is None:  # the FP8 weights' share halves: 2 bytes per element -> 1
+                assert sent_fp8 - other_bytes == fp8_elements, (
+                    f"rank {rank} step {step}: {sent_fp8} bytes sent, {other_bytes} of them other parameters; "
+                    f"expected {fp8_elements} FP8 bytes (bf16: {2 * fp8_elements})")
+            else:
+                assert sent_fp8 < sent_plain
+        assert copies == weights == 8, f"rank {rank}: {copies} of {weights} FP8 weights hold their gathered copy"

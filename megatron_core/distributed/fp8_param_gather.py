@@ -1,0 +1,180 @@
+"""``--fp8-param-gather`` at ZeRO stages 1-2: a bucket's updated parameters are all-gathered with the FP8
+weights as 1-byte E4M3 values instead of their 2-byte (bf16) or 4-byte (fp32) values.
+
+The bucket layout (which parameter lies where, each rank's shard) is the one without the flag, so the
+optimizer's pieces, the grad norm and the checkpoints are unchanged. ``Fp8ParamGather.start`` (after the
+optimizer step, every dp rank, same order):
+
+1. chooses the bucket's FP8 weights whose scale is known now (``Fp8GatherSpec.usable_now``: tensorwise always,
+   delayed once calibrated and after ``update_fp8_scales``); none: the bucket is gathered as before;
+2. takes the amax of this rank's piece of each (0 for none), all-reduces the ``[n_fp8]`` fp32 vector with MAX
+   over the bucket's dp group and then over each weight's tp ``amax_group``: every rank holds the amax of
+   the whole weight, the value the layer would compute (tensorwise scale; delayed: the amax it records);
+3. quantizes its pieces with the weight's scale (``cast(x * scale)``, elementwise: the bytes the layer would
+   produce from the whole weight) and packs its message: the other parameters' raw bytes, then the FP8 bytes;
+4. sends it to every other rank: a batch of ``isend``/``irecv`` with ``p2p_collectives`` (each rank's
+   message of its own size), else ``all_gather_single`` of messages padded to the largest.
+
+``wait`` (the work's finish) writes the received values: raw ones as they are, FP8 ones into the weight's
+FP8 copy (``[N, K]`` E4M3, a new tensor each gather) and, dequantized (``q * scale_inv``, cast to the
+parameter dtype), into the parameter's slots of the other ranks' shards. This rank's shard keeps its exact
+values (the optimizer's). The FP8 linear then uses the copy (``fp8.param_gather.gathered_weight``): bit
+for bit what it would have quantized. Readers of the parameter values outside the FP8 GEMMs get exact
+values through ``restore_exact`` (a plain all-gather of the bucket), which ``DistributedDataParallel``'s
+``gathered_parameters`` / ``gathered_buckets`` / ``state_dict`` run first: checkpoints are exact.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatron_core.distributed.p2p_collectives import PARAM_GATHER_TAG, P2PWork
+from megatron_core.fp8.param_gather import Fp8GatherSpec, drop_gathered, gather_spec, keep_gathered
+from megatron_core.fp8.quantize import Quantized, abs_amax, cast_to_fp8
+
+Piece = tuple[nn.Parameter, int, int, int, int]  # (param, param_lo, param_hi, bucket_lo, bucket_hi)
+ALIGN = 16  # bytes: padded message size of the all_gather_single path
+
+
+class Fp8ParamGather:
+    """The FP8 gather of one stage 1-2 bucket (module docstring); ``specs``: its tagged weights."""
+
+    def __init__(self, bucket, specs: dict[nn.Parameter, Fp8GatherSpec]) -> None:
+        self.bucket, self.specs = bucket, specs
+        self.holds_dequantized = False  # other ranks' slots of some weights hold dequantized FP8 values
+        self.dtype = bucket.kind.param_dtype
+        self.pieces = [self._rank_pieces(rank) for rank in range(bucket.dp_size)]
+
+    def _rank_pieces(self, rank: int) -> list[Piece]:
+        """The parameter pieces of ``rank``'s shard (bucket padding excluded), in bucket order."""
+        lo, hi = rank * self.bucket.shard_size, (rank + 1) * self.bucket.shard_size
+        return [(p, max(a, lo) - a, min(b, hi) - a, max(a, lo), min(b, hi))
+                for p, (a, b) in self.bucket.ranges.items() if max(a, lo) < min(b, hi)]
+
+    def _message_size(self, rank: int, chosen: dict) -> int:
+        """Bytes of ``rank``'s message: 1 per FP8 element, the parameter dtype's size per other element."""
+        return sum((hi - lo) * (1 if p in chosen else self.dtype.itemsize) for p, _, _, lo, hi in self.pieces[rank])
+
+    def start(self) -> Optional[P2PWork]:
+        """Steps 1-4 of the module docstring; None when no weight of the bucket can go in FP8. Collectives:
+        all-reduce (MAX) of the amaxes over dp and the tp amax groups; the message exchange over dp
+        (asynchronous: ``wait()`` the returned work)."""
+        for param in self.specs:
+            drop_gathered(param)
+        chosen = {p: i for i, p in enumerate(p for p, spec in self.specs.items() if spec.usable_now())}
+        if not chosen:
+            return None
+        amax = self._global_amax(chosen)
+        scales = {p: self.specs[p].scale(amax[i]).float().reshape(()) for p, i in chosen.items()}
+        copies = {p: torch.empty(self.bucket.shapes[p], dtype=self.specs[p].fmt.dtype, device=self.bucket.device)
+                  for p in chosen}
+        me = self.bucket.dp_rank
+        message = self._pack(chosen, scales, copies)
+        sizes = [self._message_size(rank, chosen) for rank in range(self.bucket.dp_size)]
+        works, received = self._exchange(message, sizes)
+
+        def finish() -> None:
+            for rank, data in received.items():
+                if rank != me:
+                    self._unpack(rank, data, chosen, scales, copies)
+            for param, i in chosen.items():
+                quantized = Quantized(copies[param], torch.reciprocal(scales[param]).reshape(1, 1),
+                                      self.specs[param].fmt)
+                keep_gathered(param, quantized, scales[param], amax[i], self.specs[param])
+            self.holds_dequantized = True
+        return P2PWork(works, finish)
+
+    def _global_amax(self, chosen: dict) -> torch.Tensor:
+        """``[len(chosen)]`` fp32: each weight's amax over the whole (tp-local) weight."""
+        amax = torch.zeros(len(chosen), dtype=torch.float32, device=self.bucket.device)
+        for param, _, _, lo, hi in self.pieces[self.bucket.dp_rank]:
+            if param in chosen:
+                amax[chosen[param]] = abs_amax(self.bucket.param_data[lo:hi])
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.bucket.dp_group)
+        groups = {}
+        for param, i in chosen.items():
+            if self.specs[param].amax_group is not None:
+                groups.setdefault(id(self.specs[param].amax_group), (self.specs[param].amax_group, []))[1].append(i)
+        for group, indices in groups.values():  # (insertion order: the bucket's, the same on every rank)
+            index = torch.tensor(indices, device=amax.device)
+            part = amax[index]
+            dist.all_reduce(part, op=dist.ReduceOp.MAX, group=group)
+            amax[index] = part
+        return amax
+
+    def _pack(self, chosen: dict, scales: dict, copies: dict) -> torch.Tensor:
+        """This rank's message (uint8): raw bytes of its other pieces, then its FP8 pieces; the FP8 bytes also
+        go into ``copies``."""
+        raw, fp8 = [], []
+        for param, p_lo, p_hi, lo, hi in self.pieces[self.bucket.dp_rank]:
+            values = self.bucket.param_data[lo:hi]
+            if param in chosen:
+                q = cast_to_fp8(values.float() * scales[param], self.specs[param].fmt)
+                copies[param].view(-1)[p_lo:p_hi].copy_(q)
+                fp8.append(q.view(torch.uint8))
+            else:
+                raw.append(values.view(torch.uint8))
+        empty = torch.empty(0, dtype=torch.uint8, device=self.bucket.device)
+        return torch.cat(raw + fp8) if raw or fp8 else empty
+
+    def _exchange(self, message: torch.Tensor, sizes: list[int]) -> tuple[list, dict[int, torch.Tensor]]:
+        """Starts sending ``message`` to every other dp rank and receiving theirs (``sizes[r]`` bytes each)."""
+        bucket = self.bucket
+        ranks, me, n = dist.get_process_group_ranks(bucket.dp_group), bucket.dp_rank, bucket.dp_size
+        if bucket.p2p_collectives:
+            works, received = [], {}
+            for step in range(1, n):  # the pairing order of all_gather_p2p
+                to, frm = (me + step) % n, (me - step) % n
+                works.append(dist.isend(message, ranks[to], group=bucket.dp_group, tag=PARAM_GATHER_TAG))
+                received[frm] = torch.empty(sizes[frm], dtype=torch.uint8, device=bucket.device)
+                works.append(dist.irecv(received[frm], ranks[frm], group=bucket.dp_group, tag=PARAM_GATHER_TAG))
+            return works, received
+        slot = -(-max(sizes) // ALIGN) * ALIGN
+        padded = torch.zeros(slot, dtype=torch.uint8, device=bucket.device)
+        padded[:message.numel()].copy_(message)
+        out = torch.empty(n * slot, dtype=torch.uint8, device=bucket.device)
+        work = dist.all_gather_single(out, padded, group=bucket.dp_group, async_op=True)
+        return [work], {rank: out[rank * slot:rank * slot + sizes[rank]] for rank in range(n)}
+
+    def _unpack(self, rank: int, data: torch.Tensor, chosen: dict, scales: dict, copies: dict) -> None:
+        """Writes ``rank``'s message into the bucket (dequantized FP8 values) and the FP8 copies."""
+        param_data, size = self.bucket.param_data, self.dtype.itemsize
+        raw_bytes = sum((hi - lo) * size for p, _, _, lo, hi in self.pieces[rank] if p not in chosen)
+        raw_at, fp8_at = 0, raw_bytes
+        for param, p_lo, p_hi, lo, hi in self.pieces[rank]:
+            n = hi - lo
+            if param in chosen:
+                fmt = self.specs[param].fmt
+                q = data[fp8_at:fp8_at + n].view(fmt.dtype)
+                copies[param].view(-1)[p_lo:p_hi].copy_(q)
+                param_data[lo:hi].copy_(q.float() * torch.reciprocal(scales[param]))
+                fp8_at += n
+            else:
+                param_data[lo:hi].copy_(data[raw_at:raw_at + n * size].view(self.dtype))
+                raw_at += n * size
+
+    def restore_exact(self) -> None:
+        """Replaces the dequantized values by the exact ones: the plain all-gather of the bucket (blocking).
+        The FP8 copies stay valid (they are the quantization of these values)."""
+        if self.holds_dequantized:
+            self.bucket.wait_param_sync()
+            self.bucket._all_gather(None).wait()
+            self.holds_dequantized = False
+
+
+def attach_fp8_param_gather(buckets) -> int:
+    """Gives every stage 1-2 bucket over more than one rank that holds tagged weights its ``Fp8ParamGather``
+    (``bucket.fp8_gather``); returns how many got one."""
+    attached = 0
+    for bucket in buckets:
+        specs = {p: gather_spec(p) for p in bucket.params if gather_spec(p) is not None}
+        if specs and not bucket.shard_params and bucket.dp_size > 1:
+            bucket.fp8_gather = Fp8ParamGather(bucket, specs)
+            attached += 1
+    return attached
+
+
+__all__ = ["Fp8ParamGather", "attach_fp8_param_gather"]
