@@ -3,8 +3,6 @@ naming the file or flag and the fix (``pretrain_gpt.py: error: ...``, exit 2), n
 a sample lookup or a silently wrong sample."""
 import glob
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -18,6 +16,7 @@ from megatron_core.data import (
     build_gpt_datasets,
 )
 from tests.data.conftest import REPO, write_dataset
+from tests.fork_server import run_python
 from tests.integration.test_reliability import TINY
 
 SEQ = 8
@@ -188,10 +187,10 @@ def test_global_batch_size_below_one(capsys, value):
 
 
 def _pretrain(*flags):
-    """pretrain_gpt.py in a subprocess from the repository root: (exit status, stderr)."""
+    """pretrain_gpt.py in a process of its own from the repository root (``tests.fork_server``): (exit status,
+    stderr)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "pretrain_gpt.py", *TINY, "--train-iters", "2", *flags], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=300)
+    proc = run_python(["pretrain_gpt.py", *TINY, "--train-iters", "2", *flags], cwd=REPO, env=env, timeout=300)
     return proc.returncode, proc.stderr
 
 

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from typing import Optional, Sequence
 
+from tests.fork_server import run_python
 from tests.recipe import RECIPE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -26,9 +27,9 @@ def pretrain_command(argv: Sequence[str]) -> list[str]:
 
 
 def run_pretrain(argv: Sequence[str], *, timeout: float = 120, preexec_fn=None) -> subprocess.CompletedProcess:
-    """``python pretrain_gpt.py TINY argv`` in a subprocess: (returncode, stdout, stderr)."""
-    return subprocess.run(pretrain_command(argv), capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                          env=ENV, preexec_fn=preexec_fn)
+    """``python pretrain_gpt.py TINY argv`` in a process of its own (forked from a server that imported torch:
+    ``tests.fork_server``): (returncode, stdout, stderr)."""
+    return run_python(pretrain_command(argv)[1:], timeout=timeout, cwd=ROOT, env=ENV, preexec_fn=preexec_fn)
 
 
 def assert_named_failure(proc: subprocess.CompletedProcess, status: int, *fragments: str) -> None:

@@ -10,7 +10,6 @@ import os
 import pickle
 import shutil
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -18,6 +17,7 @@ from safetensors.torch import save_file
 
 from megatron_core.checkpointing import megatron_lm_io
 from tests.data.conftest import load_tool
+from tests.fork_server import run_python
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ITER = "iter_0000000"
@@ -75,10 +75,11 @@ def _copy(sources, name: str, tmp_path):
 
 
 def convert(loader: str, load_dir, save_dir, *extra: str, timeout: int = 60) -> subprocess.CompletedProcess:
-    """tools/checkpoint_convert.py --saver mcore in its own process (cwd: the repository root)."""
-    command = [sys.executable, "tools/checkpoint_convert.py", "--model-type", "GPT", "--loader", loader, "--saver",
-               "mcore", "--load-dir", str(load_dir), "--save-dir", str(save_dir), "--no-progress", *extra]
-    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    """tools/checkpoint_convert.py --saver mcore in its own process (cwd: the repository root; forked from a
+    server that imported torch: ``tests.fork_server``)."""
+    command = ["tools/checkpoint_convert.py", "--model-type", "GPT", "--loader", loader, "--saver", "mcore",
+               "--load-dir", str(load_dir), "--save-dir", str(save_dir), "--no-progress", *extra]
+    return run_python(command, cwd=ROOT, timeout=timeout)
 
 
 def assert_refused(result: subprocess.CompletedProcess, *named: str) -> None:

@@ -8,6 +8,7 @@ import sys
 import pytest
 import torch
 
+from tests.fork_server import run_python
 from tests.recipe import RECIPE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -93,8 +94,7 @@ def test_checkpoint_resumes_at_another_layout(distributed, tmp_path, save_world,
 
 
 def test_unknown_flag_suggests_the_close_match():
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), "--tensor-model-paralel-size", "2"],
-                          capture_output=True, text=True, timeout=120)
+    proc = run_python([os.path.join(ROOT, "pretrain_gpt.py"), "--tensor-model-paralel-size", "2"], timeout=120)
     assert proc.returncode == 2
     assert "did you mean --tensor-model-parallel-size?" in proc.stderr
 

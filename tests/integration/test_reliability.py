@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+from tests.fork_server import run_python
 from tests.recipe import RECIPE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -103,8 +104,7 @@ def run_main_in_child(argv):
     """Runs main in a fresh process (its own single-rank process group): (status, stderr)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(MASTER_PORT=str(_free_port()))
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *argv], capture_output=True,
-                          text=True, env=env, timeout=300)
+    proc = run_python([os.path.join(ROOT, "pretrain_gpt.py"), *argv], env=env, timeout=300)
     return proc.returncode, proc.stderr
 
 
