@@ -15,13 +15,15 @@ optimizer step, every dp rank, same order):
 4. sends it to every other rank: a batch of ``isend``/``irecv`` with ``p2p_collectives`` (each rank's
    message of its own size), else ``all_gather_single`` of messages padded to the largest.
 
-``wait`` (the work's finish) writes the received values: raw ones as they are, FP8 ones into the weight's
-FP8 copy (``[N, K]`` E4M3, a new tensor each gather) and, dequantized (``q * scale_inv``, cast to the
-parameter dtype), into the parameter's slots of the other ranks' shards. This rank's shard keeps its exact
-values (the optimizer's). The FP8 linear then uses the copy (``fp8.param_gather.gathered_weight``): bit
-for bit what it would have quantized. Readers of the parameter values outside the FP8 GEMMs get exact
-values through ``restore_exact`` (a plain all-gather of the bucket), which ``DistributedDataParallel``'s
-``gathered_parameters`` / ``gathered_buckets`` / ``state_dict`` run first: checkpoints are exact.
+``wait`` (the work's finish) writes the received values: raw ones as they are, FP8 ones dequantized
+(``q * scale_inv``, cast to the parameter dtype) into the parameter's slots of the other ranks' shards, and
+leaves the weight's scale and global amax on it (``fp8.param_gather.keep_gathered``). This rank's shard keeps
+its exact values (the optimizer's). The FP8 linear quantizes the weight with that scale: bit for bit the
+gathered bytes (``fp8.param_gather``: a dequantized value quantizes back to itself), which are what it would
+have quantized without the flag. No FP8 copy is kept: no memory beyond the run without the flag. Readers of
+the parameter values outside the FP8 GEMMs get exact values through ``restore_exact`` (a plain all-gather of
+the bucket), which ``DistributedDataParallel``'s ``gathered_parameters`` / ``gathered_buckets`` /
+``state_dict`` run first: checkpoints are exact.
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ from torch import nn
 
 from megatron_core.distributed.p2p_collectives import PARAM_GATHER_TAG, P2PWork
 from megatron_core.fp8.param_gather import Fp8GatherSpec, drop_gathered, gather_spec, keep_gathered
-from megatron_core.fp8.quantize import Quantized, abs_amax, cast_to_fp8
+from megatron_core.fp8.quantize import abs_amax, cast_to_fp8
 
 Piece = tuple[nn.Parameter, int, int, int, int]  # (param, param_lo, param_hi, bucket_lo, bucket_hi)
 ALIGN = 16  # bytes: padded message size of the all_gather_single path
@@ -69,21 +71,17 @@ class Fp8ParamGather:
             return None
         amax = self._global_amax(chosen)
         scales = {p: self.specs[p].scale(amax[i]).float().reshape(()) for p, i in chosen.items()}
-        copies = {p: torch.empty(self.bucket.shapes[p], dtype=self.specs[p].fmt.dtype, device=self.bucket.device)
-                  for p in chosen}
         me = self.bucket.dp_rank
-        message = self._pack(chosen, scales, copies)
+        message = self._pack(chosen, scales)
         sizes = [self._message_size(rank, chosen) for rank in range(self.bucket.dp_size)]
         works, received = self._exchange(message, sizes)
 
         def finish() -> None:
             for rank, data in received.items():
                 if rank != me:
-                    self._unpack(rank, data, chosen, scales, copies)
+                    self._unpack(rank, data, chosen, scales)
             for param, i in chosen.items():
-                quantized = Quantized(copies[param], torch.reciprocal(scales[param]).reshape(1, 1),
-                                      self.specs[param].fmt)
-                keep_gathered(param, quantized, scales[param], amax[i], self.specs[param])
+                keep_gathered(param, scales[param], amax[i], self.specs[param])
             self.holds_dequantized = True
         return P2PWork(works, finish)
 
@@ -105,15 +103,13 @@ class Fp8ParamGather:
             amax[index] = part
         return amax
 
-    def _pack(self, chosen: dict, scales: dict, copies: dict) -> torch.Tensor:
-        """This rank's message (uint8): raw bytes of its other pieces, then its FP8 pieces; the FP8 bytes also
-        go into ``copies``."""
+    def _pack(self, chosen: dict, scales: dict) -> torch.Tensor:
+        """This rank's message (uint8): raw bytes of its other pieces, then its FP8 pieces."""
         raw, fp8 = [], []
-        for param, p_lo, p_hi, lo, hi in self.pieces[self.bucket.dp_rank]:
+        for param, _, _, lo, hi in self.pieces[self.bucket.dp_rank]:
             values = self.bucket.param_data[lo:hi]
             if param in chosen:
                 q = cast_to_fp8(values.float() * scales[param], self.specs[param].fmt)
-                copies[param].view(-1)[p_lo:p_hi].copy_(q)
                 fp8.append(q.view(torch.uint8))
             else:
                 raw.append(values.view(torch.uint8))
@@ -139,17 +135,15 @@ class Fp8ParamGather:
         work = dist.all_gather_single(out, padded, group=bucket.dp_group, async_op=True)
         return [work], {rank: out[rank * slot:rank * slot + sizes[rank]] for rank in range(n)}
 
-    def _unpack(self, rank: int, data: torch.Tensor, chosen: dict, scales: dict, copies: dict) -> None:
-        """Writes ``rank``'s message into the bucket (dequantized FP8 values) and the FP8 copies."""
+    def _unpack(self, rank: int, data: torch.Tensor, chosen: dict, scales: dict) -> None:
+        """Writes ``rank``'s message into the bucket (the FP8 values dequantized)."""
         param_data, size = self.bucket.param_data, self.dtype.itemsize
         raw_bytes = sum((hi - lo) * size for p, _, _, lo, hi in self.pieces[rank] if p not in chosen)
         raw_at, fp8_at = 0, raw_bytes
-        for param, p_lo, p_hi, lo, hi in self.pieces[rank]:
+        for param, _, _, lo, hi in self.pieces[rank]:
             n = hi - lo
             if param in chosen:
-                fmt = self.specs[param].fmt
-                q = data[fp8_at:fp8_at + n].view(fmt.dtype)
-                copies[param].view(-1)[p_lo:p_hi].copy_(q)
+                q = data[fp8_at:fp8_at + n].view(self.specs[param].fmt.dtype)
                 param_data[lo:hi].copy_(q.float() * torch.reciprocal(scales[param]))
                 fp8_at += n
             else:
@@ -158,7 +152,7 @@ class Fp8ParamGather:
 
     def restore_exact(self) -> None:
         """Replaces the dequantized values by the exact ones: the plain all-gather of the bucket (blocking).
-        The FP8 copies stay valid (they are the quantization of these values)."""
+        The gathered scales stay valid (the exact values quantize to the same bytes with them)."""
         if self.holds_dequantized:
             self.bucket.wait_param_sync()
             self.bucket._all_gather(None).wait()

@@ -108,13 +108,13 @@ class Fp8Plan:
         return self.quantize_blocks(role, tensor), None, None
 
     def quantize_weight(self, weight: torch.Tensor, gathered: Optional[GatheredFp8Weight]):
-        """``quantize("weight", weight)``, or the FP8 copy ZeRO gathered (``fp8_param_gather``): the same bytes and
-        scale; delayed scaling records its global amax (the whole weight's)."""
+        """``quantize("weight", weight)``; after an FP8 gather (``fp8_param_gather``) with the gather's scale, which
+        gives back the gathered bytes (``fp8.param_gather``); delayed scaling records the global amax."""
         if gathered is None:
             return self.quantize("weight", weight)
         if self.scaling is not None and self.record:
             self.scaling.record("weight", gathered.amax)
-        return gathered.quantized, gathered.scale, None
+        return self.with_scale("weight", weight, gathered.scale, None), gathered.scale, None
 
     def gemm(self, a: Quantized, b: Quantized, dtype: torch.dtype, bias=None) -> torch.Tensor:
         return nt_gemm(a, b, out_dtype=dtype, bias=bias, backend=self.config.fp8_gemm_backend)
@@ -149,7 +149,6 @@ class _Fp8Linear(torch.autograd.Function):
         x2 = _matrices(total, grouped)
         qx, scale_x, ready_x = plan.quantize("input", x2)
         qw, scale_w, ready_w = plan.quantize_weight(weight, gathered)
-        ctx.gathered_qw = qw if gathered is not None else None
         out = plan.gemm(qx, qw, x.dtype, bias)
         keep_fp8 = plan.per_tensor and gather_group is None and plan.config.fp8_wgrad and qx.passthrough is None
         ctx.save_for_backward(qx.data if keep_fp8 else x, weight, scale_x, scale_w, ready_x, ready_w)
@@ -167,8 +166,7 @@ class _Fp8Linear(torch.autograd.Function):
         qdy = plan.quantize("grad_output", dy)[0] if plan.per_tensor else None
         grad_input = grad_weight = grad_bias = None
         if needs_input:
-            grad_input = _input_grad(plan, dy, qdy, weight, (scale_w, ready_w), ctx.x_dtype,
-                                     ctx.gathered_qw).view(ctx.x_shape)
+            grad_input = _input_grad(plan, dy, qdy, weight, (scale_w, ready_w), ctx.x_dtype).view(ctx.x_shape)
             if ctx.group is not None:
                 grad_input = _reduce_scatter(grad_input, ctx.group)
         if needs_weight:
@@ -184,13 +182,11 @@ class _Fp8Linear(torch.autograd.Function):
         return grad_input, grad_weight, grad_bias, None, None, None, None
 
 
-def _input_grad(plan: Fp8Plan, dy, qdy: Optional[Quantized], weight, scale_w, dtype,
-                gathered_qw: Optional[Quantized] = None) -> torch.Tensor:
+def _input_grad(plan: Fp8Plan, dy, qdy: Optional[Quantized], weight, scale_w, dtype) -> torch.Tensor:
     """``dy W`` ``[..., M, K]``: dy along N, W^T along N (per tensor: the forward's ``(scale, ready)``, no new
-    amax; the gathered FP8 weight when the forward used one)."""
+    amax)."""
     if plan.per_tensor:
-        qw = gathered_qw if gathered_qw is not None else plan.with_scale("weight", weight, *scale_w)
-        qw_t = qw.t()
+        qw_t = plan.with_scale("weight", weight, *scale_w).t()
         return plan.gemm(qdy, qw_t, dtype)
     return plan.gemm(plan.quantize_blocks("grad_output", dy),
                      plan.quantize_blocks("weight", weight.transpose(-1, -2).contiguous()), dtype)
@@ -231,7 +227,7 @@ def layer_plan(fp8: Fp8Config, state: Optional[Fp8ScalingState], *, training: bo
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], plan: Fp8Plan, *,
                gather_group=None, weight_grad_store: Optional[WeightGradStore] = None) -> torch.Tensor:
     """``x W^T + b`` through FP8 GEMMs (see the module docstring). With ``fp8_param_gather`` a per-tensor plan
-    uses the FP8 copy of the weight that ZeRO gathered, when valid (``fp8.param_gather.gathered_weight``).
+    quantizes the weight with the scale ZeRO's FP8 gather used, when valid (``fp8.param_gather.gathered_weight``).
 
     x ``[..., K]`` (``[s/tp, b, K]`` with ``gather_group``, which all-gathers it along dim 0 in forward and
     reduce-scatters dx in backward), weight ``[N, K]``, bias ``[N]`` or None -> ``[..., N]`` (``[s, b, N]``).

@@ -1,20 +1,24 @@
-"""``--fp8-param-gather``, the FP8 side: which weights ZeRO may gather as FP8 bytes, the per-tensor scale each
-is quantized with, and the gathered FP8 copy an FP8 linear then uses instead of quantizing the weight again.
+"""``--fp8-param-gather``, the FP8 side: which weights ZeRO may gather as FP8 bytes, and the per-tensor scale each
+is quantized with, which the FP8 linear then quantizes the gathered weight with.
 
 A layer built with ``Fp8Config.fp8_param_gather`` and a per-tensor recipe (``tensorwise``, ``delayed``) tags
 its 2-D weight with an ``Fp8GatherSpec`` (``tag_weight``); block recipes (blockwise, mxfp8), bf16 layers
 (``first_last_layers_bf16``: their ``fp8`` is None) and grouped expert weights are never tagged. The ZeRO
 gather (``megatron_core.distributed.fp8_param_gather``) quantizes each rank's shard of a tagged weight with
-the scale the layer would use on the whole weight and leaves a ``GatheredFp8Weight`` on the parameter
-(``param.fp8_gathered``); ``gathered_weight`` hands it to ``fp8_linear`` when it is still valid:
+the scale the layer would use on the whole weight, writes the other ranks' FP8 values dequantized into the
+parameter and leaves a ``GatheredFp8Weight`` (that scale and the weight's global amax) on it
+(``param.fp8_gathered``). No FP8 copy is kept: quantizing a dequantized value ``q / scale`` again with
+``scale`` gives ``q`` back (the bf16 rounding of the dequantized value, at most 2^-8 relative, is far below
+E4M3's half spacing of at least 2^-5), and this rank's own slots hold the exact values it quantized, so the
+layer's bytes are the gathered ones. ``gathered_weight`` hands the entry to ``fp8_linear`` when still valid:
 
 - the parameter was not written in place since (``param._version``; the gather drops the copy before the
   optimizer's new values are all-gathered),
 - the layer's plan is the one of the spec (same config, same delayed-scaling slot, same tp reduction),
 - delayed scaling: the scale buffer was not changed since (``fp8_scale``'s identity and version counter).
 
-A copy that fails the last two checks while the parameter still holds the dequantized values raises (the
-layer must not quantize those again). No collective here.
+An entry that fails the last two checks while the parameter still holds the dequantized values raises (their
+own amax would give another scale). No collective here.
 """
 from __future__ import annotations
 
@@ -26,7 +30,7 @@ from torch import nn
 
 from megatron_core.fp8.config import Fp8Config
 from megatron_core.fp8.formats import Fp8Format, role_format
-from megatron_core.fp8.quantize import Quantized, scale_from_amax
+from megatron_core.fp8.quantize import scale_from_amax
 from megatron_core.fp8.state import Fp8ScalingState, ScalingView
 
 PER_TENSOR_RECIPES = ("tensorwise", "delayed")
@@ -79,9 +83,8 @@ class Fp8GatherSpec:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class GatheredFp8Weight:
-    """The FP8 copy of a whole weight left by the gather: ``quantized`` (``[N, K]`` E4M3 bytes, ``scale_inv``
-    ``[1, 1]``), its fp32 0-dim ``scale`` and global ``amax``, and what it is valid for."""
-    quantized: Quantized
+    """What the gather left on a weight: the fp32 0-dim ``scale`` it was quantized with, its global ``amax``,
+    and what they are valid for."""
     scale: torch.Tensor
     amax: torch.Tensor
     spec: Fp8GatherSpec
@@ -103,20 +106,19 @@ def gather_spec(param: nn.Parameter) -> Optional[Fp8GatherSpec]:
 
 
 def drop_gathered(param: nn.Parameter) -> None:
-    """Forgets the parameter's FP8 copy (its values are about to change)."""
+    """Forgets the parameter's gathered scale (its values are about to change)."""
     param.fp8_gathered = None
 
 
-def keep_gathered(param: nn.Parameter, quantized: Quantized, scale: torch.Tensor, amax: torch.Tensor,
-                  spec: Fp8GatherSpec) -> None:
-    param.fp8_gathered = GatheredFp8Weight(quantized, scale, amax, spec, param._version, spec.scale_key())
+def keep_gathered(param: nn.Parameter, scale: torch.Tensor, amax: torch.Tensor, spec: Fp8GatherSpec) -> None:
+    param.fp8_gathered = GatheredFp8Weight(scale, amax, spec, param._version, spec.scale_key())
 
 
 @torch.compiler.disable
 def gathered_weight(weight: torch.Tensor, plan) -> Optional[GatheredFp8Weight]:
-    """The valid FP8 copy of ``weight`` for ``plan`` (module docstring), or None: the layer quantizes the
-    weight itself. Raises RuntimeError when the parameter holds the gather's dequantized values but the copy
-    no longer fits (a changed delayed scale, another plan)."""
+    """The valid gather entry of ``weight`` for ``plan`` (module docstring), or None: the layer takes the
+    weight's scale itself. Raises RuntimeError when the parameter holds the gather's dequantized values but the
+    entry no longer fits (a changed delayed scale, another plan)."""
     entry = getattr(weight, "fp8_gathered", None)
     if entry is None or entry.param_version != weight._version:
         return None

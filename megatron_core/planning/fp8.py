@@ -19,9 +19,9 @@ saves the high-precision input. The saved weight is the parameter (grouped exper
 without FP8). Multi-latent attention's projections and MTP layers are counted as high precision (an over-count).
 
 Model states: unchanged. The layers keep their parameters in the model's dtype and quantize the weight at each
-call (no FP8 weight copy is kept). ``--fp8-param-gather`` (docs/fp8.md) gathers the FP8 linears' weights at
-ZeRO-1/2 as 1 byte per element and keeps that FP8 copy (1 byte per element): not modelled here, nor in
-``step_time``'s gather bytes (an over-count of the gather time); ZeRO-3 units are gathered in high precision.
+call (no FP8 weight copy is kept, also with ``--fp8-param-gather``, docs/fp8.md, which gathers the FP8 linears'
+weights at ZeRO-1/2 as 1 byte per element: not in ``step_time``'s gather bytes yet, an over-count of the gather
+time; ZeRO-3 units are gathered in high precision).
 Delayed scaling's state is ``4 (3 L + 3)`` bytes per linear (amax history of length L, scales): negligible.
 
 FLOPs: the same GEMMs; MFU is taken against the FP8 peak (``training.metrics.peak_for_device_name(fp8=True)``).

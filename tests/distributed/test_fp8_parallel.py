@@ -274,7 +274,7 @@ def _count_sent_bytes(counter):
 
 def _gather_split(ddp):
     """Bytes this rank's shards send per peer: ``(elements of FP8 linears' weights, bytes of the other parameters
-    at the parameter dtype, the shards' whole bytes with padding, FP8 weights holding a gathered FP8 copy)``."""
+    at the parameter dtype, the shards' whole bytes with padding, FP8 weights holding their gathered scale)``."""
     weights = {m.weight for m in ddp.module.modules()
                if getattr(m, "fp8", None) is not None and isinstance(getattr(m, "weight", None), torch.nn.Parameter)}
     fp8 = other = whole = 0
@@ -389,4 +389,4 @@ def test_fp8_param_gather_sends_fp8_bytes_bit_identical(distributed, stage, reci
                     f"expected {fp8_elements} FP8 bytes (bf16: {2 * fp8_elements})")
             else:
                 assert sent_fp8 < sent_plain
-        assert copies == weights == 8, f"rank {rank}: {copies} of {weights} FP8 weights hold their gathered copy"
+        assert copies == weights == 8, f"rank {rank}: {copies} of {weights} FP8 weights hold their gathered scale"
