@@ -20,8 +20,8 @@ without FP8). Multi-latent attention's projections and MTP layers are counted as
 
 Model states: unchanged. The layers keep their parameters in the model's dtype and quantize the weight at each
 call (no FP8 weight copy is kept, also with ``--fp8-param-gather``, docs/fp8.md, which gathers the FP8 linears'
-weights at ZeRO-1/2 as 1 byte per element: not in ``step_time``'s gather bytes yet, an over-count of the gather
-time; ZeRO-3 units are gathered in high precision).
+weights at ZeRO-1/2 as 1 byte per element: ``fp8_gathered_parameters``, which ``step_time`` counts at 1 byte;
+ZeRO-3 units are gathered in high precision).
 Delayed scaling's state is ``4 (3 L + 3)`` bytes per linear (amax history of length L, scales): negligible.
 
 FLOPs: the same GEMMs; MFU is taken against the FP8 peak (``training.metrics.peak_for_device_name(fp8=True)``).
@@ -84,4 +84,28 @@ def fp8_layer_saving(config: TransformerConfig, shape: "ActivationShape", *, moe
     return saving
 
 
-__all__ = ["saves_fp8_inputs", "fp8_layers_on_stage", "fp8_layer_saving"]
+def fp8_gathered_parameters(config: TransformerConfig, *, pp_rank: int) -> float:
+    """Elements on one rank of pipeline stage ``pp_rank`` that ``--fp8-param-gather`` all-gathers as 1-byte FP8
+    at ZeRO 1-2 (``distributed.fp8_param_gather``): the linear weights of the stage's FP8 layers (attention's
+    QKV and projection or MLA's projections, the dense MLP's fc1 and fc2, an MoE layer's shared expert); not
+    norms, biases, the router, routed experts, embeddings or the output layer. 0 for block recipes."""
+    fp8 = config.fp8
+    if fp8 is None or not fp8.fp8_param_gather or fp8.fp8_recipe not in ("delayed", "tensorwise"):
+        return 0.0
+    dense, moe = fp8_layers_on_stage(config, pp_rank=pp_rank)
+    tp, h = config.tensor_model_parallel_size or 1, config.hidden_size
+    gates = 2 if config.gated_activation else 1
+    if config.multi_latent_attention:
+        from megatron_core.planning.parameters import mla_parameters
+        partitioned, replicated = mla_parameters(config)
+        norms = (config.kv_lora_rank + (config.q_lora_rank or 0)) if config.qk_layernorm else 0
+        attention = partitioned / tp + replicated - norms
+    else:
+        qkv = config.kv_channels * (config.num_attention_heads + 2 * config.num_query_groups)
+        attention = (qkv + config.kv_channels * config.num_attention_heads) * h / tp
+    mlp = (gates + 1) * config.ffn_hidden_size * h / tp
+    shared = (gates + 1) * (config.moe.moe_shared_expert_intermediate_size or 0) * h / tp if moe else 0.0
+    return dense * (attention + mlp) + moe * (attention + shared)
+
+
+__all__ = ["saves_fp8_inputs", "fp8_layers_on_stage", "fp8_layer_saving", "fp8_gathered_parameters"]

@@ -15,7 +15,7 @@ from megatron_core.planning.moe import (
 from megatron_core.tensor_parallel.utils import vocab_size_with_padding
 
 
-def _mla_params(config: TransformerConfig) -> tuple[float, float]:
+def mla_parameters(config: TransformerConfig) -> tuple[float, float]:
     """(partitioned over heads, replicated) parameters of multi-latent attention: the up projections and
     ``linear_proj`` are split over tp, the down projections and their norms are on every rank."""
     h, heads, rank = config.hidden_size, config.num_attention_heads, config.q_lora_rank
@@ -36,7 +36,7 @@ def _layer_params(config: TransformerConfig, tp: int) -> tuple[float, float]:
     norm = h * (2 if config.normalization == "LayerNorm" else 1)
     replicated = 2 * norm + (2 * h if config.add_bias_linear else 0)
     if config.multi_latent_attention:
-        partitioned, mla_replicated = _mla_params(config)
+        partitioned, mla_replicated = mla_parameters(config)
         replicated += mla_replicated
     else:
         qkv = config.kv_channels * (config.num_attention_heads + 2 * config.num_query_groups)
@@ -94,4 +94,4 @@ def stage_expert_parameters(config: TransformerConfig, *, pp_rank: int, ep: int,
     return layers * expert_parameters_per_rank(config, ep=ep, etp=etp) if layers else 0.0
 
 
-__all__ = ["stage_parameters", "stage_expert_parameters"]
+__all__ = ["stage_parameters", "stage_expert_parameters", "mla_parameters"]

@@ -25,6 +25,7 @@ from megatron_core.pipeline_parallel.schedule_plan import (
     simulate,
     zero_bubble_ops,
 )
+from megatron_core.planning.fp8 import fp8_gathered_parameters
 from megatron_core.planning.hardware import Hardware
 from megatron_core.planning.layer_cost import (
     bytes_seconds,
@@ -228,10 +229,11 @@ def pipeline_seconds(forward: list, backward: list, *, num_microbatches: int, vp
 
 
 def _dp_parts(params: float, ranks: int, zero_stage: int, m: int, element: int, span: int, hardware: Hardware,
-              units: int) -> tuple[float, float, float]:
+              units: int, fp8_gathered: float = 0.0) -> tuple[float, float, float]:
     """(gradient-reduction seconds, parameter-gather seconds after the step, overlappable gathers) for
     ``params`` over ``ranks``: one collective per bucket (the wrapper's bucket size; at ZeRO 3 one per unit,
-    ``units`` of them) per step, or per micro-batch from ZeRO 2 on."""
+    ``units`` of them) per step, or per micro-batch from ZeRO 2 on. ``fp8_gathered`` of the parameters go as
+    1 byte each in the gather after the step (``--fp8-param-gather``, ZeRO 1-2)."""
     if ranks == 1 or not params:
         return 0.0, 0.0, 0.0
     bucket = DistributedDataParallelConfig(zero_stage=zero_stage).resolved_bucket_size(ranks, total_numel=int(params))
@@ -242,7 +244,8 @@ def _dp_parts(params: float, ranks: int, zero_stage: int, m: int, element: int, 
                                 count=buckets * (1 if per_step else m))
     gather_after = gather_during = 0.0
     if zero_stage in (1, 2):
-        gather_after = collective_seconds(ring * element * params, span=span, hardware=hardware, count=buckets)
+        gather_bytes = element * params - (element - 1) * fp8_gathered
+        gather_after = collective_seconds(ring * gather_bytes, span=span, hardware=hardware, count=buckets)
     elif zero_stage == 3:
         gather_during = collective_seconds(2 * m * ring * element * params, span=span, hardware=hardware,
                                            count=2 * m * buckets)
@@ -274,7 +277,8 @@ def step_time(config: TransformerConfig, workload, layout, hardware: Hardware, *
     layers = stage_layer_count(config, busiest)
     units = 4 * layers + 2  # ZeRO 3 gathers: QKV, proj, fc1, fc2 per layer (norms and biases ride along), plus the
     reduce, after, during = (sum(x) for x in zip(  # embedding and output layer
-        _dp_parts(dense, layout.dp * layout.cp, layout.zero_stage, m, e, group_span, hardware, units),
+        _dp_parts(dense, layout.dp * layout.cp, layout.zero_stage, m, e, group_span, hardware, units,
+                  fp8_gathered_parameters(config, pp_rank=busiest)),
         _dp_parts(experts, layout.expert_dp, layout.zero_stage, m, e, group_span, hardware,
                   moe_layers_on_stage(config, pp_rank=busiest))))
     window = backward[busiest] * (m if layout.zero_stage >= 2 else 1)

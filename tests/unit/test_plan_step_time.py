@@ -143,3 +143,35 @@ def test_tool_names_bad_search_space_flags(capsys):
     assert plan_parallelism.main(MODEL_FLAGS + ["--num-devices", "8", "--recompute-options", "most"]) == 2
     assert "--recompute-options 'most'" in capsys.readouterr().err
     assert set(PARTS) >= {"gemm", "tp", "bubble", "dp", "offload"}
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(num_query_groups=2, activation="swiglu", normalization="RMSNorm"),
+    dict(multi_latent_attention=True, q_lora_rank=12, kv_lora_rank=8, qk_head_dim=4, qk_pos_emb_head_dim=4,
+         v_head_dim=6, normalization="RMSNorm", qk_layernorm=True, position_embedding_type="rope",
+         add_bias_linear=False),
+    dict(moe="shared", num_layers=4, fp8_bf16_ends=True),
+], ids=["gqa-swiglu", "mla", "moe-shared-bf16-ends"])
+def test_fp8_gathered_parameters_are_the_weights_the_layers_tag(overrides):
+    """``--fp8-param-gather``: the planner's count of the elements gathered as 1 byte equals the weights a built
+    model tags for the FP8 gather (not experts, router, norms, biases, embeddings, bf16 layers), and the ZeRO-1
+    gather after the step shrinks with them."""
+    from megatron_core import initialize_model_parallel
+    from megatron_core.fp8.config import Fp8Config
+    from megatron_core.planning.fp8 import fp8_gathered_parameters
+    from megatron_core.transformer.moe.config import MoEConfig
+    from tests.model_helpers import build_model, tiny_config
+    overrides = dict(overrides)
+    ends = overrides.pop("fp8_bf16_ends", False)
+    if overrides.get("moe") == "shared":
+        overrides["moe"] = MoEConfig(num_moe_experts=4, moe_router_topk=2, moe_shared_expert_intermediate_size=16)
+    fp8 = Fp8Config(fp8_recipe="tensorwise", fp8_param_gather=True, first_last_layers_bf16=ends)
+    config = tiny_config(fp8=fp8, **overrides)
+    model = build_model(config, initialize_model_parallel())
+    tagged = sum(p.numel() for p in model.parameters() if getattr(p, "fp8_gather_spec", None) is not None)
+    assert tagged > 0 and fp8_gathered_parameters(config, pp_rank=0) == tagged
+    workload = Workload(vocab_size=1000, seq_length=8, micro_batch_size=1, global_batch_size=8)
+    hardware = Hardware(num_devices=8, memory_per_device_gb=80, peak_tflops=100.0)
+    layout = Layout(1, 1, 8, None, 1, False, None)
+    plain = plan_layout(tiny_config(fp8=Fp8Config(fp8_recipe="tensorwise"), **overrides), workload, hardware, layout)
+    assert plan_layout(config, workload, hardware, layout).time.parts["zero"] < plain.time.parts["zero"]
