@@ -3,8 +3,9 @@
 
 Memory per rank = model states (parameters, gradients, fp32 master weights, Adam states, each sharded as the
 ZeRO stage says) + activations (``activations.stage_activation_bytes``: Korthikanti et al. per layer with SP
-and recompute, times the micro-batches a 1F1B stage holds) + ZeRO's transients (``zero_memory``: gathered
-parameters at stage 3, gradient buckets at stages 2-3, at their peak). Step time = compute (hardware FLOPs, recompute
+and recompute, times the micro-batches a 1F1B stage holds) + what coexists with them at the peak moment
+(``peak_phases``: the loss's logits gradient, or the output layer's, a layer's or the embedding's backward
+with ``zero_memory``'s gathered parameters, buckets and grads). Step time = compute (hardware FLOPs, recompute
 included, over ``peak x efficiency``) and tensor-parallel collectives, stretched by the pipeline bubble
 ``(p - 1) / (v m)``, plus pipeline sends and data-parallel collectives (ring volumes over the link bandwidth;
 nothing assumed overlapped). Context parallelism (``Layout.cp``, the comm type from the base config's
@@ -30,6 +31,7 @@ from megatron_core.planning.moe import (
     stage_layer_count,
 )
 from megatron_core.planning.parameters import stage_expert_parameters, stage_parameters
+from megatron_core.planning.peak_phases import StageMoments, peak_extra_bytes
 from megatron_core.planning.step_time import (
     StepTime,
     cp_comm_bytes,
@@ -107,7 +109,8 @@ class Plan:
     bubble: float
     fits: bool
     transient_bytes: float = 0.0
-    """ZeRO's gathered parameters and gradient buckets at their peak (``zero_memory``)."""
+    """What coexists with the held activations at the peak moment (``rank_peak_extra_bytes``): ZeRO's gathered
+    parameters and gradient buckets, a parameter's grad, or the loss's second logits-sized tensor."""
     offloadable_bytes: float = 0.0
     """The fp32 masters and optimizer states of the fullest rank: what ``--optimizer-nvme-offload-dir`` (or
     ``--optimizer-cpu-offload`` on a GPU) moves off the device."""
@@ -192,35 +195,65 @@ def _shape(config: TransformerConfig, workload: Workload, ep: int = 1, etp: int 
                            cp=config.context_parallel_size, cp_comm_type=config.cp_comm_type, ep=ep, etp=etp)
 
 
+def _stage(config: TransformerConfig, workload: Workload, pp_rank: int, ep: int, etp: int) -> tuple:
+    """(activation shape, ``stage_activation_bytes``' stage keywords) of pipeline stage ``pp_rank``."""
+    padded = vocab_size_with_padding(workload.vocab_size,
+                                     make_vocab_size_divisible_by=workload.make_vocab_size_divisible_by,
+                                     tensor_model_parallel_size=config.tensor_model_parallel_size)
+    pp = config.pipeline_model_parallel_size
+    stage = dict(layers=stage_layer_count(config, pp_rank), first=pp_rank == 0, last=pp_rank == pp - 1,
+                 padded_vocab_size=padded, moe_layers=moe_layers_on_stage(config, pp_rank=pp_rank),
+                 fp8_layers=fp8_layers_on_stage(config, pp_rank=pp_rank))
+    return _shape(config, workload, ep, etp), stage
+
+
 def rank_activation_bytes(config: TransformerConfig, workload: Workload, *, pp_rank: int, num_microbatches: int,
                           ep: int = 1, etp: int = 1, zero_bubble_defer: Optional[str] = None) -> float:
     """Peak activation bytes on a rank of pipeline stage ``pp_rank`` (1F1B or interleaved; with
     ``zero_bubble_defer`` "all" or "cooldown", the zero-bubble schedule, whose split backwards keep their
     weight GEMMs' operands: ``planning.zero_bubble``), MoE layers at expert-parallel size ``ep``."""
     pp, vpp = config.pipeline_model_parallel_size, config.virtual_pipeline_model_parallel_size
-    padded = vocab_size_with_padding(workload.vocab_size,
-                                     make_vocab_size_divisible_by=workload.make_vocab_size_divisible_by,
-                                     tensor_model_parallel_size=config.tensor_model_parallel_size)
     in_flight = in_flight_microbatches(pp_rank, pp, num_microbatches, vpp)
-    shape = _shape(config, workload, ep, etp)
-    stage = dict(layers=stage_layer_count(config, pp_rank), first=pp_rank == 0, last=pp_rank == pp - 1,
-                 padded_vocab_size=padded, moe_layers=moe_layers_on_stage(config, pp_rank=pp_rank),
-                 fp8_layers=fp8_layers_on_stage(config, pp_rank=pp_rank))
+    shape, stage = _stage(config, workload, pp_rank, ep, etp)
     peak = stage_activation_bytes(config, shape, in_flight=in_flight, **stage)
     if zero_bubble_defer is None:
         return peak
     microbatch = (stage_activation_bytes(config, shape, in_flight=1, **stage)
                   - stage_activation_bytes(config, shape, in_flight=0, **stage))
     stash = weight_stash_bytes(config, shape, layers=stage["layers"], last=stage["last"],
-                               padded_vocab_size=padded, moe_layers=stage["moe_layers"])
+                               padded_vocab_size=stage["padded_vocab_size"], moe_layers=stage["moe_layers"])
     return peak + zero_bubble_extra_bytes(pp_rank=pp_rank, pp_size=pp, num_microbatches=num_microbatches,
                                           defer=zero_bubble_defer, microbatch_bytes=microbatch, stash_bytes=stash)
+
+
+def rank_peak_extra_bytes(config: TransformerConfig, workload: Workload, *, pp_rank: int, zero_stage: int,
+                          ep: int = 1, etp: int = 1) -> float:
+    """Bytes beyond the held activations at the peak moment of a rank of stage ``pp_rank``
+    (``planning.peak_phases``): the loss's second logits-sized tensor, the output layer's or the embedding's
+    gradient, bucket and gathered weight, or a transformer layer's ZeRO transients, whichever moment is largest
+    (each with what really coexists with it, not every transient at its own peak)."""
+    shape, stage = _stage(config, workload, pp_rank, ep, etp)
+    microbatch = (stage_activation_bytes(config, shape, in_flight=1, **stage)
+                  - stage_activation_bytes(config, shape, in_flight=0, **stage))
+    params, full_grad = stage_parameters(config, workload, pp_rank=pp_rank)
+    experts = stage_expert_parameters(config, pp_rank=pp_rank, ep=ep, etp=etp)
+    layer = zero_transient_bytes(config, vocab_size=workload.vocab_size,
+                                 make_vocab_size_divisible_by=workload.make_vocab_size_divisible_by,
+                                 pp_rank=pp_rank, zero_stage=zero_stage, stage_params=params - full_grad + experts,
+                                 ep=ep, etp=etp, layers_only=True)
+    moments = StageMoments(zero_stage=zero_stage, first=stage["first"], last=stage["last"],
+                           tokens=shape.local_seq_length * shape.micro_batch_size,
+                           vocab_shard=stage["padded_vocab_size"] / config.tensor_model_parallel_size,
+                           layer_transient=layer,
+                           microbatch_bytes=microbatch / (config.virtual_pipeline_model_parallel_size or 1))
+    return peak_extra_bytes(config, moments)
 
 
 def rank_transient_bytes(config: TransformerConfig, workload: Workload, *, pp_rank: int, zero_stage: int,
                          ep: int = 1, etp: int = 1) -> float:
     """Peak bytes of ZeRO's gathered parameters and gradient buckets on a rank of stage ``pp_rank`` (ZeRO
-    shards over dp x cp, experts over expert-dp; the count does not depend on the shard count)."""
+    shards over dp x cp, experts over expert-dp; the count does not depend on the shard count), each at its
+    own peak: an upper bound of the transients alone (the plan counts ``rank_peak_extra_bytes``)."""
     params, full_grad = stage_parameters(config, workload, pp_rank=pp_rank)
     experts = stage_expert_parameters(config, pp_rank=pp_rank, ep=ep, etp=etp)
     return zero_transient_bytes(config, vocab_size=workload.vocab_size,
@@ -239,7 +272,7 @@ def plan_layout(base: TransformerConfig, workload: Workload, hardware: Hardware,
     defer = "all" if layout.zero_bubble else None
     acts = [rank_activation_bytes(config, workload, pp_rank=r, num_microbatches=m, zero_bubble_defer=defer, **experts)
             for r in range(layout.pp)]
-    transients = [rank_transient_bytes(config, workload, pp_rank=r, zero_stage=layout.zero_stage, **experts)
+    transients = [rank_peak_extra_bytes(config, workload, pp_rank=r, zero_stage=layout.zero_stage, **experts)
                   for r in range(layout.pp)]
     fullest = max(range(layout.pp), key=lambda r: states[r] + acts[r] + transients[r])
     padded = vocab_size_with_padding(workload.vocab_size,
@@ -355,4 +388,5 @@ def _divisors(n: int) -> list[int]:
 __all__ = ["Hardware", "Workload", "Layout", "Plan", "SearchSpace", "cp_comm_bytes", "cp_comm_seconds",
            "ep_comm_seconds", "layout_config", "stage_expert_parameters",
            "model_state_bytes", "optimizer_state_bytes", "rank_activation_bytes", "rank_transient_bytes",
+           "rank_peak_extra_bytes",
            "stage_parameters", "plan_layout", "valid_layouts", "rank_plans"]

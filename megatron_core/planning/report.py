@@ -38,7 +38,7 @@ def explain(plans: list, *, budget_bytes: float, tolerance: float, top: int = 5)
     fastest = min(fitting, key=lambda plan: plan.step_seconds) if fitting else chosen
     lines = [f"chosen: {layout_name(chosen)}: {chosen.memory_bytes / 2**30:.2f} GiB per rank (states "
              f"{chosen.model_state_bytes / 2**30:.2f}, activations {chosen.activation_bytes / 2**30:.2f}, "
-             f"ZeRO transients {chosen.transient_bytes / 2**30:.2f}), {chosen.step_seconds:.3f} s per step, "
+             f"transients {chosen.transient_bytes / 2**30:.2f}), {chosen.step_seconds:.3f} s per step, "
              f"{chosen.tflops_per_device:.1f} TFLOP/s per device"]
     if fastest is not chosen:
         faster = 100 * (1 - fastest.step_seconds / chosen.step_seconds)

@@ -10,7 +10,8 @@
   bucket: one parameter's worth.
 
 These are upper bounds that a real run reaches (tested against ``LiveMemoryTracker`` peaks in
-``tests/distributed/test_planner.py``).
+``tests/distributed/test_planner.py``), each at its own moment: the plan adds to the activations only what
+coexists with them (``planning.peak_phases``).
 """
 from __future__ import annotations
 
@@ -68,15 +69,21 @@ def stage_units(config: TransformerConfig, *, vocab_size: int, make_vocab_size_d
 
 def zero_transient_bytes(config: TransformerConfig, *, vocab_size: int, make_vocab_size_divisible_by: int,
                          pp_rank: int, zero_stage: int, stage_params: float,
-                         bucket_size: int = DEFAULT_STAGE2_BUCKET, ep: int = 1, etp: int = 1) -> float:
+                         bucket_size: int = DEFAULT_STAGE2_BUCKET, ep: int = 1, etp: int = 1,
+                         layers_only: bool = False) -> float:
     """Peak transient bytes on one rank of pipeline stage ``pp_rank`` (see the module docstring). The two
-    units gathered at once are neighbours in forward order (the current one and its prefetch)."""
+    units gathered at once are neighbours in forward order (the current one and its prefetch). With
+    ``layers_only``, those of a transformer layer's backward (the embedding and output layer left out: their
+    moments are ``planning.peak_phases``'), 0 on a stage without layers."""
     pp = config.pipeline_model_parallel_size
     param_bytes = 2 if (config.bf16 or config.fp16) else 4
     units, small = stage_units(config, vocab_size=vocab_size,
                                make_vocab_size_divisible_by=make_vocab_size_divisible_by,
-                               first=pp_rank == 0, last=pp_rank == pp - 1, layers=stage_layer_count(config, pp_rank),
+                               first=pp_rank == 0 and not layers_only, last=pp_rank == pp - 1 and not layers_only,
+                               layers=stage_layer_count(config, pp_rank),
                                moe_layers=moe_layers_on_stage(config, pp_rank=pp_rank), ep=ep, etp=etp)
+    if not units:
+        return 0.0
     largest = max(units)
     pair = max((a + b for a, b in zip(units, units[1:])), default=largest)
     moe_layers = moe_layers_on_stage(config, pp_rank=pp_rank)

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from megatron_core.fp8.config import fp8_runs_emulated
 from megatron_core.optimizer.memory import memory_categories
 from megatron_core.pipeline_parallel.schedule_plan import resolve_zero_bubble_defer
-from megatron_core.planning.planner import Workload, model_state_bytes, rank_activation_bytes, rank_transient_bytes
+from megatron_core.planning.planner import Workload, model_state_bytes, rank_activation_bytes, rank_peak_extra_bytes
 from megatron_core.training.metrics import memory_bytes
 from megatron_core.utils.live_memory import LiveMemoryTracker, peak_rss_bytes
 
@@ -49,7 +49,8 @@ def _zero_bubble_defer(run) -> Optional[str]:
 
 
 def predicted_stage_bytes(run) -> dict[str, float]:
-    """The planner's bytes for this rank's pipeline stage: model states, activations, ZeRO transients."""
+    """The planner's bytes for this rank's pipeline stage: model states, activations, and the transients that
+    coexist with them at the peak moment (``planning.peak_phases``)."""
     args, config = run.args, run.config
     workload = Workload(vocab_size=run.tokenizer.vocab_size, seq_length=args.seq_length,
                         micro_batch_size=args.micro_batch_size, global_batch_size=run.global_batch,
@@ -63,7 +64,7 @@ def predicted_stage_bytes(run) -> dict[str, float]:
             "activations": rank_activation_bytes(config, workload, pp_rank=pp_rank, **experts,
                                                  num_microbatches=run.num_microbatches,
                                                  zero_bubble_defer=_zero_bubble_defer(run)),
-            "ZeRO transients": rank_transient_bytes(config, workload, pp_rank=pp_rank, zero_stage=zero, **experts)}
+            "transients": rank_peak_extra_bytes(config, workload, pp_rank=pp_rank, zero_stage=zero, **experts)}
 
 
 def _corpus_tokens(dataset) -> Optional[int]:
