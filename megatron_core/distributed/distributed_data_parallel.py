@@ -109,7 +109,7 @@ class DistributedDataParallel(nn.Module):
         self.buckets = self._build_buckets()
         self._param_to_bucket = {p: b for b in self.buckets for p in b.params}
         self._allocate_storage()
-        attach_fp8_param_gather(self.buckets)  # tagged FP8 weights (--fp8-param-gather), stages 1-2
+        attach_fp8_param_gather(self.buckets)  # tagged FP8 weights (--fp8-param-gather), stages 1-3
         self._hooks = [p.register_post_accumulate_grad_hook(_weak_grad_hook(self))
                        for p in self._param_to_bucket]
         self.gatherer: Optional[ParameterGatherer] = None
@@ -366,8 +366,8 @@ class DistributedDataParallel(nn.Module):
             bucket.wait_param_sync()
 
     def restore_exact_params(self) -> None:
-        """``--fp8-param-gather``: gives the FP8-gathered weights their exact values on every rank again (a
-        plain all-gather of each bucket that holds dequantized ones, in bucket order; a no-op otherwise)."""
+        """``--fp8-param-gather``: gives the FP8-gathered weights their exact values on every rank again (a plain
+        all-gather of each bucket holding dequantized ones (stage 3: still gathered), in bucket order)."""
         self.finish_param_sync()
         for bucket in self.buckets:
             if bucket.fp8_gather is not None:

@@ -1,12 +1,14 @@
-"""``--fp8-param-gather`` at ZeRO stages 1-2: a bucket's updated parameters are all-gathered with the FP8
-weights as 1-byte E4M3 values instead of their 2-byte (bf16) or 4-byte (fp32) values.
+"""``--fp8-param-gather``: a bucket's parameters are all-gathered with the FP8 weights as 1-byte E4M3 values
+instead of their 2-byte (bf16) or 4-byte (fp32) values: at ZeRO stages 1-2 the updated shards after the
+optimizer step (``Fp8ParamGather``), at stage 3 each unit's shards before its forward and backward
+(``Fp8ShardGather``).
 
 The bucket layout (which parameter lies where, each rank's shard) is the one without the flag, so the
-optimizer's pieces, the grad norm and the checkpoints are unchanged. ``Fp8ParamGather.start`` (after the
-optimizer step, every dp rank, same order):
+optimizer's pieces, the grad norm and the checkpoints are unchanged. A gather (every dp rank, same order):
 
-1. chooses the bucket's FP8 weights whose scale is known now (``Fp8GatherSpec.usable_now``: tensorwise always,
-   delayed once calibrated and after ``update_fp8_scales``); none: the bucket is gathered as before;
+1. chooses the bucket's FP8 weights whose scale is known now (stages 1-2: ``Fp8GatherSpec.usable_now``,
+   tensorwise always, delayed once calibrated and after ``update_fp8_scales``; stage 3: ``calibrated``, see
+   ``Fp8ShardGather``); none: the bucket is gathered as before;
 2. takes the amax of this rank's piece of each (0 for none), all-reduces the ``[n_fp8]`` fp32 vector with MAX
    over the bucket's dp group and then over each weight's tp ``amax_group``: every rank holds the amax of
    the whole weight, the value the layer would compute (tensorwise scale; delayed: the amax it records);
@@ -15,15 +17,15 @@ optimizer step, every dp rank, same order):
 4. sends it to every other rank: a batch of ``isend``/``irecv`` with ``p2p_collectives`` (each rank's
    message of its own size), else ``all_gather_single`` of messages padded to the largest.
 
-``wait`` (the work's finish) writes the received values: raw ones as they are, FP8 ones dequantized
-(``q * scale_inv``, cast to the parameter dtype) into the parameter's slots of the other ranks' shards, and
-leaves the weight's scale and global amax on it (``fp8.param_gather.keep_gathered``). This rank's shard keeps
-its exact values (the optimizer's). The FP8 linear quantizes the weight with that scale: bit for bit the
-gathered bytes (``fp8.param_gather``: a dequantized value quantizes back to itself), which are what it would
-have quantized without the flag. No FP8 copy is kept: no memory beyond the run without the flag. Readers of
-the parameter values outside the FP8 GEMMs get exact values through ``restore_exact`` (a plain all-gather of
-the bucket), which ``DistributedDataParallel``'s ``gathered_parameters`` / ``gathered_buckets`` /
-``state_dict`` run first: checkpoints are exact.
+The work's finish writes the received values: raw ones as they are, FP8 ones dequantized (``q * scale_inv``,
+cast to the parameter dtype) into the parameter's slots of the other ranks' shards, and leaves the weight's
+scale and global amax on it (``fp8.param_gather.keep_gathered``). This rank's shard keeps its exact values
+(the optimizer's). The FP8 linear quantizes the weight with that scale: bit for bit the gathered bytes
+(``fp8.param_gather``: a dequantized value quantizes back to itself), which are what it would have quantized
+without the flag. No FP8 copy is kept: no memory beyond the run without the flag. Readers of the parameter
+values outside the FP8 GEMMs get exact values through ``restore_exact`` (a plain all-gather of the bucket),
+which ``DistributedDataParallel``'s ``gathered_parameters`` / ``gathered_buckets`` / ``state_dict`` run
+first (stage 3: every gather but a unit's is plain, ``Bucket.wait_gather``): checkpoints are exact.
 """
 from __future__ import annotations
 
@@ -60,16 +62,35 @@ class Fp8ParamGather:
         """Bytes of ``rank``'s message: 1 per FP8 element, the parameter dtype's size per other element."""
         return sum((hi - lo) * (1 if p in chosen else self.dtype.itemsize) for p, _, _, lo, hi in self.pieces[rank])
 
+    def _own(self, lo: int, hi: int) -> torch.Tensor:
+        """This rank's exact values of the bucket's elements ``[lo, hi)`` (inside its shard)."""
+        return self.bucket.param_data[lo:hi]
+
+    def _drop(self) -> dict:
+        """Forgets the weights' gathered scales (their values are about to change); returns ``{}``."""
+        for param in self.specs:
+            drop_gathered(param)
+        return {}
+
+    def _choose(self) -> dict[nn.Parameter, int]:
+        """Forgets the weights' gathered scales; the weights to gather in FP8 now, numbered in bucket order."""
+        self._drop()
+        return {p: i for i, p in enumerate(p for p, spec in self.specs.items() if self._usable(spec))}
+
+    def _usable(self, spec: Fp8GatherSpec) -> bool:
+        """Whether the weight's scale for its next use is known now."""
+        return spec.usable_now()
+
     def start(self) -> Optional[P2PWork]:
         """Steps 1-4 of the module docstring; None when no weight of the bucket can go in FP8. Collectives:
         all-reduce (MAX) of the amaxes over dp and the tp amax groups; the message exchange over dp
         (asynchronous: ``wait()`` the returned work)."""
-        for param in self.specs:
-            drop_gathered(param)
-        chosen = {p: i for i, p in enumerate(p for p, spec in self.specs.items() if spec.usable_now())}
-        if not chosen:
-            return None
-        amax = self._global_amax(chosen)
+        chosen = self._choose()
+        return self._launch(chosen, self._global_amax(chosen)) if chosen else None
+
+    def _launch(self, chosen: dict, amax: torch.Tensor) -> P2PWork:
+        """Steps 3-4 for the ``chosen`` weights of global amaxes ``amax`` ``[len(chosen)]``: packs and starts the
+        exchange; the returned work's finish unpacks and leaves each weight's scale on it."""
         scales = {p: self.specs[p].scale(amax[i]).float().reshape(()) for p, i in chosen.items()}
         me = self.bucket.dp_rank
         message = self._pack(chosen, scales)
@@ -90,7 +111,7 @@ class Fp8ParamGather:
         amax = torch.zeros(len(chosen), dtype=torch.float32, device=self.bucket.device)
         for param, _, _, lo, hi in self.pieces[self.bucket.dp_rank]:
             if param in chosen:
-                amax[chosen[param]] = abs_amax(self.bucket.param_data[lo:hi])
+                amax[chosen[param]] = abs_amax(self._own(lo, hi))
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.bucket.dp_group)
         groups = {}
         for param, i in chosen.items():
@@ -107,7 +128,7 @@ class Fp8ParamGather:
         """This rank's message (uint8): raw bytes of its other pieces, then its FP8 pieces."""
         raw, fp8 = [], []
         for param, _, _, lo, hi in self.pieces[self.bucket.dp_rank]:
-            values = self.bucket.param_data[lo:hi]
+            values = self._own(lo, hi)
             if param in chosen:
                 q = cast_to_fp8(values.float() * scales[param], self.specs[param].fmt)
                 fp8.append(q.view(torch.uint8))
@@ -115,7 +136,6 @@ class Fp8ParamGather:
                 raw.append(values.view(torch.uint8))
         empty = torch.empty(0, dtype=torch.uint8, device=self.bucket.device)
         return torch.cat(raw + fp8) if raw or fp8 else empty
-
     def _exchange(self, message: torch.Tensor, sizes: list[int]) -> tuple[list, dict[int, torch.Tensor]]:
         """Starts sending ``message`` to every other dp rank and receiving theirs (``sizes[r]`` bytes each)."""
         bucket = self.bucket
@@ -159,16 +179,89 @@ class Fp8ParamGather:
             self.holds_dequantized = False
 
 
+class Fp8ShardGather(Fp8ParamGather):
+    """The FP8 gather of one ZeRO-3 bucket, run by the units' gathers (``Bucket.start_gather(fp8=True)``, from
+    ``zero3.ParameterGatherer``) before each forward and backward; every other gather of the bucket (export,
+    checkpoints, ``GatheredParameters``) is plain and exact.
+
+    Which weights: the calibrated ones (``Fp8GatherSpec.calibrated``). Delayed scaling's scale changes only in
+    ``update_fp8_scales``, once per step after the last backward, when no unit is gathered: every gather of a
+    step (each micro-batch's forward, its backward, a recompute) uses the scale the layer uses in that step,
+    so a micro-batch's forward and backward see the same one, as without the flag.
+
+    Amaxes: the shard changes only in the optimizer step (``Bucket.start_param_sync`` follows it) or
+    ``Bucket.load_full``; both bump ``bucket.shard_generation`` on every rank. The global amax of every tagged
+    weight is all-reduced at the bucket's first FP8 gather after such a change and reused by the later ones:
+    one small all-reduce per bucket and step, not one per gather. An in-place write of the shard outside those
+    two is detected (its version counter, shards not offloaded) and refused."""
+
+    def __init__(self, bucket, specs: dict[nn.Parameter, Fp8GatherSpec]) -> None:
+        super().__init__(bucket, specs)
+        self.numbered = {p: i for i, p in enumerate(specs)}  # every tagged weight, bucket order
+        self.end = max(hi for _, hi in bucket.ranges.values())  # the bucket's padding starts here
+        self._amax: Optional[torch.Tensor] = None  # [len(specs)] fp32 global amaxes of the shard generation
+        self._amax_key: Optional[tuple[int, Optional[int]]] = None  # (shard generation, shard version or None)
+
+    def _own(self, lo: int, hi: int) -> torch.Tensor:
+        shard_lo = self.bucket.shard_lo
+        return self.bucket.param_shard[lo - shard_lo:hi - shard_lo]
+
+    def _usable(self, spec: Fp8GatherSpec) -> bool:
+        return spec.calibrated()
+
+    def start_gather(self, fp8: bool) -> Optional[P2PWork]:
+        """Starts the gather of the bucket's shards into ``bucket.param_data`` (allocated, this rank's shard
+        resident) with the chosen weights in FP8; None (the caller gathers plainly) when ``fp8`` is False or no
+        weight can go in FP8. Collectives: the amax all-reduces (first FP8 gather of a shard generation), the
+        message exchange over dp (asynchronous)."""
+        self.holds_dequantized = False
+        chosen = self._choose() if fp8 else self._drop()
+        if not chosen:
+            return None
+        amax = self._shard_amax()
+        bucket = self.bucket
+        bucket.param_data[bucket.shard_lo:bucket.shard_lo + bucket.shard_size].copy_(bucket.param_shard)
+        bucket.param_data[self.end:].zero_()  # the padding, as the plain gather leaves it
+        return self._launch(chosen, amax[[self.numbered[p] for p in chosen]])
+
+    def _shard_amax(self) -> torch.Tensor:
+        """``[len(specs)]`` fp32: the global amax of every tagged weight, cached per shard generation."""
+        bucket = self.bucket
+        version = bucket.param_shard._version if bucket.shard_home is None else None
+        if self._amax is not None and self._amax_key[0] == bucket.shard_generation:
+            if version is not None and self._amax_key[1] != version:
+                raise RuntimeError(
+                    f"fp8_param_gather: the ZeRO-3 parameter shard of bucket {bucket.index} was written in place "
+                    "outside the optimizer step and Bucket.load_full, so its cached FP8 weight amaxes are stale; "
+                    "write parameters through load_state_dict / GatheredParameters(modifier_rank=...) or call "
+                    "ddp.start_param_sync() on every rank after writing the shards")
+            return self._amax
+        self._amax = self._global_amax(self.numbered)
+        self._amax_key = (bucket.shard_generation, version)
+        return self._amax
+
+    def restore_exact(self) -> None:
+        """Gathered with dequantized values: replaces them by the exact ones (a plain all-gather of the shards,
+        blocking). A no-op when released or gathered plainly."""
+        bucket = self.bucket
+        if self.holds_dequantized and bucket.gathered:
+            fetched = bucket.fetch_shard()
+            bucket._all_gather(bucket.param_shard).wait()
+            if fetched:
+                bucket.evict_shard(dirty=False)
+        self.holds_dequantized = False
+
+
 def attach_fp8_param_gather(buckets) -> int:
-    """Gives every stage 1-2 bucket over more than one rank that holds tagged weights its ``Fp8ParamGather``
-    (``bucket.fp8_gather``); returns how many got one."""
+    """Gives every bucket over more than one rank that holds tagged weights its FP8 gather
+    (``bucket.fp8_gather``: ``Fp8ShardGather`` at ZeRO-3, else ``Fp8ParamGather``); returns how many got one."""
     attached = 0
     for bucket in buckets:
         specs = {p: gather_spec(p) for p in bucket.params if gather_spec(p) is not None}
-        if specs and not bucket.shard_params and bucket.dp_size > 1:
-            bucket.fp8_gather = Fp8ParamGather(bucket, specs)
+        if specs and bucket.dp_size > 1:
+            bucket.fp8_gather = (Fp8ShardGather if bucket.shard_params else Fp8ParamGather)(bucket, specs)
             attached += 1
     return attached
 
 
-__all__ = ["Fp8ParamGather", "attach_fp8_param_gather"]
+__all__ = ["Fp8ParamGather", "Fp8ShardGather", "attach_fp8_param_gather"]

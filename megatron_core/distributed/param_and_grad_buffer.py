@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron_core.distributed.p2p_collectives import all_gather_p2p, reduce_scatter_p2p
+from megatron_core.fp8.param_gather import drop_gathered
 from megatron_core.tensor_parallel.initialization import logical_shape
 from megatron_core.tensor_parallel.utils import group_rank, group_size
 
@@ -122,7 +123,8 @@ class Bucket:
         self._grad_work = self._recv = self._param_work = self._gather_work = None
         self.shard_home: Optional[Any] = None  # ZeRO-3 parameter offload: where the shard lives between uses
         self._fetched_for_gather = False
-        self.fp8_gather = None  # stages 1-2 with --fp8-param-gather: an Fp8ParamGather (fp8_param_gather.py)
+        self.fp8_gather = None  # --fp8-param-gather: an Fp8ParamGather, stage 3 an Fp8ShardGather (fp8_param_gather.py)
+        self.shard_generation = 0  # bumped whenever the shard may have changed (optimizer step, load_full)
 
     @property
     def param_bytes(self) -> int:
@@ -306,8 +308,9 @@ class Bucket:
     # ----------------------------------------------------------------------------------------------------------
     # parameters, stages 1-2: the updated shards are all-gathered after the optimizer step
     def start_param_sync(self) -> None:
-        """Stages 1-2: all-gathers the updated shards into the full parameters (asynchronous); the FP8 weights
-        as FP8 bytes with ``fp8_gather`` (``Fp8ParamGather.start``)."""
+        """After each optimizer step (every stage: bumps ``shard_generation``). Stages 1-2: all-gathers the updated
+        shards into the full parameters (asynchronous); the FP8 weights as FP8 bytes with ``fp8_gather``."""
+        self.shard_generation += 1
         if self.shard_params or self.dp_size == 1:
             return
         self.wait_param_sync()
@@ -329,8 +332,9 @@ class Bucket:
     def gather_in_flight(self) -> bool:
         return self._gather_work is not None
 
-    def start_gather(self) -> None:
-        """Stage 3: starts the all-gather of the full parameters (a no-op if gathered or in flight)."""
+    def start_gather(self, fp8: bool = False) -> None:
+        """Stage 3: starts the all-gather of the full parameters (a no-op if gathered or in flight); ``fp8``: the
+        FP8 weights as FP8 bytes (``--fp8-param-gather``, the units' gathers: ``Fp8ShardGather``)."""
         if self.gathered or self._gather_work is not None:
             return
         if self.param_data is None:
@@ -343,7 +347,8 @@ class Bucket:
             self._gather_work = _Done()
             self._evict_after_gather()
         else:
-            self._gather_work = self._all_gather(self.param_shard)
+            work = self.fp8_gather.start_gather(fp8) if self.fp8_gather is not None else None
+            self._gather_work = work or self._all_gather(self.param_shard)
 
     def _all_gather(self, shard: Optional[torch.Tensor]):
         """Starts the gather of every rank's parameter shard into ``param_data``; ``shard`` None: this rank's
@@ -353,15 +358,17 @@ class Bucket:
         source = self.param_data[self.shard_lo:self.shard_lo + self.shard_size] if shard is None else shard
         return dist.all_gather_single(self.param_data, source, group=self.dp_group, async_op=True)
 
-    def wait_gather(self) -> None:
-        """Stage 3: makes every ``param.data`` a view of the gathered full parameters."""
-        if self.gathered:
-            return
-        self.start_gather()
-        self._gather_work.wait()
-        self._gather_work, self.gathered = None, True
-        self._evict_after_gather()
-        self._point_params_at(self.param_data)
+    def wait_gather(self, fp8: bool = False) -> None:
+        """Stage 3: makes every ``param.data`` a view of the gathered full parameters: exact values unless
+        ``fp8`` (a unit's gather; FP8-gathered weights hold dequantized values on the other ranks' slots)."""
+        if not self.gathered:
+            self.start_gather(fp8)
+            self._gather_work.wait()
+            self._gather_work, self.gathered = None, True
+            self._evict_after_gather()
+            self._point_params_at(self.param_data)
+        if not fp8 and self.fp8_gather is not None:
+            self.fp8_gather.restore_exact()
 
     def release_params(self) -> None:
         """Stage 3: frees the full parameters (their storage; each ``param.data`` becomes an empty tensor)."""
@@ -396,8 +403,10 @@ class Bucket:
                 self.param_shard[s_lo:s_hi].copy_(flat[p_lo:p_hi])
         if fetched:
             self.evict_shard(dirty=True)
+        self.shard_generation += 1
         if self.gathered:
             self.param_data[lo:hi].copy_(flat)
+            drop_gathered(param)  # a scale of the FP8 gather no longer fits the new values
 
 
     # ----------------------------------------------------------------------------------------------------------

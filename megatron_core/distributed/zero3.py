@@ -121,7 +121,8 @@ class ParameterGatherer:
         backward_started: called from the first backward hook (queues the end-of-backward callback).
         reshard_after_forward: free each unit after its forward (else after its backward).
         max_live_units: units (besides the root) gathered or being gathered at once, with reshard_after_forward.
-    Collectives: all-gather over dp of each unit's shards in forward and again in backward.
+    Collectives: all-gather over dp of each unit's shards in forward and again in backward (``fp8=True``: with
+    ``--fp8-param-gather`` the FP8 linears' weights go as FP8 bytes, ``fp8_param_gather.Fp8ShardGather``).
     """
 
     def __init__(self, root: nn.Module, unit_buckets: dict[nn.Module, list[Bucket]], *,
@@ -163,14 +164,14 @@ class ParameterGatherer:
 
     def _start(self, unit: nn.Module) -> None:
         for bucket in self.buckets_of(unit):
-            bucket.start_gather()
+            bucket.start_gather(fp8=True)
             if unit is not self.root and bucket not in self.deferred:
                 self._live[bucket] = None
 
     def _gather(self, unit: nn.Module) -> None:
         self._start(unit)
         for bucket in self.buckets_of(unit):
-            bucket.wait_gather()
+            bucket.wait_gather(fp8=True)
 
     def _prefetch(self, unit: Optional[nn.Module]) -> bool:
         """Starts gathering ``unit`` if there is room; False when it has to wait."""
@@ -256,9 +257,9 @@ class ParameterGatherer:
         self._backward_started()
         if unit is self.root:
             for bucket in self.deferred:
-                bucket.start_gather()
+                bucket.start_gather(fp8=True)
             for bucket in self.deferred:
-                bucket.wait_gather()
+                bucket.wait_gather(fp8=True)
         else:
             self._active[unit] = None
         if not _backward_uses_parameters(unit):

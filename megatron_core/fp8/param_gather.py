@@ -4,16 +4,17 @@ is quantized with, which the FP8 linear then quantizes the gathered weight with.
 A layer built with ``Fp8Config.fp8_param_gather`` and a per-tensor recipe (``tensorwise``, ``delayed``) tags
 its 2-D weight with an ``Fp8GatherSpec`` (``tag_weight``); block recipes (blockwise, mxfp8), bf16 layers
 (``first_last_layers_bf16``: their ``fp8`` is None) and grouped expert weights are never tagged. The ZeRO
-gather (``megatron_core.distributed.fp8_param_gather``) quantizes each rank's shard of a tagged weight with
-the scale the layer would use on the whole weight, writes the other ranks' FP8 values dequantized into the
-parameter and leaves a ``GatheredFp8Weight`` (that scale and the weight's global amax) on it
-(``param.fp8_gathered``). No FP8 copy is kept: quantizing a dequantized value ``q / scale`` again with
-``scale`` gives ``q`` back (the bf16 rounding of the dequantized value, at most 2^-8 relative, is far below
-E4M3's half spacing of at least 2^-5), and this rank's own slots hold the exact values it quantized, so the
-layer's bytes are the gathered ones. ``gathered_weight`` hands the entry to ``fp8_linear`` when still valid:
+gather (``megatron_core.distributed.fp8_param_gather``: after a ZeRO-1/2 step, or a ZeRO-3 unit's gather before
+its forward and backward) quantizes each rank's shard of a tagged weight with the scale the layer would use on
+the whole weight, writes the other ranks' FP8 values dequantized into the parameter and leaves a
+``GatheredFp8Weight`` (that scale and the weight's global amax) on it (``param.fp8_gathered``). No FP8 copy
+is kept: quantizing a dequantized value ``q / scale`` again with ``scale`` gives ``q`` back (the bf16 rounding
+of the dequantized value, at most 2^-8 relative, is far below E4M3's half spacing of at least 2^-5), and this
+rank's own slots hold the exact values it quantized, so the layer's bytes are the gathered ones.
+``gathered_weight`` hands the entry to ``fp8_linear`` when still valid:
 
-- the parameter was not written in place since (``param._version``; the gather drops the copy before the
-  optimizer's new values are all-gathered),
+- the parameter was not written in place since (``param._version``; every gather drops the entry before the
+  new values arrive, and ``Bucket.load_full`` drops it when it writes a gathered ZeRO-3 parameter),
 - the layer's plan is the one of the spec (same config, same delayed-scaling slot, same tp reduction),
 - delayed scaling: the scale buffer was not changed since (``fp8_scale``'s identity and version counter).
 
@@ -56,8 +57,14 @@ class Fp8GatherSpec:
         if self.scaling is None:
             return True
         state = self.scaling.state
-        if state.fp8_amax_step._version != state.amax_step_cleared_version:
-            return False
+        return state.fp8_amax_step._version == state.amax_step_cleared_version and self.calibrated()
+
+    def calibrated(self) -> bool:
+        """Whether the weight's scale is set: always for tensorwise; for delayed once the slot is calibrated. What a
+        ZeRO-3 unit gather needs (the scale changes only in ``update_fp8_scales``, between steps, when no unit is
+        gathered). The same answer on every rank."""
+        if self.scaling is None:
+            return True
         ready = self.scaling.ready("weight")
         return ready is None or bool(ready.all())
 

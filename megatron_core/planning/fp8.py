@@ -20,8 +20,8 @@ without FP8). Multi-latent attention's projections and MTP layers are counted as
 
 Model states: unchanged. The layers keep their parameters in the model's dtype and quantize the weight at each
 call (no FP8 weight copy is kept, also with ``--fp8-param-gather``, docs/fp8.md, which gathers the FP8 linears'
-weights at ZeRO-1/2 as 1 byte per element: ``fp8_gathered_parameters``, which ``step_time`` counts at 1 byte;
-ZeRO-3 units are gathered in high precision).
+weights as 1 byte per element, after the step at ZeRO-1/2 and in each unit's forward and backward gathers at
+ZeRO-3: ``fp8_gathered_parameters``, which ``step_time`` counts at 1 byte).
 Delayed scaling's state is ``4 (3 L + 3)`` bytes per linear (amax history of length L, scales): negligible.
 
 FLOPs: the same GEMMs; MFU is taken against the FP8 peak (``training.metrics.peak_for_device_name(fp8=True)``).
@@ -86,7 +86,7 @@ def fp8_layer_saving(config: TransformerConfig, shape: "ActivationShape", *, moe
 
 def fp8_gathered_parameters(config: TransformerConfig, *, pp_rank: int) -> float:
     """Elements on one rank of pipeline stage ``pp_rank`` that ``--fp8-param-gather`` all-gathers as 1-byte FP8
-    at ZeRO 1-2 (``distributed.fp8_param_gather``): the linear weights of the stage's FP8 layers (attention's
+    at ZeRO 1-3 (``distributed.fp8_param_gather``): the linear weights of the stage's FP8 layers (attention's
     QKV and projection or MLA's projections, the dense MLP's fc1 and fc2, an MoE layer's shared expert); not
     norms, biases, the router, routed experts, embeddings or the output layer. 0 for block recipes."""
     fp8 = config.fp8

@@ -233,7 +233,8 @@ def _dp_parts(params: float, ranks: int, zero_stage: int, m: int, element: int, 
     """(gradient-reduction seconds, parameter-gather seconds after the step, overlappable gathers) for
     ``params`` over ``ranks``: one collective per bucket (the wrapper's bucket size; at ZeRO 3 one per unit,
     ``units`` of them) per step, or per micro-batch from ZeRO 2 on. ``fp8_gathered`` of the parameters go as
-    1 byte each in the gather after the step (``--fp8-param-gather``, ZeRO 1-2)."""
+    1 byte each in the parameter gathers (``--fp8-param-gather``: after the step at ZeRO 1-2, each unit's
+    forward and backward gathers at ZeRO 3)."""
     if ranks == 1 or not params:
         return 0.0, 0.0, 0.0
     bucket = DistributedDataParallelConfig(zero_stage=zero_stage).resolved_bucket_size(ranks, total_numel=int(params))
@@ -243,11 +244,11 @@ def _dp_parts(params: float, ranks: int, zero_stage: int, m: int, element: int, 
     reduce = collective_seconds((2 if per_step else m) * ring * grads, span=span, hardware=hardware,
                                 count=buckets * (1 if per_step else m))
     gather_after = gather_during = 0.0
+    gather_bytes = element * params - (element - 1) * fp8_gathered
     if zero_stage in (1, 2):
-        gather_bytes = element * params - (element - 1) * fp8_gathered
         gather_after = collective_seconds(ring * gather_bytes, span=span, hardware=hardware, count=buckets)
     elif zero_stage == 3:
-        gather_during = collective_seconds(2 * m * ring * element * params, span=span, hardware=hardware,
+        gather_during = collective_seconds(2 * m * ring * gather_bytes, span=span, hardware=hardware,
                                            count=2 * m * buckets)
     return reduce, gather_after, gather_during
 

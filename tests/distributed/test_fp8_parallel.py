@@ -253,38 +253,68 @@ def test_zero_dp2_with_fp8_param_gather_matches_dp1(distributed, stage):
     assert ref_losses[-1] < ref_losses[0]
 
 
-def _count_sent_bytes(counter):
-    """Wraps ``dist.isend`` and ``dist.all_gather_single`` (the parameter gathers' transfers: p2p, or the
-    collective) to add the bytes each call sends to ``counter[0]``; returns the undo."""
-    originals = dist.isend, dist.all_gather_single
+def _count_sent_bytes(counter, log=None):
+    """Wraps ``dist.isend`` with the parameter-gather tag and ``dist.all_gather_single`` (the parameter gathers'
+    transfers: p2p, or the collective; tp 1 has no other all-gather) to add the bytes each call sends to
+    ``counter[0]``; with ``log``, ``Bucket.start_gather`` too, to append ``(bucket index, fp8)`` for each ZeRO-3
+    gather it starts, and ``dist.all_reduce``, counted in ``log.all_reduces``. Returns the undo."""
+    from megatron_core.distributed.p2p_collectives import PARAM_GATHER_TAG
+    from megatron_core.distributed.param_and_grad_buffer import Bucket
+    originals = dist.isend, dist.all_gather_single, Bucket.start_gather, dist.all_reduce
 
     def isend(tensor, *args, **kwargs):
-        counter[0] += tensor.numel() * tensor.element_size()
+        if kwargs.get("tag") == PARAM_GATHER_TAG:
+            counter[0] += tensor.numel() * tensor.element_size()
         return originals[0](tensor, *args, **kwargs)
 
     def all_gather_single(output, tensor, *args, **kwargs):
         counter[0] += tensor.numel() * tensor.element_size()
         return originals[1](output, tensor, *args, **kwargs)
-    dist.isend, dist.all_gather_single = isend, all_gather_single
+
+    def start_gather(bucket, fp8=False):
+        if log is not None and not bucket.gathered and not bucket.gather_in_flight and bucket.dp_size > 1:
+            log.append((bucket.index, fp8))
+        return originals[2](bucket, fp8)
+
+    def all_reduce(*args, **kwargs):
+        if log is not None:
+            log.all_reduces += 1
+        return originals[3](*args, **kwargs)
+    dist.isend, dist.all_gather_single, Bucket.start_gather, dist.all_reduce = (
+        isend, all_gather_single, start_gather, all_reduce)
 
     def undo():
-        dist.isend, dist.all_gather_single = originals
+        dist.isend, dist.all_gather_single, Bucket.start_gather, dist.all_reduce = originals
     return undo
+
+
+class _GatherLog(list):
+    """``(bucket index, fp8)`` of the ZeRO-3 gathers started, and the number of ``dist.all_reduce`` calls."""
+    all_reduces = 0
+
+
+def _fp8_weights(ddp):
+    return {m.weight for m in ddp.module.modules()
+            if getattr(m, "fp8", None) is not None and isinstance(getattr(m, "weight", None), torch.nn.Parameter)}
+
+
+def _bucket_split(bucket, weights):
+    """``(elements of FP8 linears' weights, bytes of the other parameters at the parameter dtype, the shard's
+    whole bytes with padding, whether the bucket holds FP8 linears' weights)`` of this rank's shard of ``bucket``."""
+    fp8 = other = 0
+    for param, _, _, lo, hi in bucket.shard_pieces():
+        if param in weights:
+            fp8 += hi - lo
+        else:
+            other += (hi - lo) * bucket.kind.param_dtype.itemsize
+    return fp8, other, bucket.shard_size * bucket.kind.param_dtype.itemsize, any(p in weights for p in bucket.params)
 
 
 def _gather_split(ddp):
     """Bytes this rank's shards send per peer: ``(elements of FP8 linears' weights, bytes of the other parameters
     at the parameter dtype, the shards' whole bytes with padding, FP8 weights holding their gathered scale)``."""
-    weights = {m.weight for m in ddp.module.modules()
-               if getattr(m, "fp8", None) is not None and isinstance(getattr(m, "weight", None), torch.nn.Parameter)}
-    fp8 = other = whole = 0
-    for bucket in ddp.buckets:
-        whole += bucket.shard_size * bucket.kind.param_dtype.itemsize
-        for param, _, _, lo, hi in bucket.shard_pieces():
-            if param in weights:
-                fp8 += hi - lo
-            else:
-                other += (hi - lo) * bucket.kind.param_dtype.itemsize
+    weights = _fp8_weights(ddp)
+    fp8, other, whole = (sum(x) for x in list(zip(*(_bucket_split(b, weights) for b in ddp.buckets)))[:3])
     copies = sum(getattr(w, "fp8_gathered", None) is not None for w in weights)
     return fp8, other, whole, (copies, len(weights))
 
@@ -303,31 +333,33 @@ def _build_zero(stage, recipe, param_gather, p2p, state):
 
 def _train_step(ddp, optimizer, state, step, counter):
     """One step over this rank's micro-batches; delayed scales updated before the optimizer step (so the gather
-    knows the next forward's scale). Returns (loss, grad shards, masters, bytes the step's gathers sent)."""
+    knows the next forward's scale). Returns (loss, grad shards, masters, bytes the step's parameter gathers sent:
+    after the step at ZeRO-1/2, the units' gathers in forward and backward at ZeRO-3, and the ZeRO-3 gathers
+    started: ``(bucket index, fp8)`` each)."""
     import contextlib
 
     from megatron_core.distributed import finalize_model_grads
     from megatron_core.fp8 import update_fp8_scales
-    optimizer.zero_grad()
-    mine = list(range(state.dp_rank, MICRO_BATCHES, state.dp_size))
-    total = torch.zeros(())
-    for i, micro in enumerate(mine):
-        input_ids, positions, labels = make_batch(seed=MICRO_BATCHES * step + micro)
-        with ddp.no_sync() if i < len(mine) - 1 else contextlib.nullcontext():
-            loss = ddp(input_ids, positions, labels=labels).float().mean() / len(mine)
-            loss.backward()
-        total += loss.detach()
-    finalize_model_grads([ddp], state)
-    grads = [b.grad_shard.clone() for b in ddp.buckets]
-    update_fp8_scales([ddp], state)
-    counter[0] = 0
-    undo = _count_sent_bytes(counter)
+    counter[0], log = 0, _GatherLog()
+    undo = _count_sent_bytes(counter, log)
     try:
+        optimizer.zero_grad()
+        mine = list(range(state.dp_rank, MICRO_BATCHES, state.dp_size))
+        total = torch.zeros(())
+        for i, micro in enumerate(mine):
+            input_ids, positions, labels = make_batch(seed=MICRO_BATCHES * step + micro)
+            with ddp.no_sync() if i < len(mine) - 1 else contextlib.nullcontext():
+                loss = ddp(input_ids, positions, labels=labels).float().mean() / len(mine)
+                loss.backward()
+            total += loss.detach()
+        finalize_model_grads([ddp], state)
+        grads = [b.grad_shard.clone() for b in ddp.buckets]
+        update_fp8_scales([ddp], state)
         assert optimizer.step()[0]
     finally:
         undo()
     masters = [p.master.clone() for p in optimizer.pieces]
-    return total, grads, masters, counter[0]
+    return total, grads, masters, counter[0], (list(log), log.all_reduces)
 
 
 def _fp8_gather_run(stage, recipe, param_gather, p2p, steps=3):
@@ -347,7 +379,9 @@ def _fp8_gather_run(stage, recipe, param_gather, p2p, steps=3):
     fresh_opt.load_state_dict(saved[1])
     resumed = _train_step(fresh, fresh_opt, state, steps, counter)
     continued = _train_step(ddp, optimizer, state, steps, counter)
-    return results, params, resumed[:3], continued[:3], _gather_split(ddp)
+    weights = _fp8_weights(ddp)
+    buckets = {b.index: _bucket_split(b, weights) for b in ddp.buckets}
+    return results, params, resumed[:3], continued[:3], _gather_split(ddp), buckets
 
 
 def _assert_equal(a, b, what):
@@ -363,6 +397,17 @@ def _assert_equal(a, b, what):
         assert torch.equal(a, b), f"{what} differs"
 
 
+def _assert_same_training(rank, ref, mine):
+    """The run with the flag (``mine``) equals the one without (``ref``) bit for bit: each step's loss, reduced
+    grads and fp32 masters, the final (exact) parameters, the step after a resume from the state dicts."""
+    (ref_steps, ref_params, ref_resumed, ref_continued, *_), (steps, params, resumed, continued, *_) = ref, mine
+    _assert_equal(ref_resumed, ref_continued, f"rank {rank} resumed step without the flag")
+    _assert_equal([s[:3] for s in steps], [s[:3] for s in ref_steps], f"rank {rank} steps")
+    _assert_equal(params, ref_params, f"rank {rank} parameters")
+    _assert_equal(resumed, continued, f"rank {rank} resumed step")
+    _assert_equal(continued, ref_continued, f"rank {rank} step after the checkpoint")
+
+
 @pytest.mark.parametrize("stage,recipe,p2p", [(1, "tensorwise", None), (2, "tensorwise", None),
                                               (1, "delayed", None), (2, "delayed", None), (1, "tensorwise", False)])
 def test_fp8_param_gather_sends_fp8_bytes_bit_identical(distributed, stage, recipe, p2p):
@@ -373,15 +418,11 @@ def test_fp8_param_gather_sends_fp8_bytes_bit_identical(distributed, stage, reci
     plain = distributed(2, _fp8_gather_run, stage, recipe, False, p2p)
     fp8 = distributed(2, _fp8_gather_run, stage, recipe, True, p2p)
     for rank, (ref, mine) in enumerate(zip(plain, fp8)):
-        (ref_steps, ref_params, ref_resumed, ref_continued, _), (steps, params, resumed, continued, split) = ref, mine
-        _assert_equal(ref_resumed, ref_continued, f"rank {rank} resumed step without the flag")
-        _assert_equal([s[:3] for s in steps], [s[:3] for s in ref_steps], f"rank {rank} steps")
-        _assert_equal(params, ref_params, f"rank {rank} parameters")
-        _assert_equal(resumed, continued, f"rank {rank} resumed step")
-        _assert_equal(continued, ref_continued, f"rank {rank} step after the checkpoint")
+        _assert_same_training(rank, ref, mine)
+        ref_steps, (steps, split) = ref[0], (mine[0], mine[4])
         fp8_elements, other_bytes, whole_bytes, (copies, weights) = split
         assert fp8_elements > 0
-        for step, ((*_, sent_plain), (*_, sent_fp8)) in enumerate(zip(ref_steps, steps)):
+        for step, ((*_, sent_plain, _), (*_, sent_fp8, _)) in enumerate(zip(ref_steps, steps)):
             assert sent_plain == whole_bytes, f"rank {rank} step {step}: the plain gather sent {sent_plain}"
             if p2p is None:  # the FP8 weights' share halves: 2 bytes per element -> 1
                 assert sent_fp8 - other_bytes == fp8_elements, (
@@ -390,3 +431,53 @@ def test_fp8_param_gather_sends_fp8_bytes_bit_identical(distributed, stage, reci
             else:
                 assert sent_fp8 < sent_plain
         assert copies == weights == 8, f"rank {rank}: {copies} of {weights} FP8 weights hold their gathered scale"
+
+
+@pytest.mark.parametrize("recipe,p2p", [("tensorwise", None), ("delayed", None), ("tensorwise", False)])
+def test_zero3_fp8_param_gather_sends_fp8_bytes_bit_identical(distributed, recipe, p2p):
+    """ZeRO-3 with ``fp8_param_gather`` at dp 2 (bf16 parameters): bit-identical to the run without it as at
+    stages 1-2 (3 steps, a resume). Each unit's gather (every micro-batch's forward and backward; the same
+    buckets in the same order with and without the flag) sends the FP8 weights of this rank's shard in 1 byte
+    per element: p2p exactly the shard's other parameters' bytes plus one byte per FP8 element (the plain
+    gather: the whole shard); delayed scaling's first step (not calibrated yet) gathers as before. The weights'
+    amaxes are all-reduced once per bucket and step, not per gather."""
+    plain = distributed(2, _fp8_gather_run, 3, recipe, False, p2p)
+    fp8 = distributed(2, _fp8_gather_run, 3, recipe, True, p2p)
+    for rank, (ref, mine) in enumerate(zip(plain, fp8)):
+        _assert_same_training(rank, ref, mine)
+        ref_steps, steps, buckets, (copies, weights) = ref[0], mine[0], mine[5], mine[4][3]
+        for step, ((*_, sent_plain, (log_plain, reduces_plain)), (*_, sent, (log, reduces))) in enumerate(
+                zip(ref_steps, steps)):
+            assert log == log_plain and all(fp8 for _, fp8 in log), f"rank {rank} step {step}: gathers {log}"
+            calibrated = recipe == "tensorwise" or step > 0
+            in_fp8 = [b for b, _ in log if buckets[b][3] and calibrated]
+            assert len(in_fp8) > len(set(in_fp8)) > 0 or not calibrated, f"rank {rank} step {step}: {in_fp8}"
+            assert sent_plain == sum(buckets[b][2] for b, _ in log), f"rank {rank} step {step}: {sent_plain}"
+            expected = sum(buckets[b][0] + buckets[b][1] if b in in_fp8 else buckets[b][2] for b, _ in log)
+            if p2p is None:  # the FP8 weights' share halves: 2 bytes per element -> 1
+                assert sent == expected, f"rank {rank} step {step}: {sent} bytes sent, expected {expected}"
+            else:
+                assert sent < sent_plain if in_fp8 else sent == sent_plain
+            assert reduces - reduces_plain == len(set(in_fp8)), f"rank {rank} step {step}: all-reduces"
+        assert copies == weights == 8, f"rank {rank}: {copies} of {weights} FP8 weights hold their gathered scale"
+
+
+def _write_shard_outside_the_step():
+    """A ZeRO-3 FP8 run whose shards are written in place between forwards, outside the optimizer step and
+    ``load_full``: the next FP8 gather refuses (its cached amaxes would be stale). Returns the error."""
+    from megatron_core import initialize_model_parallel
+    state = initialize_model_parallel(tensor_model_parallel_size=1)
+    ddp, _ = _build_zero(3, "tensorwise", True, None, state)
+    input_ids, positions, labels = make_batch(seed=0)
+    with torch.no_grad():
+        ddp(input_ids, positions, labels=labels)
+        for bucket in ddp.buckets:
+            bucket.param_shard.mul_(1.0)
+        with pytest.raises(RuntimeError, match="written in place outside the optimizer step") as error:
+            ddp(input_ids, positions, labels=labels)
+    return str(error.value)
+
+
+def test_zero3_fp8_param_gather_refuses_a_shard_written_outside_the_step(distributed):
+    for message in distributed(2, _write_shard_outside_the_step):
+        assert "ddp.start_param_sync()" in message

@@ -155,7 +155,7 @@ def test_tool_names_bad_search_space_flags(capsys):
 def test_fp8_gathered_parameters_are_the_weights_the_layers_tag(overrides):
     """``--fp8-param-gather``: the planner's count of the elements gathered as 1 byte equals the weights a built
     model tags for the FP8 gather (not experts, router, norms, biases, embeddings, bf16 layers), and the ZeRO-1
-    gather after the step shrinks with them."""
+    gather after the step and the ZeRO-3 units' gathers shrink with them."""
     from megatron_core import initialize_model_parallel
     from megatron_core.fp8.config import Fp8Config
     from megatron_core.planning.fp8 import fp8_gathered_parameters
@@ -172,6 +172,8 @@ def test_fp8_gathered_parameters_are_the_weights_the_layers_tag(overrides):
     assert tagged > 0 and fp8_gathered_parameters(config, pp_rank=0) == tagged
     workload = Workload(vocab_size=1000, seq_length=8, micro_batch_size=1, global_batch_size=8)
     hardware = Hardware(num_devices=8, memory_per_device_gb=80, peak_tflops=100.0)
-    layout = Layout(1, 1, 8, None, 1, False, None)
-    plain = plan_layout(tiny_config(fp8=Fp8Config(fp8_recipe="tensorwise"), **overrides), workload, hardware, layout)
-    assert plan_layout(config, workload, hardware, layout).time.parts["zero"] < plain.time.parts["zero"]
+    plain_config = tiny_config(fp8=Fp8Config(fp8_recipe="tensorwise"), **overrides)
+    for stage in (1, 3):
+        layout = Layout(1, 1, 8, None, stage, False, None)
+        plain = plan_layout(plain_config, workload, hardware, layout)
+        assert plan_layout(config, workload, hardware, layout).time.parts["zero"] < plain.time.parts["zero"], stage
