@@ -8,8 +8,6 @@ megatron-core writes checkpoints of its own GPTModel (local layer spec) in Megat
 import argparse
 import os
 import pickle
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -20,6 +18,7 @@ from megatron_core import initialize_model_parallel  # noqa: E402
 from megatron_core.checkpointing import megatron_lm_io, read_metadata  # noqa: E402
 from megatron_core.inference import load_gpt_from_checkpoint  # noqa: E402
 from tests.data.conftest import load_tool  # noqa: E402
+from tests.fork_server import run_python  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REFERENCE = os.path.join(HERE, "megatron_core_reference.py")
@@ -31,9 +30,8 @@ convert_tool = load_tool("checkpoint_convert")
 
 def reference(mode: str, folder, *, fmt: str, arch: str, tp: int, pp: int) -> torch.Tensor:
     """Runs megatron-core (``save`` or ``load``) at tp x pp; returns its logits ``[2, 8, V]`` (true vocab)."""
-    command = [sys.executable, REFERENCE, mode, str(folder), "--format", fmt, "--arch", arch, "--tp", str(tp),
-               "--pp", str(pp)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=240)
+    command = [REFERENCE, mode, str(folder), "--format", fmt, "--arch", arch, "--tp", str(tp), "--pp", str(pp)]
+    result = run_python(command, timeout=240)  # its own process, forked from one that imported torch
     assert result.returncode == 0, result.stderr[-3000:]
     return torch.load(os.path.join(folder, "logits.pt"))[..., :TRUE_VOCAB]
 
