@@ -49,8 +49,9 @@ def _zero_bubble_defer(run) -> Optional[str]:
 
 
 def predicted_stage_bytes(run) -> dict[str, float]:
-    """The planner's bytes for this rank's pipeline stage: model states, activations, and the transients that
-    coexist with them at the peak moment (``planning.peak_phases``)."""
+    """The planner's bytes for this rank's pipeline stage: model states, activations, the transients that
+    coexist with them at the peak moment (``planning.peak_phases``), and on gloo the p2p buffers a CPU pipeline
+    stage holds (``gloo_p2p_bytes``)."""
     args, config = run.args, run.config
     workload = Workload(vocab_size=run.tokenizer.vocab_size, seq_length=args.seq_length,
                         micro_batch_size=args.micro_batch_size, global_batch_size=run.global_batch,
@@ -58,13 +59,38 @@ def predicted_stage_bytes(run) -> dict[str, float]:
                         mask_bytes=1 if run.state.device.type == "cuda" else (2 if (config.bf16 or config.fp16) else 4))
     zero = getattr(args, "zero_stage", 0) or 0
     pp_rank, experts = run.state.pp_rank, dict(ep=run.state.ep_size, etp=run.state.etp_size)
-    return {"model states": model_state_bytes(config, workload, pp_rank=pp_rank, dp=run.state.dp_cp_size,
-                                              zero_stage=zero, **experts,
-                                              instances=run.state.num_distributed_optimizer_instances),
-            "activations": rank_activation_bytes(config, workload, pp_rank=pp_rank, **experts,
-                                                 num_microbatches=run.num_microbatches,
-                                                 zero_bubble_defer=_zero_bubble_defer(run)),
-            "transients": rank_peak_extra_bytes(config, workload, pp_rank=pp_rank, zero_stage=zero, **experts)}
+    parts = {"model states": model_state_bytes(config, workload, pp_rank=pp_rank, dp=run.state.dp_cp_size,
+                                               zero_stage=zero, **experts,
+                                               instances=run.state.num_distributed_optimizer_instances),
+             "activations": rank_activation_bytes(config, workload, pp_rank=pp_rank, **experts,
+                                                  num_microbatches=run.num_microbatches,
+                                                  zero_bubble_defer=_zero_bubble_defer(run)),
+             "transients": rank_peak_extra_bytes(config, workload, pp_rank=pp_rank, zero_stage=zero, **experts)}
+    held = gloo_p2p_bytes(run)
+    return {**parts, "gloo p2p buffers": held} if held else parts
+
+
+def gloo_p2p_bytes(run) -> float:
+    """What a pipeline stage on gloo (a CPU run) also holds at its peak, which the planner's GPU model does not:
+    the stage outputs and input gradients it sent in this step (gloo reports a send complete only on ``wait``,
+    so ``pipeline_parallel.p2p`` drops them at the end of the schedule; NCCL as they complete) and the two
+    receives posted ahead. 1F1B stage r peaks at its last steady forward, holding m sends downstream (not the
+    last stage) and m - w - 1 upstream (not the first; w = pp - r - 1 warmup forwards); interleaved and
+    zero-bubble schedules count every send of the step (an upper bound). Each is ``[s/cp (/tp with SP), b, h]``
+    in the params dtype (``schedules._tensor_shape``). 0 on CUDA or without pipelining."""
+    state, config, args = run.state, run.config, run.args
+    pp, rank, m = state.pp_size, state.pp_rank, run.num_microbatches
+    if state.device.type == "cuda" or pp == 1:
+        return 0.0
+    tokens = args.seq_length // config.context_parallel_size
+    tokens //= config.tensor_model_parallel_size if config.sequence_parallel else 1
+    tensor = tokens * args.micro_batch_size * config.hidden_size * config.params_dtype.itemsize
+    first, last = rank == 0, rank == pp - 1
+    if state.vpp_size or _zero_bubble_defer(run):
+        sends = m * (state.vpp_size or 1) * 2 - m * first - m * last
+    else:
+        sends = m * (not last) + max(m - min(pp - rank - 1, m) - 1, 0) * (not first)
+    return (sends + 2) * tensor
 
 
 def _corpus_tokens(dataset) -> Optional[int]:
