@@ -39,7 +39,7 @@ from megatron_core.distributed.p2p_collectives import PARAM_GATHER_TAG, P2PWork
 from megatron_core.fp8.param_gather import Fp8GatherSpec, drop_gathered, gather_spec, keep_gathered
 from megatron_core.fp8.quantize import abs_amax, cast_to_fp8
 
-Piece = tuple[nn.Parameter, int, int, int, int]  # (param, param_lo, param_hi, bucket_lo, bucket_hi)
+Piece = tuple[nn.Parameter, int, int]  # (param, bucket_lo, bucket_hi)
 ALIGN = 16  # bytes: padded message size of the all_gather_single path
 
 
@@ -54,23 +54,21 @@ class Fp8ParamGather:
 
     def _rank_pieces(self, rank: int) -> list[Piece]:
         """The parameter pieces of ``rank``'s shard (bucket padding excluded), in bucket order."""
-        lo, hi = rank * self.bucket.shard_size, (rank + 1) * self.bucket.shard_size
-        return [(p, max(a, lo) - a, min(b, hi) - a, max(a, lo), min(b, hi))
-                for p, (a, b) in self.bucket.ranges.items() if max(a, lo) < min(b, hi)]
+        start = rank * self.bucket.shard_size
+        return [(p, start + lo, start + hi) for p, _, _, lo, hi in self.bucket.shard_pieces(rank)]
 
     def _message_size(self, rank: int, chosen: dict) -> int:
         """Bytes of ``rank``'s message: 1 per FP8 element, the parameter dtype's size per other element."""
-        return sum((hi - lo) * (1 if p in chosen else self.dtype.itemsize) for p, _, _, lo, hi in self.pieces[rank])
+        return sum((hi - lo) * (1 if p in chosen else self.dtype.itemsize) for p, lo, hi in self.pieces[rank])
 
     def _own(self, lo: int, hi: int) -> torch.Tensor:
         """This rank's exact values of the bucket's elements ``[lo, hi)`` (inside its shard)."""
         return self.bucket.param_data[lo:hi]
 
-    def _drop(self) -> dict:
-        """Forgets the weights' gathered scales (their values are about to change); returns ``{}``."""
+    def _drop(self) -> None:
+        """Forgets the weights' gathered scales (their values are about to change)."""
         for param in self.specs:
             drop_gathered(param)
-        return {}
 
     def _choose(self) -> dict[nn.Parameter, int]:
         """Forgets the weights' gathered scales; the weights to gather in FP8 now, numbered in bucket order."""
@@ -109,7 +107,7 @@ class Fp8ParamGather:
     def _global_amax(self, chosen: dict) -> torch.Tensor:
         """``[len(chosen)]`` fp32: each weight's amax over the whole (tp-local) weight."""
         amax = torch.zeros(len(chosen), dtype=torch.float32, device=self.bucket.device)
-        for param, _, _, lo, hi in self.pieces[self.bucket.dp_rank]:
+        for param, lo, hi in self.pieces[self.bucket.dp_rank]:
             if param in chosen:
                 amax[chosen[param]] = abs_amax(self._own(lo, hi))
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.bucket.dp_group)
@@ -127,7 +125,7 @@ class Fp8ParamGather:
     def _pack(self, chosen: dict, scales: dict) -> torch.Tensor:
         """This rank's message (uint8): raw bytes of its other pieces, then its FP8 pieces."""
         raw, fp8 = [], []
-        for param, _, _, lo, hi in self.pieces[self.bucket.dp_rank]:
+        for param, lo, hi in self.pieces[self.bucket.dp_rank]:
             values = self._own(lo, hi)
             if param in chosen:
                 q = cast_to_fp8(values.float() * scales[param], self.specs[param].fmt)
@@ -158,9 +156,9 @@ class Fp8ParamGather:
     def _unpack(self, rank: int, data: torch.Tensor, chosen: dict, scales: dict) -> None:
         """Writes ``rank``'s message into the bucket (the FP8 values dequantized)."""
         param_data, size = self.bucket.param_data, self.dtype.itemsize
-        raw_bytes = sum((hi - lo) * size for p, _, _, lo, hi in self.pieces[rank] if p not in chosen)
+        raw_bytes = sum((hi - lo) * size for p, lo, hi in self.pieces[rank] if p not in chosen)
         raw_at, fp8_at = 0, raw_bytes
-        for param, _, _, lo, hi in self.pieces[rank]:
+        for param, lo, hi in self.pieces[rank]:
             n = hi - lo
             if param in chosen:
                 q = data[fp8_at:fp8_at + n].view(self.specs[param].fmt.dtype)
@@ -215,7 +213,10 @@ class Fp8ShardGather(Fp8ParamGather):
         weight can go in FP8. Collectives: the amax all-reduces (first FP8 gather of a shard generation), the
         message exchange over dp (asynchronous)."""
         self.holds_dequantized = False
-        chosen = self._choose() if fp8 else self._drop()
+        if not fp8:
+            self._drop()
+            return None
+        chosen = self._choose()
         if not chosen:
             return None
         amax = self._shard_amax()

@@ -177,13 +177,14 @@ class Bucket:
         for param, (lo, hi) in self.ranges.items():
             param.main_grad = data[lo:hi].view(self.shapes[param])
 
-    def shard_pieces(self) -> Iterator[tuple[nn.Parameter, int, int, int, int]]:
-        """``(param, param_lo, param_hi, shard_lo, shard_hi)`` for each parameter overlapping this rank's
-        shard: flat element ranges inside the parameter and inside the shard."""
+    def shard_pieces(self, rank: Optional[int] = None) -> Iterator[tuple[nn.Parameter, int, int, int, int]]:
+        """``(param, param_lo, param_hi, shard_lo, shard_hi)`` for each parameter overlapping the shard of dp
+        ``rank`` (default: this rank's): flat element ranges inside the parameter and inside the shard."""
+        start = self.shard_lo if rank is None else rank * self.shard_size
         for param, (lo, hi) in self.ranges.items():
-            a, b = max(lo, self.shard_lo), min(hi, self.shard_lo + self.shard_size)
+            a, b = max(lo, start), min(hi, start + self.shard_size)
             if a < b:
-                yield param, a - lo, b - lo, a - self.shard_lo, b - self.shard_lo
+                yield param, a - lo, b - lo, a - start, b - start
 
     # ----------------------------------------------------------------------------------------------------------
     # gradients

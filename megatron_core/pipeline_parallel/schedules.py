@@ -83,7 +83,7 @@ def forward_backward_pipelining_without_interleaving(
     chunks = _as_chunks(model, 1)
     _check_common(num_microbatches, parallel_state, chunks, seq_length)
     ops = one_f_one_b_ops(parallel_state.pp_rank, parallel_state.pp_size, num_microbatches, forward_only=forward_only)
-    shape = _tensor_shape(chunks[0], seq_length, micro_batch_size)
+    shape = pipeline_tensor_shape(chunks[0], seq_length, micro_batch_size)
     return Executor(ScheduleCall(forward_step_func=forward_step_func, iterators=[data_iterator], chunks=chunks,
                                   num_microbatches=num_microbatches, forward_only=forward_only, state=parallel_state,
                                   shape=shape, timeline=timeline, grad_scale_func=grad_scale_func)).run(ops)
@@ -104,7 +104,7 @@ def forward_backward_pipelining_zero_bubble(
     defer = resolve_zero_bubble_defer(defer, parallel_state.device.type)
     ops = zero_bubble_ops(parallel_state.pp_rank, parallel_state.pp_size, num_microbatches, forward_only=forward_only,
                           defer=defer)
-    shape = _tensor_shape(chunks[0], seq_length, micro_batch_size)
+    shape = pipeline_tensor_shape(chunks[0], seq_length, micro_batch_size)
     call = ScheduleCall(forward_step_func=forward_step_func, iterators=[data_iterator], chunks=chunks,
                         num_microbatches=num_microbatches, forward_only=forward_only, state=parallel_state,
                         shape=shape, timeline=timeline, grad_scale_func=grad_scale_func, zero_bubble=True)
@@ -138,7 +138,7 @@ def forward_backward_pipelining_with_interleaving(
     _check_common(num_microbatches, state, chunks, seq_length)
     ops = interleaved_ops(state.pp_rank, state.pp_size, vpp, num_microbatches, forward_only=forward_only,
                           group_size=group_size)
-    shape = _tensor_shape(chunks[0], seq_length, micro_batch_size)
+    shape = pipeline_tensor_shape(chunks[0], seq_length, micro_batch_size)
     return Executor(ScheduleCall(forward_step_func=forward_step_func, iterators=list(iterators), chunks=chunks,
                                   num_microbatches=num_microbatches, forward_only=forward_only, state=state,
                                   shape=shape, timeline=timeline, grad_scale_func=grad_scale_func)).run(ops)
@@ -164,7 +164,8 @@ def _check_common(num_microbatches: int, state: ParallelState, chunks: list[nn.M
                          f"tensor_model_parallel_size {state.tp_size} (sequence parallelism splits the sequence)")
 
 
-def _tensor_shape(chunk: nn.Module, seq_length: int, micro_batch_size: int) -> tuple[tuple[int, ...], torch.dtype]:
+def pipeline_tensor_shape(chunk: nn.Module, seq_length: int,
+                          micro_batch_size: int) -> tuple[tuple[int, ...], torch.dtype]:
     """Shape and dtype of the activations between stages: ``[s(/cp)(/tp), b, h]`` in the params dtype."""
     config = getattr(unwrap(chunk), "config", None)
     if config is None:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 
 from megatron_core.config import TransformerConfig
+from megatron_core.planning.layer_cost import element_bytes
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -52,14 +53,14 @@ class StageMoments:
 
 def loss_bytes(config: TransformerConfig, moments: StageMoments) -> float:
     """The loss's moment: a second logits-sized tensor beside the saved logits."""
-    return _param_bytes(config) * moments.tokens * moments.vocab_shard if moments.last else 0.0
+    return element_bytes(config) * moments.tokens * moments.vocab_shard if moments.last else 0.0
 
 
 def output_layer_bytes(config: TransformerConfig, moments: StageMoments) -> float:
     """The largest of the output layer's backward and its grad reduction (last stage)."""
     if not moments.last:
         return 0.0
-    e, weight = _param_bytes(config), moments.vocab_shard * config.hidden_size
+    e, weight = element_bytes(config), moments.vocab_shard * config.hidden_size
     gathered = e * weight if moments.zero_stage == 3 else 0.0
     backward = gathered + e * weight + e * moments.tokens * config.hidden_size
     if moments.zero_stage < 2:
@@ -71,7 +72,7 @@ def embedding_bytes(config: TransformerConfig, moments: StageMoments) -> float:
     """The embedding's backward (first stage), its micro-batch's activations freed."""
     if not moments.first:
         return 0.0
-    e, table = _param_bytes(config), moments.vocab_shard * config.hidden_size
+    e, table = element_bytes(config), moments.vocab_shard * config.hidden_size
     held = e * table + (4 * table if moments.zero_stage >= 2 else 0.0) + (e * table if moments.zero_stage == 3
                                                                            else 0.0)
     return held - moments.microbatch_bytes
@@ -82,10 +83,6 @@ def peak_extra_bytes(config: TransformerConfig, moments: StageMoments) -> float:
     layer = moments.layer_transient - loss_bytes(config, moments)  # the logits are gone by then
     return max(0.0, loss_bytes(config, moments), output_layer_bytes(config, moments), layer,
                embedding_bytes(config, moments))
-
-
-def _param_bytes(config: TransformerConfig) -> int:
-    return 2 if (config.bf16 or config.fp16) else 4
 
 
 __all__ = ["StageMoments", "loss_bytes", "output_layer_bytes", "embedding_bytes", "peak_extra_bytes"]

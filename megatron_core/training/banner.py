@@ -13,6 +13,7 @@ printed beside it (it also holds the interpreter, the libraries and the allocato
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from typing import Any, Iterator, Optional
 
@@ -21,6 +22,7 @@ import torch.distributed as dist
 from megatron_core.fp8.config import fp8_runs_emulated
 from megatron_core.optimizer.memory import memory_categories
 from megatron_core.pipeline_parallel.schedule_plan import resolve_zero_bubble_defer
+from megatron_core.pipeline_parallel.schedules import pipeline_tensor_shape
 from megatron_core.planning.planner import Workload, model_state_bytes, rank_activation_bytes, rank_peak_extra_bytes
 from megatron_core.training.metrics import memory_bytes
 from megatron_core.utils.live_memory import LiveMemoryTracker, peak_rss_bytes
@@ -77,14 +79,13 @@ def gloo_p2p_bytes(run) -> float:
     receives posted ahead. 1F1B stage r peaks at its last steady forward, holding m sends downstream (not the
     last stage) and m - w - 1 upstream (not the first; w = pp - r - 1 warmup forwards); interleaved and
     zero-bubble schedules count every send of the step (an upper bound). Each is ``[s/cp (/tp with SP), b, h]``
-    in the params dtype (``schedules._tensor_shape``). 0 on CUDA or without pipelining."""
-    state, config, args = run.state, run.config, run.args
+    in the params dtype (``schedules.pipeline_tensor_shape``). 0 on CUDA or without pipelining."""
+    state, args = run.state, run.args
     pp, rank, m = state.pp_size, state.pp_rank, run.num_microbatches
     if state.device.type == "cuda" or pp == 1:
         return 0.0
-    tokens = args.seq_length // config.context_parallel_size
-    tokens //= config.tensor_model_parallel_size if config.sequence_parallel else 1
-    tensor = tokens * args.micro_batch_size * config.hidden_size * config.params_dtype.itemsize
+    shape, dtype = pipeline_tensor_shape(run.chunks[0], args.seq_length, args.micro_batch_size)
+    tensor = math.prod(shape) * dtype.itemsize
     first, last = rank == 0, rank == pp - 1
     if state.vpp_size or _zero_bubble_defer(run):
         sends = m * (state.vpp_size or 1) * 2 - m * first - m * last
