@@ -226,7 +226,8 @@ def _run(argv: Optional[Sequence[str]]) -> int:
           f"{100 * options.tolerance:g}% of the fastest\n")
     print(format_table(plans, options.top))
     if options.explain and plans[0].fits:
-        print("\n" + explain(plans, budget_bytes=machine.memory_per_device_gb * 2**30, tolerance=options.tolerance))
+        print("\n" + explain(plans, budget_bytes=machine.memory_per_device_gb * 2**30, tolerance=options.tolerance,
+                              hardware_name=options.hardware))
     if options.plot:
         plot(plans, options.plot)
         print(f"\nplot: {options.plot}")

@@ -44,9 +44,10 @@ def _describe(plan) -> str:
             + f" ZeRO {lay.zero_stage} recompute {lay.recompute or 'none'}")
 
 
-def axis_reasons(chosen, plans: list, budget_bytes: float, tolerance: float = 0.03) -> list[str]:
+def axis_reasons(chosen, plans: list, budget_bytes: float, tolerance: float = 0.03, spread: float = 0.0) -> list[str]:
     """One line per axis: the chosen value, and for every other value of that axis the best layout with it:
-    "does not fit" (its smallest memory against the budget), "x% slower" or "within the tolerance, less simple"."""
+    "does not fit" (its smallest memory against the budget), "x% slower" (marked "within the model's error"
+    when x is under ``spread``: ``planning.confidence``) or "within the tolerance, less simple"."""
     lines = []
     for axis, value_of in AXES.items():
         value = value_of(chosen.layout)
@@ -70,7 +71,8 @@ def axis_reasons(chosen, plans: list, budget_bytes: float, tolerance: float = 0.
             fastest = min(fitting, key=lambda plan: plan.step_seconds)
             slower = fastest.step_seconds / chosen.step_seconds - 1
             if slower > tolerance:
-                notes.append(f"{axis} {other} is {100 * slower:.1f}% slower ({_describe(fastest)})")
+                unsure = ", within the model's error" if slower <= spread else ""
+                notes.append(f"{axis} {other} is {100 * slower:.1f}% slower ({_describe(fastest)}{unsure})")
             else:
                 notes.append(f"{axis} {other} is within {100 * tolerance:g}% ({100 * slower:+.1f}%) but less simple")
         lines.append(f"{axis} {value}: " + "; ".join(notes))

@@ -3,6 +3,7 @@ and why each axis of the chosen layout has its size."""
 from __future__ import annotations
 
 from megatron_core.planning.choose import axis_reasons
+from megatron_core.planning.confidence import how_sure, model_error
 from megatron_core.planning.step_time import PARTS
 
 
@@ -30,9 +31,10 @@ def parts_table(plans: list, top: int) -> str:
     return "\n".join(rows)
 
 
-def explain(plans: list, *, budget_bytes: float, tolerance: float, top: int = 5) -> str:
-    """The chosen plan (``plans[0]``): its memory and step time by part, beside the next layouts, and one line
-    per axis saying why it has its size."""
+def explain(plans: list, *, budget_bytes: float, tolerance: float, top: int = 5, hardware_name: str = "h100") -> str:
+    """The chosen plan (``plans[0]``): its memory and step time by part, beside the next layouts, how sure the
+    model is (``planning.confidence``, against the published runs nearest ``hardware_name``), and one line per
+    axis saying why it has its size."""
     chosen = plans[0]
     fitting = [plan for plan in plans if plan.fits]
     fastest = min(fitting, key=lambda plan: plan.step_seconds) if fitting else chosen
@@ -44,9 +46,11 @@ def explain(plans: list, *, budget_bytes: float, tolerance: float, top: int = 5)
         faster = 100 * (1 - fastest.step_seconds / chosen.step_seconds)
         lines.append(f"the fastest, {layout_name(fastest)}, is {faster:.1f}% faster: within the {100 * tolerance:g}% "
                      "tolerance, the simpler layout is chosen")
+    lines += ["", how_sure(chosen, plans, hardware_name)]
     lines += ["", "step time by part (milliseconds per step on the busiest pipeline stage; the parts sum to the "
               "step):", "", parts_table(plans, top), "", "why each axis has its size:"]
-    lines += [f"- {line}" for line in axis_reasons(chosen, plans, budget_bytes, tolerance)]
+    spread = model_error(hardware_name)[0].spread
+    lines += [f"- {line}" for line in axis_reasons(chosen, plans, budget_bytes, tolerance, spread)]
     return "\n".join(lines)
 
 

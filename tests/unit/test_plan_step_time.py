@@ -177,3 +177,34 @@ def test_fp8_gathered_parameters_are_the_weights_the_layers_tag(overrides):
         layout = Layout(1, 1, 8, None, stage, False, None)
         plain = plan_layout(plain_config, workload, hardware, layout)
         assert plan_layout(config, workload, hardware, layout).time.parts["zero"] < plain.time.parts["zero"], stage
+
+
+def test_how_sure_is_the_published_runs_error_and_names_the_layouts_inside_it():
+    """The model's error is measured/predicted step time at the ten published expert layouts (the same plans
+    the 15% test checks); its spread marks which alternatives the model cannot rank. For 7.5B the experts'
+    tp 4 pp 1 is one of them; on one device nothing else exists and the choice is firm."""
+    from megatron_core.planning.confidence import how_sure, model_error, uncertain_alternatives
+    ratios = [_expert_plan(run).tflops_per_device / run.tflops_per_gpu for run in NARAYANAN_2021]
+    error, note = model_error("a100")
+    assert (error.low, error.high, error.runs, note) == (min(ratios), max(ratios), 10, "")
+    assert error.spread == pytest.approx(max(ratios) / min(ratios) - 1) and 0.05 < error.spread < 0.3
+    assert "the one published run gives 0.94" in model_error("h100")[1]
+    assert "no published run on b200" in model_error("b200")[1]
+    run = next(run for run in NARAYANAN_2021 if run.name == "7.5B")
+    plans = rank_plans(run.config(), run.workload(), hardware_from_profile("a100", num_devices=run.gpus),
+                       space=NARAYANAN_2021_SPACE)
+    inside = uncertain_alternatives(plans[0], plans, error.spread)
+    assert (run.tp, run.pp) != (plans[0].layout.tp, plans[0].layout.pp)
+    assert any((plan.layout.tp, plan.layout.pp) == (run.tp, run.pp) for plan in inside)
+    fastest = min(plan.step_seconds for plan in plans if plan.fits)
+    assert all(plan.step_seconds <= fastest * (1 + error.spread) for plan in inside)
+    assert "tp4 pp1 dp32" in how_sure(plans[0], plans, "a100", names=len(inside))
+    single = rank_plans(run.config(), run.workload(), hardware_from_profile("a100", num_devices=1))
+    assert "the choice of these axes is firm" in how_sure(single[0], single, "a100")
+
+
+def test_tool_says_how_sure_it_is(capsys):
+    assert plan_parallelism.main(MODEL_FLAGS + ["--num-devices", "64", "--hardware", "a100", "--explain"]) == 0
+    out = capsys.readouterr().out
+    assert "how sure: measured / predicted step time" in out and "Narayanan et al. 2021" in out
+    assert "within the model's error" in out

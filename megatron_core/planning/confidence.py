@@ -1,0 +1,117 @@
+"""How sure the planner is: the step-time model's error where a measurement exists, and which alternatives
+that error cannot tell apart from the chosen layout.
+
+The evidence is the published runs of ``planning.published``, planned at the layout their authors used and
+set against what they measured: Narayanan et al. 2021's ten GPT models on A100s, and Megatron-Bridge's
+Llama-3 8B FP8 on H100s. ``measured / predicted`` step time (= predicted / measured TFLOP/s) over those runs
+spans ``low`` to ``high``. A ranking compares two predictions, and each can be off anywhere in that range,
+so two layouts whose predicted times differ by less than ``high / low - 1`` (the **spread**) are not told
+apart by the model: only timing a few steps of each would. A constant error (every prediction 5% fast)
+would not change the ranking; the spread is what can.
+
+Profiles without published runs of their own (H200 shares H100's compute and links; B200; a JSON from
+``--calibrate``) are reported against the A100 evidence, and say so.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Optional
+
+from megatron_core.planning.hardware import hardware_from_profile
+from megatron_core.planning.planner import Layout, Workload, plan_layout
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelError:
+    """``measured / predicted`` step time over ``runs`` published runs on ``profile``: ``low`` to ``high``."""
+
+    low: float
+    high: float
+    runs: int
+    profile: str
+    source: str
+
+    @property
+    def spread(self) -> float:
+        """The largest relative error between two of the runs' predictions (``high / low - 1``)."""
+        return self.high / self.low - 1
+
+    def describe(self) -> str:
+        return (f"measured / predicted step time {self.low:.2f}-{self.high:.2f} over {self.runs} published "
+                f"run{'s' if self.runs > 1 else ''} on {self.profile} ({self.source})")
+
+
+@functools.lru_cache(maxsize=None)
+def _narayanan_2021() -> ModelError:
+    from megatron_core.planning.published import NARAYANAN_2021
+    ratios = []
+    for run in NARAYANAN_2021:
+        layout = Layout(run.tp, run.pp, run.gpus // (run.tp * run.pp), None, 0, False, "full")
+        plan = plan_layout(run.config(), run.workload(), hardware_from_profile("a100", num_devices=run.gpus), layout)
+        ratios.append(plan.tflops_per_device / run.tflops_per_gpu)
+    return ModelError(min(ratios), max(ratios), len(ratios), "a100", "Narayanan et al. 2021, Table 1")
+
+
+@functools.lru_cache(maxsize=None)
+def _llama3_8b_fp8_h100() -> ModelError:
+    from megatron_core.fp8.config import Fp8Config
+    from megatron_core.planning.published import LLAMA3_8B_FP8_TFLOPS_PER_H100, llama3_8b
+    workload = Workload(vocab_size=128256, seq_length=8192, micro_batch_size=1, global_batch_size=128)
+    plan = plan_layout(llama3_8b(Fp8Config(fp8_recipe="tensorwise")), workload,
+                       hardware_from_profile("h100", num_devices=8), Layout(1, 1, 4, None, 1, False, None, 2))
+    ratio = plan.tflops_per_device / LLAMA3_8B_FP8_TFLOPS_PER_H100
+    return ModelError(ratio, ratio, 1, "h100", "Megatron-Bridge, Llama-3 8B FP8")
+
+
+def model_error(hardware_name: str) -> tuple[ModelError, str]:
+    """(the evidence for a profile named ``hardware_name``, a note on how it applies). The spread always comes
+    from the A100 runs (the only set with more than one run); H100 adds its one run's ratio."""
+    a100 = _narayanan_2021()
+    name = hardware_name.lower()
+    if name == "a100":
+        return a100, ""
+    if name == "h100":
+        h100 = _llama3_8b_fp8_h100()
+        return a100, f"on h100 the one published run gives {h100.low:.2f}"
+    return a100, f"no published run on {hardware_name}: the A100 evidence is the nearest"
+
+
+def uncertain_alternatives(chosen, plans: list, spread: float) -> list:
+    """Fitting plans with another (tp, pp, cp) than ``chosen`` whose predicted step time is within ``spread`` of
+    the fastest fitting plan, the fastest of each (tp, pp, cp) first: the layouts worth timing."""
+    fitting = [plan for plan in plans if plan.fits]
+    if not fitting:
+        return []
+    best = min(plan.step_seconds for plan in fitting)
+    key = lambda plan: (plan.layout.tp, plan.layout.pp, plan.layout.cp)  # noqa: E731
+    seen, shown = {key(chosen)}, []
+    for plan in sorted(fitting, key=lambda plan: plan.step_seconds):
+        if plan.step_seconds > best * (1 + spread):
+            break
+        if key(plan) not in seen:
+            seen.add(key(plan))
+            shown.append(plan)
+    return shown
+
+
+def how_sure(chosen, plans: list, hardware_name: str, *, names: Optional[int] = 4) -> str:
+    """One paragraph: the model's measured error, its spread, and the (tp, pp, cp) layouts inside it."""
+    from megatron_core.planning.report import layout_name
+    error, note = model_error(hardware_name)
+    others = uncertain_alternatives(chosen, plans, error.spread)
+    text = (f"how sure: {error.describe()}{'; ' + note if note else ''}. Two predictions can be off by up to "
+            f"{100 * error.spread:.0f}% relative to each other, ")
+    if not others:
+        return text + "and no fitting layout with another tp, pp or cp is predicted within that of the fastest: " \
+                      "the choice of these axes is firm."
+    fastest = min((plan for plan in plans if plan.fits), key=lambda plan: plan.step_seconds)
+    listed = ", ".join(f"{layout_name(plan)} ({100 * (plan.step_seconds / fastest.step_seconds - 1):+.1f}%)"
+                       for plan in others[:names])
+    more = f" and {len(others) - names} more" if len(others) > names else ""
+    return (text + f"so {len(others)} other tp/pp/cp choice{'s are' if len(others) > 1 else ' is'} within the "
+            f"model's error of the fastest: {listed}{more} (vs the fastest). The model cannot rank these; time a "
+            "few steps of each to choose.")
+
+
+__all__ = ["ModelError", "model_error", "uncertain_alternatives", "how_sure"]
