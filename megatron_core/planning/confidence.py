@@ -18,7 +18,7 @@ import dataclasses
 import functools
 from typing import Optional
 
-from megatron_core.planning.hardware import hardware_from_profile
+from megatron_core.planning.hardware import PROFILES, hardware_from_profile
 from megatron_core.planning.planner import Layout, Workload, plan_layout
 
 
@@ -74,7 +74,10 @@ def model_error(hardware_name: str) -> tuple[ModelError, str]:
     if name == "h100":
         h100 = _llama3_8b_fp8_h100()
         return a100, f"on h100 the one published run gives {h100.low:.2f}"
-    return a100, f"no published run on {hardware_name}: the A100 evidence is the nearest"
+    if name in PROFILES:
+        return a100, f"no published run on {hardware_name}: the A100 evidence is the nearest"
+    return a100, (f"{hardware_name} is not a shipped profile: the A100 evidence is shown; a calibrated machine's "
+                  "own check is `python scripts/benchmark.py --only planner` (measured vs predicted steps)")
 
 
 def uncertain_alternatives(chosen, plans: list, spread: float) -> list:

@@ -190,6 +190,7 @@ def test_how_sure_is_the_published_runs_error_and_names_the_layouts_inside_it():
     assert error.spread == pytest.approx(max(ratios) / min(ratios) - 1) and 0.05 < error.spread < 0.3
     assert "the one published run gives 0.94" in model_error("h100")[1]
     assert "no published run on b200" in model_error("b200")[1]
+    assert "benchmark.py --only planner" in model_error("/tmp/cpu.json")[1]
     run = next(run for run in NARAYANAN_2021 if run.name == "7.5B")
     plans = rank_plans(run.config(), run.workload(), hardware_from_profile("a100", num_devices=run.gpus),
                        space=NARAYANAN_2021_SPACE)
