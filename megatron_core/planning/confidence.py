@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Optional
 
 from megatron_core.planning.hardware import PROFILES, hardware_from_profile
 from megatron_core.planning.planner import Layout, Workload, plan_layout
@@ -87,18 +86,21 @@ def uncertain_alternatives(chosen, plans: list, spread: float) -> list:
     if not fitting:
         return []
     best = min(plan.step_seconds for plan in fitting)
-    key = lambda plan: (plan.layout.tp, plan.layout.pp, plan.layout.cp)  # noqa: E731
-    seen, shown = {key(chosen)}, []
+    seen, shown = {_model_axes(chosen)}, []
     for plan in sorted(fitting, key=lambda plan: plan.step_seconds):
         if plan.step_seconds > best * (1 + spread):
             break
-        if key(plan) not in seen:
-            seen.add(key(plan))
+        if _model_axes(plan) not in seen:
+            seen.add(_model_axes(plan))
             shown.append(plan)
     return shown
 
 
-def how_sure(chosen, plans: list, hardware_name: str, *, names: Optional[int] = 4) -> str:
+def _model_axes(plan) -> tuple[int, int, int]:
+    return plan.layout.tp, plan.layout.pp, plan.layout.cp
+
+
+def how_sure(chosen, plans: list, hardware_name: str, *, names: int = 4) -> str:
     """One paragraph: the model's measured error, its spread, and the (tp, pp, cp) layouts inside it."""
     from megatron_core.planning.report import layout_name
     error, note = model_error(hardware_name)
