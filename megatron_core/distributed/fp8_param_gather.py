@@ -9,11 +9,15 @@ optimizer's pieces, the grad norm and the checkpoints are unchanged. A gather (e
 1. chooses the bucket's FP8 weights whose scale is known now (stages 1-2: ``Fp8GatherSpec.usable_now``,
    tensorwise always, delayed once calibrated and after ``update_fp8_scales``; stage 3: ``calibrated``, see
    ``Fp8ShardGather``); none: the bucket is gathered as before;
-2. takes the amax of this rank's piece of each (0 for none), all-reduces the ``[n_fp8]`` fp32 vector with MAX
-   over the bucket's dp group and then over each weight's tp ``amax_group``: every rank holds the amax of
-   the whole weight, the value the layer would compute (tensorwise scale; delayed: the amax it records);
-3. quantizes its pieces with the weight's scale (``cast(x * scale)``, elementwise: the bytes the layer would
-   produce from the whole weight) and packs its message: the other parameters' raw bytes, then the FP8 bytes;
+2. takes the amax of this rank's piece of each (0 for none; blockwise: one per 128x128 block of the weight,
+   0 for the blocks the piece misses, ``Fp8GatherSpec.piece_amax``: a flat shard cuts through blocks),
+   all-reduces the flat fp32 vector with MAX over the bucket's dp group and then over each weight's tp
+   ``amax_group``: every rank holds the amax of the whole weight (of each block), the value the layer would
+   compute (tensorwise / blockwise scales; delayed: the amax it records). Routed experts' weights live in
+   the expert buckets: their dp group is expert-dp, their ``amax_group`` the etp group when split;
+3. quantizes its pieces with the weight's scale (``cast(x * scale)``, elementwise, blockwise with each
+   element's block scale: the bytes the layer would produce from the whole weight) and packs its message: the
+   other parameters' raw bytes, then the FP8 bytes;
 4. sends it to every other rank: a batch of ``isend``/``irecv`` with ``p2p_collectives`` (each rank's
    message of its own size), else ``all_gather_single`` of messages padded to the largest.
 
@@ -37,7 +41,7 @@ from torch import nn
 
 from megatron_core.distributed.p2p_collectives import PARAM_GATHER_TAG, P2PWork
 from megatron_core.fp8.param_gather import Fp8GatherSpec, drop_gathered, gather_spec, keep_gathered
-from megatron_core.fp8.quantize import abs_amax, cast_to_fp8
+from megatron_core.fp8.quantize import cast_to_fp8
 
 Piece = tuple[nn.Parameter, int, int]  # (param, bucket_lo, bucket_hi)
 ALIGN = 16  # bytes: padded message size of the all_gather_single path
@@ -70,10 +74,24 @@ class Fp8ParamGather:
         for param in self.specs:
             drop_gathered(param)
 
-    def _choose(self) -> dict[nn.Parameter, int]:
-        """Forgets the weights' gathered scales; the weights to gather in FP8 now, numbered in bucket order."""
+    def _choose(self) -> dict[nn.Parameter, slice]:
+        """Forgets the weights' gathered scales; the weights to gather in FP8 now and their amaxes' place in the
+        flat amax vector (``_layout``)."""
         self._drop()
-        return {p: i for i, p in enumerate(p for p, spec in self.specs.items() if self._usable(spec))}
+        return self._layout([p for p, spec in self.specs.items() if self._usable(spec)])
+
+    def _layout(self, params) -> dict[nn.Parameter, slice]:
+        """Each weight's slice of the flat fp32 amax vector, in bucket order: one amax per tensor, one per
+        128x128 block for blockwise (``Fp8GatherSpec.amax_numel``)."""
+        layout, at = {}, 0
+        for param in params:
+            n = self.specs[param].amax_numel()
+            layout[param], at = slice(at, at + n), at + n
+        return layout
+
+    def _start(self, param: nn.Parameter, lo: int) -> int:
+        """The flat element of ``param`` at bucket element ``lo``."""
+        return lo - self.bucket.ranges[param][0]
 
     def _usable(self, spec: Fp8GatherSpec) -> bool:
         """Whether the weight's scale for its next use is known now."""
@@ -84,12 +102,15 @@ class Fp8ParamGather:
         all-reduce (MAX) of the amaxes over dp and the tp amax groups; the message exchange over dp
         (asynchronous: ``wait()`` the returned work)."""
         chosen = self._choose()
-        return self._launch(chosen, self._global_amax(chosen)) if chosen else None
+        if not chosen:
+            return None
+        amax = self._global_amax(chosen)
+        return self._launch(chosen, {p: amax[where] for p, where in chosen.items()})
 
-    def _launch(self, chosen: dict, amax: torch.Tensor) -> P2PWork:
-        """Steps 3-4 for the ``chosen`` weights of global amaxes ``amax`` ``[len(chosen)]``: packs and starts the
-        exchange; the returned work's finish unpacks and leaves each weight's scale on it."""
-        scales = {p: self.specs[p].scale(amax[i]).float().reshape(()) for p, i in chosen.items()}
+    def _launch(self, chosen: dict, amax: dict[nn.Parameter, torch.Tensor]) -> P2PWork:
+        """Steps 3-4 for the ``chosen`` weights of global amaxes ``amax`` (each ``[amax_numel]``): packs and starts
+        the exchange; the returned work's finish unpacks and leaves each weight's scale on it."""
+        scales = {p: self.specs[p].scale(amax[p]).float() for p in chosen}
         me = self.bucket.dp_rank
         message = self._pack(chosen, scales)
         sizes = [self._message_size(rank, chosen) for rank in range(self.bucket.dp_size)]
@@ -99,22 +120,26 @@ class Fp8ParamGather:
             for rank, data in received.items():
                 if rank != me:
                     self._unpack(rank, data, chosen, scales)
-            for param, i in chosen.items():
-                keep_gathered(param, scales[param], amax[i], self.specs[param])
+            for param in chosen:
+                spec = self.specs[param]
+                keep_gathered(param, scales[param], amax[param].reshape(spec.blocks), spec)
             self.holds_dequantized = True
         return P2PWork(works, finish)
 
     def _global_amax(self, chosen: dict) -> torch.Tensor:
-        """``[len(chosen)]`` fp32: each weight's amax over the whole (tp-local) weight."""
-        amax = torch.zeros(len(chosen), dtype=torch.float32, device=self.bucket.device)
+        """The flat fp32 amax vector of ``chosen`` (``_layout``): each weight's amax (blockwise: each block's) over
+        the whole (tp-local) weight. Collectives: all-reduce MAX over dp, then over each tp ``amax_group``."""
+        size = max((where.stop for where in chosen.values()), default=0)
+        amax = torch.zeros(size, dtype=torch.float32, device=self.bucket.device)
         for param, lo, hi in self.pieces[self.bucket.dp_rank]:
             if param in chosen:
-                amax[chosen[param]] = abs_amax(self._own(lo, hi))
+                amax[chosen[param]] = self.specs[param].piece_amax(self._own(lo, hi), self._start(param, lo))
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.bucket.dp_group)
         groups = {}
-        for param, i in chosen.items():
-            if self.specs[param].amax_group is not None:
-                groups.setdefault(id(self.specs[param].amax_group), (self.specs[param].amax_group, []))[1].append(i)
+        for param, where in chosen.items():
+            group = self.specs[param].amax_group
+            if group is not None:
+                groups.setdefault(id(group), (group, []))[1].extend(range(where.start, where.stop))
         for group, indices in groups.values():  # (insertion order: the bucket's, the same on every rank)
             index = torch.tensor(indices, device=amax.device)
             part = amax[index]
@@ -128,7 +153,8 @@ class Fp8ParamGather:
         for param, lo, hi in self.pieces[self.bucket.dp_rank]:
             values = self._own(lo, hi)
             if param in chosen:
-                q = cast_to_fp8(values.float() * scales[param], self.specs[param].fmt)
+                scale = self.specs[param].piece_scale(scales[param], self._start(param, lo), hi - lo)
+                q = cast_to_fp8(values.float() * scale, self.specs[param].fmt)
                 fp8.append(q.view(torch.uint8))
             else:
                 raw.append(values.view(torch.uint8))
@@ -162,7 +188,8 @@ class Fp8ParamGather:
             n = hi - lo
             if param in chosen:
                 q = data[fp8_at:fp8_at + n].view(self.specs[param].fmt.dtype)
-                param_data[lo:hi].copy_(q.float() * torch.reciprocal(scales[param]))
+                scale = self.specs[param].piece_scale(scales[param], self._start(param, lo), n)
+                param_data[lo:hi].copy_(q.float() * torch.reciprocal(scale))
                 fp8_at += n
             else:
                 param_data[lo:hi].copy_(data[raw_at:raw_at + n * size].view(self.dtype))
@@ -195,9 +222,9 @@ class Fp8ShardGather(Fp8ParamGather):
 
     def __init__(self, bucket, specs: dict[nn.Parameter, Fp8GatherSpec]) -> None:
         super().__init__(bucket, specs)
-        self.numbered = {p: i for i, p in enumerate(specs)}  # every tagged weight, bucket order
+        self.numbered = self._layout(specs)  # every tagged weight's amax slice, bucket order
         self.end = max(hi for _, hi in bucket.ranges.values())  # the bucket's padding starts here
-        self._amax: Optional[torch.Tensor] = None  # [len(specs)] fp32 global amaxes of the shard generation
+        self._amax: Optional[torch.Tensor] = None  # flat fp32 global amaxes (numbered) of the shard generation
         self._amax_key: Optional[tuple[int, Optional[int]]] = None  # (shard generation, shard version or None)
 
     def _own(self, lo: int, hi: int) -> torch.Tensor:
@@ -223,10 +250,10 @@ class Fp8ShardGather(Fp8ParamGather):
         bucket = self.bucket
         bucket.param_data[bucket.shard_lo:bucket.shard_lo + bucket.shard_size].copy_(bucket.param_shard)
         bucket.param_data[self.end:].zero_()  # the padding, as the plain gather leaves it
-        return self._launch(chosen, amax[[self.numbered[p] for p in chosen]])
+        return self._launch(chosen, {p: amax[self.numbered[p]] for p in chosen})
 
     def _shard_amax(self) -> torch.Tensor:
-        """``[len(specs)]`` fp32: the global amax of every tagged weight, cached per shard generation."""
+        """The flat fp32 global amaxes of every tagged weight (``numbered``), cached per shard generation."""
         bucket = self.bucket
         version = bucket.param_shard._version if bucket.shard_home is None else None
         if self._amax is not None and self._amax_key[0] == bucket.shard_generation:

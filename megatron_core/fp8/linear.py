@@ -23,7 +23,7 @@ tensor; backward all-gathers the saved local chunk again (for dW) and reduce-sca
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -31,11 +31,15 @@ import torch.distributed as dist
 from megatron_core.fp8.config import Fp8Config
 from megatron_core.fp8.formats import Fp8Format, role_format
 from megatron_core.fp8.gemm import nt_gemm
-from megatron_core.fp8.param_gather import GatheredFp8Weight, gathered_weight
+from megatron_core.fp8.param_gather import GatheredExperts, GatheredFp8Weight, gathered_weight
 from megatron_core.fp8.quantize import (
+    BLOCKWISE_WEIGHT_BLOCK,
     Quantized,
     abs_amax,
+    block_amax,
+    block_scale,
     quantize_blocks,
+    quantize_blocks_with_scale,
     quantize_mxfp8,
     quantize_with_scale,
     scale_from_amax,
@@ -45,7 +49,6 @@ from megatron_core.tensor_parallel.utils import group_size
 from megatron_core.tensor_parallel.weight_grad_store import WeightGradStore, deferrable_target, deferring_forward
 
 BLOCKWISE_ACTIVATION_BLOCK = (1, 128)
-BLOCKWISE_WEIGHT_BLOCK = (128, 128)
 MXFP8_BLOCK = 32
 
 
@@ -74,16 +77,18 @@ class Fp8Plan:
     def fmt(self, role: str) -> Fp8Format:
         return role_format(self.config.fp8_format, role)
 
-    def scale(self, role: str, tensor: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def scale(self, role: str, tensor: torch.Tensor,
+              amax: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Per-tensor recipes: ``(scale, ready)``, the fp32 scale(s) ``role`` quantizes ``tensor`` ``[..., rows,
         cols]`` with (one per leading index) and, for delayed scaling while some are not calibrated yet, the bool
         mask of those that are (else None). Delayed: the state's (and records the amax); tensorwise: from the
-        current amax, all-reduced with MAX over tp for a split role."""
+        current amax, all-reduced with MAX over tp for a split role. ``amax``: the tensor's (one per leading
+        index), when known (else taken here)."""
         if self.config.fp8_recipe == "delayed":
             if self.record:
-                self.scaling.record(role, abs_amax(tensor, (-2, -1)))
+                self.scaling.record(role, abs_amax(tensor, (-2, -1)) if amax is None else amax)
             return self.scaling.scale(role), self.scaling.ready(role)
-        amax = abs_amax(tensor, (-2, -1))
+        amax = abs_amax(tensor, (-2, -1)) if amax is None else amax.clone()
         if role in self.split_roles and group_size(self.tp_group) > 1:
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.tp_group)
         return scale_from_amax(amax, self.fmt(role), self.config.fp8_margin), None
@@ -107,11 +112,25 @@ class Fp8Plan:
             return self.with_scale(role, tensor, scale, ready), scale, ready
         return self.quantize_blocks(role, tensor), None, None
 
-    def quantize_weight(self, weight: torch.Tensor, gathered: Optional[GatheredFp8Weight]):
+    def quantize_weight(self, weight: torch.Tensor, gathered: Union[GatheredFp8Weight, GatheredExperts, None]):
         """``quantize("weight", weight)``; after an FP8 gather (``fp8_param_gather``) with the gather's scale, which
-        gives back the gathered bytes (``fp8.param_gather``); delayed scaling records the global amax."""
+        gives back the gathered bytes (``fp8.param_gather``); delayed scaling records the global amax. A grouped
+        GEMM's weight ``[E, N, K]`` of which only some experts were gathered in FP8 (``GatheredExperts.mask``)
+        takes the others' amaxes itself (tensorwise: all-reduced over tp for a split weight, as without the flag).
+        Blockwise: the gathered per-block scales ``[(E,) ceil(N/128), ceil(K/128)]`` (no ready mask)."""
         if gathered is None:
             return self.quantize("weight", weight)
+        mask = getattr(gathered, "mask", None)
+        if not self.per_tensor:
+            scale = gathered.scale.to(weight.device)
+            if mask is not None:
+                own = block_scale(block_amax(weight, BLOCKWISE_WEIGHT_BLOCK), self.fmt("weight"))
+                scale = torch.where(mask.to(weight.device)[:, None, None], scale, own)
+            return quantize_blocks_with_scale(weight, scale, self.fmt("weight"), BLOCKWISE_WEIGHT_BLOCK), scale, None
+        if mask is not None:
+            amax = torch.where(mask.to(weight.device), gathered.amax.to(weight.device), abs_amax(weight, (-2, -1)))
+            scale, ready = self.scale("weight", weight, amax)
+            return self.with_scale("weight", weight, scale, ready), scale, ready
         if self.scaling is not None and self.record:
             self.scaling.record("weight", gathered.amax)
         return self.with_scale("weight", weight, gathered.scale, None), gathered.scale, None
@@ -184,12 +203,17 @@ class _Fp8Linear(torch.autograd.Function):
 
 def _input_grad(plan: Fp8Plan, dy, qdy: Optional[Quantized], weight, scale_w, dtype) -> torch.Tensor:
     """``dy W`` ``[..., M, K]``: dy along N, W^T along N (per tensor: the forward's ``(scale, ready)``, no new
-    amax)."""
+    amax; blockwise after an FP8 gather: the forward's 128x128 block scales, transposed)."""
     if plan.per_tensor:
         qw_t = plan.with_scale("weight", weight, *scale_w).t()
         return plan.gemm(qdy, qw_t, dtype)
-    return plan.gemm(plan.quantize_blocks("grad_output", dy),
-                     plan.quantize_blocks("weight", weight.transpose(-1, -2).contiguous()), dtype)
+    weight_t = weight.transpose(-1, -2).contiguous()
+    if scale_w[0] is not None:  # W^T's blocks are W's, transposed
+        qw_t = quantize_blocks_with_scale(weight_t, scale_w[0].transpose(-1, -2), plan.fmt("weight"),
+                                          BLOCKWISE_WEIGHT_BLOCK)
+    else:
+        qw_t = plan.quantize_blocks("weight", weight_t)
+    return plan.gemm(plan.quantize_blocks("grad_output", dy), qw_t, dtype)
 
 
 def _weight_grad(values, dy, qdy: Optional[Quantized], weight) -> torch.Tensor:
@@ -225,9 +249,11 @@ def layer_plan(fp8: Fp8Config, state: Optional[Fp8ScalingState], *, training: bo
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], plan: Fp8Plan, *,
-               gather_group=None, weight_grad_store: Optional[WeightGradStore] = None) -> torch.Tensor:
+               gather_group=None, weight_grad_store: Optional[WeightGradStore] = None,
+               gathered: Optional[GatheredExperts] = None) -> torch.Tensor:
     """``x W^T + b`` through FP8 GEMMs (see the module docstring). With ``fp8_param_gather`` a per-tensor plan
-    quantizes the weight with the scale ZeRO's FP8 gather used, when valid (``fp8.param_gather.gathered_weight``).
+    quantizes the weight with the scale ZeRO's FP8 gather used, when valid (``fp8.param_gather.gathered_weight``;
+    a grouped GEMM's stacked weight passes its experts' entries as ``gathered``, ``gathered_experts``).
 
     x ``[..., K]`` (``[s/tp, b, K]`` with ``gather_group``, which all-gathers it along dim 0 in forward and
     reduce-scatters dx in backward), weight ``[N, K]``, bias ``[N]`` or None -> ``[..., N]`` (``[s, b, N]``).
@@ -239,9 +265,10 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     store = weight_grad_store if deferring_forward(weight_grad_store) else None
     if plan.scaling is not None:
         plan.scaling.state.follow(x.device)
+    if gathered is None and plan.config.fp8_param_gather:
+        gathered = gathered_weight(weight, plan)
     if not plan.per_tensor:  # the block quantizers' padded reshapes run eager inside compiled layers
-        return _apply_eager(x, weight, bias, plan, gather_group, store)
-    gathered = gathered_weight(weight, plan) if plan.config.fp8_param_gather else None
+        return _apply_eager(x, weight, bias, plan, gather_group, store, gathered)
     return _Fp8Linear.apply(x, weight, bias, plan, gather_group, store, gathered)
 
 

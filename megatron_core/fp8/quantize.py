@@ -21,6 +21,8 @@ import torch.nn.functional as F
 from megatron_core.fp8.formats import E8M0_BIAS, E8M0_MAX_EXPONENT, E8M0_MIN_EXPONENT, Fp8Format
 
 FP32_MAX = torch.finfo(torch.float32).max
+BLOCKWISE_WEIGHT_BLOCK = (128, 128)
+"""The blockwise recipe's weight blocks (W and W^T share them)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,11 +140,25 @@ def block_amax(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     return abs_amax(_blocked(x, block), (-3, -1))
 
 
+def block_scale(amax: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
+    """Blockwise scaling's fp32 scale of each block from its ``amax`` (any shape): ``fmt.max / amax`` (1 for an
+    all-zero or non-finite block). ``quantize_blocks`` and the FP8 ZeRO gather of blockwise weights
+    (``fp8.param_gather``, from an all-reduced per-block amax) both take their scales from it."""
+    return scale_from_amax(amax, fmt)
+
+
+def quantize_blocks_with_scale(x: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format,
+                               block: tuple[int, int]) -> Quantized:
+    """``x`` ``[..., rows, cols]`` quantized in ``block`` blocks with the given fp32 ``scale``
+    ``[..., ceil(rows/br), ceil(cols/bc)]``."""
+    scale = scale.float().to(x.device)
+    return Quantized(_apply_block_scale(x, scale, block, fmt), torch.reciprocal(scale), fmt, block)
+
+
 def quantize_blocks(x: torch.Tensor, fmt: Fp8Format, block: tuple[int, int] = (1, 128)) -> Quantized:
     """Blockwise scaling (DeepSeek-V3; Megatron's ``--fp8-recipe blockwise``): one fp32 scale
-    ``fmt.max / amax`` per ``block`` (1 for an all-zero or non-finite block)."""
-    scale = scale_from_amax(block_amax(x, block), fmt)
-    return Quantized(_apply_block_scale(x, scale, block, fmt), torch.reciprocal(scale), fmt, block)
+    ``fmt.max / amax`` per ``block`` (1 for an all-zero or non-finite block: ``block_scale``)."""
+    return quantize_blocks_with_scale(x, block_scale(block_amax(x, block), fmt), fmt, block)
 
 
 def e8m0_exponent(amax: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
@@ -165,4 +181,5 @@ def quantize_mxfp8(x: torch.Tensor, fmt: Fp8Format, block_size: int = 32) -> Qua
 
 
 __all__ = ["Quantized", "abs_amax", "scale_from_amax", "cast_to_fp8", "quantize_with_scale", "quantize_tensorwise",
-           "quantize_blocks", "quantize_mxfp8", "block_amax", "e8m0_exponent", "FP32_MAX"]
+           "quantize_blocks", "quantize_blocks_with_scale", "quantize_mxfp8", "block_amax", "block_scale",
+           "e8m0_exponent", "BLOCKWISE_WEIGHT_BLOCK", "FP32_MAX"]

@@ -20,8 +20,9 @@ without FP8). Multi-latent attention's projections and MTP layers are counted as
 
 Model states: unchanged. The layers keep their parameters in the model's dtype and quantize the weight at each
 call (no FP8 weight copy is kept, also with ``--fp8-param-gather``, docs/fp8.md, which gathers the FP8 linears'
-weights as 1 byte per element, after the step at ZeRO-1/2 and in each unit's forward and backward gathers at
-ZeRO-3: ``fp8_gathered_parameters``, which ``step_time`` counts at 1 byte).
+weights (routed experts included; per-tensor recipes and blockwise) as 1 byte per element, after the step at
+ZeRO-1/2 and in each unit's forward and backward gathers at ZeRO-3: ``fp8_gathered_parameters`` and
+``fp8_gathered_expert_parameters``, which ``step_time`` counts at 1 byte).
 Delayed scaling's state is ``4 (3 L + 3)`` bytes per linear (amax history of length L, scales): negligible.
 
 FLOPs: the same GEMMs; MFU is taken against the FP8 peak (``training.metrics.peak_for_device_name(fp8=True)``).
@@ -33,6 +34,7 @@ from typing import TYPE_CHECKING
 
 from megatron_core.config import TransformerConfig
 from megatron_core.fp8.config import layer_fp8
+from megatron_core.fp8.param_gather import GATHERED_RECIPES
 from megatron_core.planning.moe import assignments, expert_ffn
 
 if TYPE_CHECKING:
@@ -84,13 +86,19 @@ def fp8_layer_saving(config: TransformerConfig, shape: "ActivationShape", *, moe
     return saving
 
 
-def fp8_gathered_parameters(config: TransformerConfig, *, pp_rank: int) -> float:
-    """Elements on one rank of pipeline stage ``pp_rank`` that ``--fp8-param-gather`` all-gathers as 1-byte FP8
-    at ZeRO 1-3 (``distributed.fp8_param_gather``): the linear weights of the stage's FP8 layers (attention's
-    QKV and projection or MLA's projections, the dense MLP's fc1 and fc2, an MoE layer's shared expert); not
-    norms, biases, the router, routed experts, embeddings or the output layer. 0 for block recipes."""
+def _gathers_fp8(config: TransformerConfig) -> bool:
     fp8 = config.fp8
-    if fp8 is None or not fp8.fp8_param_gather or fp8.fp8_recipe not in ("delayed", "tensorwise"):
+    return fp8 is not None and fp8.fp8_param_gather and fp8.fp8_recipe in GATHERED_RECIPES
+
+
+def fp8_gathered_parameters(config: TransformerConfig, *, pp_rank: int) -> float:
+    """Elements on one rank of pipeline stage ``pp_rank``, outside the routed experts, that ``--fp8-param-gather``
+    all-gathers as 1-byte FP8 at ZeRO 1-3 (``distributed.fp8_param_gather``): the linear weights of the stage's
+    FP8 layers (attention's QKV and projection or MLA's projections, the dense MLP's fc1 and fc2, an MoE layer's
+    shared expert); not norms, biases, the router, embeddings or the output layer. Per-tensor recipes and
+    blockwise (``fp8.param_gather.GATHERED_RECIPES``); 0 for mxfp8. The routed experts:
+    ``fp8_gathered_expert_parameters``."""
+    if not _gathers_fp8(config):
         return 0.0
     dense, moe = fp8_layers_on_stage(config, pp_rank=pp_rank)
     tp, h = config.tensor_model_parallel_size or 1, config.hidden_size
@@ -108,4 +116,17 @@ def fp8_gathered_parameters(config: TransformerConfig, *, pp_rank: int) -> float
     return dense * (attention + mlp) + moe * (attention + shared)
 
 
-__all__ = ["saves_fp8_inputs", "fp8_layers_on_stage", "fp8_layer_saving", "fp8_gathered_parameters"]
+def fp8_gathered_expert_parameters(config: TransformerConfig, *, pp_rank: int, ep: int = 1, etp: int = 1) -> float:
+    """Elements of the routed experts on one rank of stage ``pp_rank`` that ``--fp8-param-gather`` all-gathers as
+    1 byte (over the expert-dp group): every local expert's fc1 and fc2 weight (``E / ep`` experts, ``1 / etp``
+    of each) in the stage's FP8 MoE layers; not their biases."""
+    if not _gathers_fp8(config) or config.moe is None:
+        return 0.0
+    _, moe = fp8_layers_on_stage(config, pp_rank=pp_rank)
+    gates = 2 if config.gated_activation else 1
+    per_expert = (gates + 1) * expert_ffn(config) * config.hidden_size / etp
+    return moe * config.moe.num_moe_experts // ep * per_expert
+
+
+__all__ = ["saves_fp8_inputs", "fp8_layers_on_stage", "fp8_layer_saving", "fp8_gathered_parameters",
+           "fp8_gathered_expert_parameters"]

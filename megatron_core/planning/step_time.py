@@ -25,7 +25,7 @@ from megatron_core.pipeline_parallel.schedule_plan import (
     simulate,
     zero_bubble_ops,
 )
-from megatron_core.planning.fp8 import fp8_gathered_parameters
+from megatron_core.planning.fp8 import fp8_gathered_expert_parameters, fp8_gathered_parameters
 from megatron_core.planning.hardware import Hardware
 from megatron_core.planning.layer_cost import (
     bytes_seconds,
@@ -281,7 +281,8 @@ def step_time(config: TransformerConfig, workload, layout, hardware: Hardware, *
         _dp_parts(dense, layout.dp * layout.cp, layout.zero_stage, m, e, group_span, hardware, units,
                   fp8_gathered_parameters(config, pp_rank=busiest)),
         _dp_parts(experts, layout.expert_dp, layout.zero_stage, m, e, group_span, hardware,
-                  moe_layers_on_stage(config, pp_rank=busiest))))
+                  moe_layers_on_stage(config, pp_rank=busiest),
+                  fp8_gathered_expert_parameters(config, pp_rank=busiest, ep=layout.ep, etp=layout.etp))))
     window = backward[busiest] * (m if layout.zero_stage >= 2 else 1)
     parts["dp"] = max(reduce - hardware.comm_overlap * min(reduce, window), 0.0)
     compute = m * (forward[busiest] + backward[busiest])

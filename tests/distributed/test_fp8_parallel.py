@@ -310,21 +310,25 @@ def _bucket_split(bucket, weights):
     return fp8, other, bucket.shard_size * bucket.kind.param_dtype.itemsize, any(p in weights for p in bucket.params)
 
 
-def _gather_split(ddp):
+def _gather_split(ddp, fp8_weights=_fp8_weights):
     """Bytes this rank's shards send per peer: ``(elements of FP8 linears' weights, bytes of the other parameters
     at the parameter dtype, the shards' whole bytes with padding, FP8 weights holding their gathered scale)``."""
-    weights = _fp8_weights(ddp)
+    weights = fp8_weights(ddp)
     fp8, other, whole = (sum(x) for x in list(zip(*(_bucket_split(b, weights) for b in ddp.buckets)))[:3])
     copies = sum(getattr(w, "fp8_gathered", None) is not None for w in weights)
     return fp8, other, whole, (copies, len(weights))
 
 
-def _build_zero(stage, recipe, param_gather, p2p, state):
+def _build_zero(stage, recipe, param_gather, p2p, state, model=None):
+    """``model``: config overrides on top of BASE (a ``moe`` one builds with the MoE layer spec)."""
     from megatron_core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron_core.fp8 import Fp8Config
     from megatron_core.optimizer import OptimizerConfig, get_optimizer
-    fp8 = Fp8Config(**RECIPES[recipe], fp8_param_gather=param_gather)
-    model = build_model(tiny_config(fp8=fp8, params_dtype=torch.bfloat16, bf16=True, **BASE), state)
+    from megatron_core.transformer.moe import moe_layer_spec
+    recipe = RECIPES.get(recipe, {"fp8_recipe": recipe})
+    fp8, overrides = Fp8Config(**recipe, fp8_param_gather=param_gather), {**BASE, **(model or {})}
+    model = build_model(tiny_config(fp8=fp8, params_dtype=torch.bfloat16, bf16=True, **overrides), state,
+                        **({"layer_spec": moe_layer_spec()} if "moe" in overrides else {}))
     ddp = DistributedDataParallel(model, config=DistributedDataParallelConfig(zero_stage=stage, p2p_collectives=p2p),
                                   dp_group=state.dp_group)
     optimizer = get_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, clip_grad=1.0), ddp, parallel_state=state)
@@ -362,26 +366,27 @@ def _train_step(ddp, optimizer, state, step, counter):
     return total, grads, masters, counter[0], (list(log), log.all_reduces)
 
 
-def _fp8_gather_run(stage, recipe, param_gather, p2p, steps=3):
+def _fp8_gather_run(stage, recipe, param_gather, p2p, steps=3, model=None, weights=_fp8_weights):
     """``steps`` steps at dp 2 (bf16 parameters, Adam, clipping); then a resume check: a fresh model and optimizer
-    loading the state dicts (saved with ``ddp.state_dict()``: exact) runs one more step as the original does."""
+    loading the state dicts (saved with ``ddp.state_dict()``: exact) runs one more step as the original does.
+    ``model``: ``_build_zero``'s; ``weights(ddp)``: the parameters expected to go as FP8 bytes."""
     from megatron_core import initialize_model_parallel
     state = initialize_model_parallel(tensor_model_parallel_size=1)
-    ddp, optimizer = _build_zero(stage, recipe, param_gather, p2p, state)
+    ddp, optimizer = _build_zero(stage, recipe, param_gather, p2p, state, model)
     counter, results = [0], []
     for step in range(steps):
         results.append(_train_step(ddp, optimizer, state, step, counter))
     import copy
     saved = ({k: v.clone() for k, v in ddp.state_dict().items()}, copy.deepcopy(optimizer.state_dict()))
     params = dict(saved[0])
-    fresh, fresh_opt = _build_zero(stage, recipe, param_gather, p2p, state)
+    fresh, fresh_opt = _build_zero(stage, recipe, param_gather, p2p, state, model)
     fresh.load_state_dict(saved[0])
     fresh_opt.load_state_dict(saved[1])
     resumed = _train_step(fresh, fresh_opt, state, steps, counter)
     continued = _train_step(ddp, optimizer, state, steps, counter)
-    weights = _fp8_weights(ddp)
-    buckets = {b.index: _bucket_split(b, weights) for b in ddp.buckets}
-    return results, params, resumed[:3], continued[:3], _gather_split(ddp), buckets
+    expected = weights(ddp)
+    buckets = {b.index: _bucket_split(b, expected) for b in ddp.buckets}
+    return results, params, resumed[:3], continued[:3], _gather_split(ddp, weights), buckets
 
 
 def _assert_equal(a, b, what):
@@ -419,18 +424,24 @@ def test_fp8_param_gather_sends_fp8_bytes_bit_identical(distributed, stage, reci
     fp8 = distributed(2, _fp8_gather_run, stage, recipe, True, p2p)
     for rank, (ref, mine) in enumerate(zip(plain, fp8)):
         _assert_same_training(rank, ref, mine)
-        ref_steps, (steps, split) = ref[0], (mine[0], mine[4])
-        fp8_elements, other_bytes, whole_bytes, (copies, weights) = split
-        assert fp8_elements > 0
-        for step, ((*_, sent_plain, _), (*_, sent_fp8, _)) in enumerate(zip(ref_steps, steps)):
-            assert sent_plain == whole_bytes, f"rank {rank} step {step}: the plain gather sent {sent_plain}"
-            if p2p is None:  # the FP8 weights' share halves: 2 bytes per element -> 1
-                assert sent_fp8 - other_bytes == fp8_elements, (
-                    f"rank {rank} step {step}: {sent_fp8} bytes sent, {other_bytes} of them other parameters; "
-                    f"expected {fp8_elements} FP8 bytes (bf16: {2 * fp8_elements})")
-            else:
-                assert sent_fp8 < sent_plain
-        assert copies == weights == 8, f"rank {rank}: {copies} of {weights} FP8 weights hold their gathered scale"
+        _assert_fp8_gather_bytes(rank, ref, mine, p2p, 8)
+
+
+def _assert_fp8_gather_bytes(rank, ref, mine, p2p, n_weights):
+    """ZeRO-1/2: each step's gather sent the whole shard without the flag and, with it, the other parameters'
+    bytes plus one byte per FP8 element (p2p; the collective: less); all ``n_weights`` hold their scale."""
+    ref_steps, (steps, split) = ref[0], (mine[0], mine[4])
+    fp8_elements, other_bytes, whole_bytes, (copies, weights) = split
+    assert fp8_elements > 0
+    for step, ((*_, sent_plain, _), (*_, sent_fp8, _)) in enumerate(zip(ref_steps, steps)):
+        assert sent_plain == whole_bytes, f"rank {rank} step {step}: the plain gather sent {sent_plain}"
+        if p2p is None:  # the FP8 weights' share halves: 2 bytes per element -> 1
+            assert sent_fp8 - other_bytes == fp8_elements, (
+                f"rank {rank} step {step}: {sent_fp8} bytes sent, {other_bytes} of them other parameters; "
+                f"expected {fp8_elements} FP8 bytes (bf16: {2 * fp8_elements})")
+        else:
+            assert sent_fp8 < sent_plain
+    assert copies == weights == n_weights, f"rank {rank}: {copies} of {weights} FP8 weights hold their scale"
 
 
 @pytest.mark.parametrize("recipe,p2p", [("tensorwise", None), ("delayed", None), ("tensorwise", False)])
@@ -445,21 +456,28 @@ def test_zero3_fp8_param_gather_sends_fp8_bytes_bit_identical(distributed, recip
     fp8 = distributed(2, _fp8_gather_run, 3, recipe, True, p2p)
     for rank, (ref, mine) in enumerate(zip(plain, fp8)):
         _assert_same_training(rank, ref, mine)
-        ref_steps, steps, buckets, (copies, weights) = ref[0], mine[0], mine[5], mine[4][3]
-        for step, ((*_, sent_plain, (log_plain, reduces_plain)), (*_, sent, (log, reduces))) in enumerate(
-                zip(ref_steps, steps)):
-            assert log == log_plain and all(fp8 for _, fp8 in log), f"rank {rank} step {step}: gathers {log}"
-            calibrated = recipe == "tensorwise" or step > 0
-            in_fp8 = [b for b, _ in log if buckets[b][3] and calibrated]
-            assert len(in_fp8) > len(set(in_fp8)) > 0 or not calibrated, f"rank {rank} step {step}: {in_fp8}"
-            assert sent_plain == sum(buckets[b][2] for b, _ in log), f"rank {rank} step {step}: {sent_plain}"
-            expected = sum(buckets[b][0] + buckets[b][1] if b in in_fp8 else buckets[b][2] for b, _ in log)
-            if p2p is None:  # the FP8 weights' share halves: 2 bytes per element -> 1
-                assert sent == expected, f"rank {rank} step {step}: {sent} bytes sent, expected {expected}"
-            else:
-                assert sent < sent_plain if in_fp8 else sent == sent_plain
-            assert reduces - reduces_plain == len(set(in_fp8)), f"rank {rank} step {step}: all-reduces"
-        assert copies == weights == 8, f"rank {rank}: {copies} of {weights} FP8 weights hold their gathered scale"
+        _assert_zero3_fp8_gather_bytes(rank, ref, mine, recipe, p2p, 8)
+
+
+def _assert_zero3_fp8_gather_bytes(rank, ref, mine, recipe, p2p, n_weights):
+    """ZeRO-3: the same gathers with and without the flag; each sent (p2p) its shard's other bytes plus one
+    byte per FP8 element for the buckets holding FP8 weights (delayed: from the second step); one amax
+    all-reduce per such bucket and step; all ``n_weights`` hold their scale."""
+    ref_steps, steps, buckets, (copies, weights) = ref[0], mine[0], mine[5], mine[4][3]
+    for step, ((*_, sent_plain, (log_plain, reduces_plain)), (*_, sent, (log, reduces))) in enumerate(
+            zip(ref_steps, steps)):
+        assert log == log_plain and all(fp8 for _, fp8 in log), f"rank {rank} step {step}: gathers {log}"
+        calibrated = recipe != "delayed" or step > 0
+        in_fp8 = [b for b, _ in log if buckets[b][3] and calibrated]
+        assert len(in_fp8) > len(set(in_fp8)) > 0 or not calibrated, f"rank {rank} step {step}: {in_fp8}"
+        assert sent_plain == sum(buckets[b][2] for b, _ in log), f"rank {rank} step {step}: {sent_plain}"
+        expected = sum(buckets[b][0] + buckets[b][1] if b in in_fp8 else buckets[b][2] for b, _ in log)
+        if p2p is None:  # the FP8 weights' share halves: 2 bytes per element -> 1
+            assert sent == expected, f"rank {rank} step {step}: {sent} bytes sent, expected {expected}"
+        else:
+            assert sent < sent_plain if in_fp8 else sent == sent_plain
+        assert reduces - reduces_plain == len(set(in_fp8)), f"rank {rank} step {step}: all-reduces"
+    assert copies == weights == n_weights, f"rank {rank}: {copies} of {weights} FP8 weights hold their scale"
 
 
 def _write_shard_outside_the_step():

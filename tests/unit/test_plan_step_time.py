@@ -151,28 +151,35 @@ def test_tool_names_bad_search_space_flags(capsys):
          v_head_dim=6, normalization="RMSNorm", qk_layernorm=True, position_embedding_type="rope",
          add_bias_linear=False),
     dict(moe="shared", num_layers=4, fp8_bf16_ends=True),
-], ids=["gqa-swiglu", "mla", "moe-shared-bf16-ends"])
+    dict(moe="shared", num_layers=4, fp8_bf16_ends=True, recipe="blockwise"),
+    dict(num_query_groups=2, activation="swiglu", recipe="blockwise"),
+], ids=["gqa-swiglu", "mla", "moe-shared-bf16-ends", "moe-blockwise", "gqa-blockwise"])
 def test_fp8_gathered_parameters_are_the_weights_the_layers_tag(overrides):
     """``--fp8-param-gather``: the planner's count of the elements gathered as 1 byte equals the weights a built
-    model tags for the FP8 gather (not experts, router, norms, biases, embeddings, bf16 layers), and the ZeRO-1
-    gather after the step and the ZeRO-3 units' gathers shrink with them."""
+    model tags for the FP8 gather (routed experts included; not the router, norms, biases, embeddings, bf16
+    layers), and the ZeRO-1 gather after the step and the ZeRO-3 units' gathers shrink with them; mxfp8
+    gathers nothing as FP8."""
     from megatron_core import initialize_model_parallel
     from megatron_core.fp8.config import Fp8Config
-    from megatron_core.planning.fp8 import fp8_gathered_parameters
+    from megatron_core.planning.fp8 import fp8_gathered_expert_parameters, fp8_gathered_parameters
     from megatron_core.transformer.moe.config import MoEConfig
     from tests.model_helpers import build_model, tiny_config
     overrides = dict(overrides)
-    ends = overrides.pop("fp8_bf16_ends", False)
+    ends, recipe = overrides.pop("fp8_bf16_ends", False), overrides.pop("recipe", "tensorwise")
     if overrides.get("moe") == "shared":
         overrides["moe"] = MoEConfig(num_moe_experts=4, moe_router_topk=2, moe_shared_expert_intermediate_size=16)
-    fp8 = Fp8Config(fp8_recipe="tensorwise", fp8_param_gather=True, first_last_layers_bf16=ends)
+    fp8 = Fp8Config(fp8_recipe=recipe, fp8_param_gather=True, first_last_layers_bf16=ends)
     config = tiny_config(fp8=fp8, **overrides)
     model = build_model(config, initialize_model_parallel())
     tagged = sum(p.numel() for p in model.parameters() if getattr(p, "fp8_gather_spec", None) is not None)
-    assert tagged > 0 and fp8_gathered_parameters(config, pp_rank=0) == tagged
+    experts = fp8_gathered_expert_parameters(config, pp_rank=0)
+    assert tagged > 0 and fp8_gathered_parameters(config, pp_rank=0) + experts == tagged
+    assert (experts > 0) == (config.moe is not None)
+    mx = tiny_config(fp8=Fp8Config(fp8_recipe="mxfp8", fp8_param_gather=True), **overrides)
+    assert fp8_gathered_parameters(mx, pp_rank=0) == fp8_gathered_expert_parameters(mx, pp_rank=0) == 0
     workload = Workload(vocab_size=1000, seq_length=8, micro_batch_size=1, global_batch_size=8)
     hardware = Hardware(num_devices=8, memory_per_device_gb=80, peak_tflops=100.0)
-    plain_config = tiny_config(fp8=Fp8Config(fp8_recipe="tensorwise"), **overrides)
+    plain_config = tiny_config(fp8=Fp8Config(fp8_recipe=recipe), **overrides)
     for stage in (1, 3):
         layout = Layout(1, 1, 8, None, stage, False, None)
         plain = plan_layout(plain_config, workload, hardware, layout)

@@ -20,7 +20,10 @@ seeds of all experts on every rank.
 FP8 (``megatron_core.fp8``): with an ``Fp8Config`` the experts' fc1 / fc2 GEMMs (loop and grouped) run in FP8
 with per-expert scales; under the delayed recipe ``fp8_state`` holds the table of every global expert
 (``[num_moe_experts, 2 (fc1, fc2), 3 roles]``), each rank filling its own experts' rows, made whole and
-identical on every rank by ``update_fp8_scales``.
+identical on every rank by ``update_fp8_scales``. With ``fp8_param_gather`` each expert's fc1 / fc2 weight is
+tagged for the FP8 ZeRO gather (``fp8.param_gather.tag_weight``: its own scale, its row of the delayed table,
+the etp group as amax group when split; blockwise: its block scales); the GEMMs quantize it with the gathered
+scale(s) (the grouped GEMM: the stacked per-expert scales, ``fp8.param_gather.gathered_experts``).
 """
 from __future__ import annotations
 
@@ -35,12 +38,14 @@ from torch.nn.utils.rnn import pad_sequence
 from megatron_core.config import TransformerConfig
 from megatron_core.fp8.config import Fp8Config, layer_fp8
 from megatron_core.fp8.linear import fp8_linear, layer_plan, scaling_state
+from megatron_core.fp8.param_gather import gathered_experts, tag_weight
 from megatron_core.tensor_parallel import (
     init_method_normal,
     scaled_init_method_normal,
     set_tensor_model_parallel_attributes,
 )
 from megatron_core.tensor_parallel.initialization import InitMethod, InitRecipe, init_method_constant, init_param_
+from megatron_core.tensor_parallel.utils import group_size
 from megatron_core.transformer.mlp import GATED_ACTIVATIONS, activation_options, mlp_activation
 
 
@@ -155,17 +160,32 @@ class LocalExperts(nn.Module):
             fp8 = layer_fp8(config, layer_number) if layer_number is not None else moe_layers_fp8(config)
         self.fp8, self.etp_group = fp8, etp_group
         self.fp8_state = scaling_state(fp8, device=device, shape=(moe.num_moe_experts, 2))
+        self._tag_weights()
 
-    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias, *, expert, fc: int) -> torch.Tensor:
+    def _tag_weights(self) -> None:
+        """``--fp8-param-gather``: tags every local expert's fc1 / fc2 weight (``[f'/etp, h]`` / ``[h, f/etp]``)
+        with its own per-expert scale: row ``(global id, fc)`` of the delayed table, amax MAX over etp_group when
+        split (etp > 1), as ``_linear``'s plan (blockwise: per-block scales, no etp reduction). A no-op without
+        FP8, the flag, or for mxfp8 (``fp8.param_gather.GATHERED_RECIPES``)."""
+        amax_group = self.etp_group if group_size(self.etp_group) > 1 else None
+        for expert_id, expert in zip(self.expert_ids, self.local_experts.values()):
+            for fc, layer in enumerate((expert.linear_fc1, expert.linear_fc2)):
+                tag_weight(layer.weight, self.fp8, self.fp8_state, amax_group=amax_group, index=(expert_id, fc))
+
+    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias, *, expert, fc: int,
+                weights: Optional[list[nn.Parameter]] = None) -> torch.Tensor:
         """fc1 (``fc`` 0, column-split over etp) or fc2 (1, row-split) of ``expert`` (a global id, or an index
-        tensor of them for the grouped GEMM's ``[E, n, in]``); FP8 when configured. No collective but the
-        tensorwise recipe's amax MAX over etp_group."""
+        tensor of them for the grouped GEMM's ``[E, n, in]``, whose stacked ``weight`` is of the parameters
+        ``weights``); FP8 when configured. No collective but the tensorwise recipe's amax MAX over etp_group."""
         if self.fp8 is None:
             return F.linear(x, weight, bias)
         split = ("weight", "grad_output") if fc == 0 else ("input", "weight")
         plan = layer_plan(self.fp8, self.fp8_state, training=self.training, tp_group=self.etp_group,
                           split_roles=split, index=(expert, fc))
-        return fp8_linear(x, weight, bias, plan)
+        gathered = None
+        if weights is not None and self.fp8.fp8_param_gather:
+            gathered = gathered_experts(weights, plan, self.expert_ids, fc)
+        return fp8_linear(x, weight, bias, plan, gathered=gathered)
 
     def _fc2_bias(self, bias):
         """The fc2 bias on etp rank 0; elsewhere ``bias - bias.detach()``: zero in value (the partial outputs sum
@@ -191,26 +211,27 @@ class LocalExperts(nn.Module):
             outputs.append(self._linear(hidden, fc2.weight, self._fc2_bias(fc2.bias), expert=expert_id, fc=1))
         return torch.cat(outputs) if outputs else tokens[:0]
 
-    def _stacked(self, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``[E_local, out, in]`` weights and ``[E_local, 1, out]`` biases of fc1 or fc2."""
+    def _stacked(self, name: str) -> tuple[torch.Tensor, torch.Tensor | None, list[nn.Parameter]]:
+        """``[E_local, out, in]`` weights and ``[E_local, 1, out]`` biases of fc1 or fc2, and the weight
+        parameters stacked."""
         layers = [getattr(e, name) for e in self.local_experts.values()]
         weight = torch.stack([layer.weight for layer in layers])
         bias = torch.stack([layer.bias for layer in layers])[:, None] if layers[0].bias is not None else None
-        return weight, bias
+        return weight, bias, [layer.weight for layer in layers]
 
     def _grouped(self, tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
         if tokens.shape[0] == 0:
             return tokens[:0]
         padded = pad_sequence(list(tokens.split(counts)), batch_first=True)   # [E_local, max_n, h]
-        w1, b1 = self._stacked("linear_fc1")
-        w2, b2 = self._stacked("linear_fc2")
+        w1, b1, params1 = self._stacked("linear_fc1")
+        w2, b2, params2 = self._stacked("linear_fc2")
         if self.fp8 is not None:  # per-expert scales; the bias added in the GEMM's fp32 epilogue
             if self.fp8_state is not None:
                 self.fp8_state.follow(tokens.device)
             ids = torch.tensor(self.expert_ids, device=tokens.device)
-            hidden = self.activation(self._linear(padded, w1, b1, expert=ids, fc=0))
+            hidden = self.activation(self._linear(padded, w1, b1, expert=ids, fc=0, weights=params1))
             return self._unpad(self._linear(hidden, w2, None if b2 is None else self._fc2_bias(b2), expert=ids,
-                                            fc=1), counts)
+                                            fc=1, weights=params2), counts)
         hidden = torch.bmm(padded, w1.transpose(1, 2))                          # [E_local, max_n, f(*2)]
         hidden = self.activation(hidden if b1 is None else hidden + b1)
         out = torch.bmm(hidden, w2.transpose(1, 2))                             # [E_local, max_n, h]
