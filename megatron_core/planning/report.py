@@ -3,7 +3,7 @@ and why each axis of the chosen layout has its size."""
 from __future__ import annotations
 
 from megatron_core.planning.choose import axis_reasons
-from megatron_core.planning.confidence import how_sure, model_error
+from megatron_core.planning.confidence import how_sure, memory_note, model_error
 from megatron_core.planning.step_time import PARTS
 
 
@@ -46,7 +46,7 @@ def explain(plans: list, *, budget_bytes: float, tolerance: float, top: int = 5,
         faster = 100 * (1 - fastest.step_seconds / chosen.step_seconds)
         lines.append(f"the fastest, {layout_name(fastest)}, is {faster:.1f}% faster: within the {100 * tolerance:g}% "
                      "tolerance, the simpler layout is chosen")
-    lines += ["", how_sure(chosen, plans, hardware_name)]
+    lines += ["", how_sure(chosen, plans, hardware_name) + " " + memory_note(chosen, plans, budget_bytes)]
     lines += ["", "step time by part (milliseconds per step on the busiest pipeline stage; the parts sum to the "
               "step):", "", parts_table(plans, top), "", "why each axis has its size:"]
     spread = model_error(hardware_name)[0].spread

@@ -216,3 +216,17 @@ def test_tool_says_how_sure_it_is(capsys):
     out = capsys.readouterr().out
     assert "how sure: measured / predicted step time" in out and "Narayanan et al. 2021" in out
     assert "within the model's error" in out
+
+
+def test_memory_note_warns_within_the_tested_margin_of_the_budget():
+    """A chosen layout predicted within ``MEMORY_MARGIN`` (the memory tests' 10% bound) of the device's memory
+    may not fit: the note says so and names the dry run; with room, it counts the layouts that are tight."""
+    from megatron_core.planning.confidence import MEMORY_MARGIN, memory_note
+    run = NARAYANAN_2021[0]
+    plans = rank_plans(run.config(), run.workload(), hardware_from_profile("a100", num_devices=run.gpus),
+                       space=NARAYANAN_2021_SPACE)
+    chosen = plans[0]
+    roomy = memory_note(chosen, plans, chosen.memory_bytes * 2)
+    tight = sum(plan.fits and plan.memory_bytes * (1 + MEMORY_MARGIN) > chosen.memory_bytes * 2 for plan in plans)
+    assert "fits with room" in roomy and f"({tight} other fitting layout" in roomy
+    assert "may not fit: measure it with tools/dry_run.py" in memory_note(chosen, plans, chosen.memory_bytes * 1.05)
