@@ -16,15 +16,19 @@ run's timeline of live fake-CUDA bytes, Llama-3-8B shape, tp 1, s 8192, 128k voc
   weight's gradient, its full-size fp32 bucket ``4 W`` (the weight alone: it opens the reverse-order buckets)
   and, at stage 3, the gathered weight.
 - **a transformer layer's backward**: ``A`` less the logits (last stage) plus ``zero_memory``'s transients
-  over the layers' units (two gathered units and a bucket at stage 3, the stage-2 buckets, a parameter's grad).
+  over the layers' units (two gathered units and a bucket at stage 3, the stage-2 buckets) and the MLP's
+  backward working set (``mlp_workspace_bytes``): with ``X`` one ``[tokens, ffn/tp]`` tensor (an MoE layer:
+  ``[M, ffn/etp]``, its M assignments) and ``g`` 2 for a gated activation (SwiGLU: the gate's and the up
+  projection's grads, then their ``[tokens, 2 ffn/tp]`` concatenation) else 1, ``2 g X`` at its largest, or
+  ``g X`` beside autograd's grad of the fc1 weight when that is larger.
 - **the embedding's backward** (first stage): that micro-batch's activations freed (``- P``, one micro-batch of
   one model chunk); the table's dense gradient in the parameter dtype, its fp32 bucket (stages 2-3) and, at
   stage 3, the gathered table.
 - **the activations' own peak**: nothing beyond ``A`` (so the result is never negative).
 
-Not counted: a layer's backward temporaries. In a dry run SwiGLU's backward holds six ``[s, ffn/tp]`` at once
-(autograd takes silu's grad-mode formula, ``infinitely_differentiable_silu_backward``, where a CPU run calls the
-fused ``silu_backward``): 0.33 GiB at 8B, tp 4, no recompute, which a first stage's peak there shows (1.08).
+A dry run's SwiGLU backward holds six ``[s, ffn/tp]`` at once, not four: autograd takes silu's grad-mode
+formula (``infinitely_differentiable_silu_backward``) there, where CPU and CUDA runs call the fused
+``silu_backward``; the planner counts the fused op's four.
 """
 from __future__ import annotations
 
@@ -49,6 +53,10 @@ class StageMoments:
     """``zero_memory.zero_transient_bytes(layers_only=True)``: a transformer layer's backward."""
     microbatch_bytes: float
     """One micro-batch's held activations of the model chunk holding the embedding."""
+    mlp_tensor: float = 0.0
+    """Bytes of one ``[tokens, ffn/tp]`` tensor of the stage's largest MLP backward (``mlp_tensor_bytes``)."""
+    param_grad: float = 0.0
+    """Autograd's grad of the largest parameter (part of ``layer_transient``)."""
 
 
 def loss_bytes(config: TransformerConfig, moments: StageMoments) -> float:
@@ -78,11 +86,33 @@ def embedding_bytes(config: TransformerConfig, moments: StageMoments) -> float:
     return held - moments.microbatch_bytes
 
 
+def mlp_tensor_bytes(config: TransformerConfig, *, tokens: float, tp: int, etp: int, moe_tokens: float,
+                     dense: bool, moe: bool) -> float:
+    """One ``[tokens, ffn/tp]`` tensor of a dense MLP's backward (``dense``), or ``[M, ffn/etp]`` of an MoE
+    layer's experts (``moe``: ``moe_tokens`` M assignments on the rank), whichever is larger."""
+    e, sizes = element_bytes(config), [0.0]
+    if dense:
+        sizes.append(e * tokens * config.ffn_hidden_size / tp)
+    if moe:
+        sizes.append(e * moe_tokens * (config.moe.moe_ffn_hidden_size or config.ffn_hidden_size) / etp)
+    return max(sizes)
+
+
+def mlp_workspace_bytes(config: TransformerConfig, moments: StageMoments) -> float:
+    """The MLP backward's bytes at the layer's moment beyond ``layer_transient`` (which holds the parameter's
+    grad): ``max(2 g X - grad, g X)`` (the module docstring)."""
+    g = 2 if config.gated_activation else 1
+    return max(2 * g * moments.mlp_tensor - moments.param_grad, g * moments.mlp_tensor)
+
+
 def peak_extra_bytes(config: TransformerConfig, moments: StageMoments) -> float:
     """Bytes beyond the held activations at the stage's peak moment (the module docstring's moments)."""
     layer = moments.layer_transient - loss_bytes(config, moments)  # the logits are gone by then
+    if moments.layer_transient:
+        layer += mlp_workspace_bytes(config, moments)
     return max(0.0, loss_bytes(config, moments), output_layer_bytes(config, moments), layer,
                embedding_bytes(config, moments))
 
 
-__all__ = ["StageMoments", "loss_bytes", "output_layer_bytes", "embedding_bytes", "peak_extra_bytes"]
+__all__ = ["StageMoments", "loss_bytes", "output_layer_bytes", "embedding_bytes", "mlp_tensor_bytes",
+           "mlp_workspace_bytes", "peak_extra_bytes"]

@@ -17,6 +17,7 @@ its span of consecutive ranks does.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from typing import Iterator, Optional
 
@@ -26,12 +27,13 @@ from megatron_core.planning.choose import choose_plan
 from megatron_core.planning.fp8 import fp8_layers_on_stage
 from megatron_core.planning.hardware import Hardware
 from megatron_core.planning.moe import (
+    assignments,
     expert_ffn,
     moe_layers_on_stage,
     stage_layer_count,
 )
 from megatron_core.planning.parameters import stage_expert_parameters, stage_parameters
-from megatron_core.planning.peak_phases import StageMoments, peak_extra_bytes
+from megatron_core.planning.peak_phases import StageMoments, mlp_tensor_bytes, peak_extra_bytes
 from megatron_core.planning.step_time import (
     StepTime,
     cp_comm_bytes,
@@ -237,15 +239,21 @@ def rank_peak_extra_bytes(config: TransformerConfig, workload: Workload, *, pp_r
                   - stage_activation_bytes(config, shape, in_flight=0, **stage))
     params, full_grad = stage_parameters(config, workload, pp_rank=pp_rank)
     experts = stage_expert_parameters(config, pp_rank=pp_rank, ep=ep, etp=etp)
-    layer = zero_transient_bytes(config, vocab_size=workload.vocab_size,
-                                 make_vocab_size_divisible_by=workload.make_vocab_size_divisible_by,
-                                 pp_rank=pp_rank, zero_stage=zero_stage, stage_params=params - full_grad + experts,
-                                 ep=ep, etp=etp, layers_only=True)
-    moments = StageMoments(zero_stage=zero_stage, first=stage["first"], last=stage["last"],
-                           tokens=shape.local_seq_length * shape.micro_batch_size,
+    transient = functools.partial(zero_transient_bytes, config, vocab_size=workload.vocab_size,
+                                  make_vocab_size_divisible_by=workload.make_vocab_size_divisible_by,
+                                  pp_rank=pp_rank, zero_stage=zero_stage, stage_params=params - full_grad + experts,
+                                  ep=ep, etp=etp, layers_only=True)
+    layer = transient()
+    tokens = shape.local_seq_length * shape.micro_batch_size
+    moe_tokens = etp * assignments(config, tokens / (shape.tp if shape.sequence_parallel else 1)) \
+        if stage["moe_layers"] else 0.0
+    mlp = mlp_tensor_bytes(config, tokens=tokens, tp=shape.tp, etp=etp, moe_tokens=moe_tokens,
+                           dense=stage["layers"] > stage["moe_layers"], moe=stage["moe_layers"] > 0)
+    moments = StageMoments(zero_stage=zero_stage, first=stage["first"], last=stage["last"], tokens=tokens,
                            vocab_shard=stage["padded_vocab_size"] / config.tensor_model_parallel_size,
                            layer_transient=layer,
-                           microbatch_bytes=microbatch / (config.virtual_pipeline_model_parallel_size or 1))
+                           microbatch_bytes=microbatch / (config.virtual_pipeline_model_parallel_size or 1),
+                           mlp_tensor=mlp, param_grad=layer - transient(param_grad=False))
     return peak_extra_bytes(config, moments)
 
 

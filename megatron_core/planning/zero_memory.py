@@ -70,11 +70,12 @@ def stage_units(config: TransformerConfig, *, vocab_size: int, make_vocab_size_d
 def zero_transient_bytes(config: TransformerConfig, *, vocab_size: int, make_vocab_size_divisible_by: int,
                          pp_rank: int, zero_stage: int, stage_params: float,
                          bucket_size: int = DEFAULT_STAGE2_BUCKET, ep: int = 1, etp: int = 1,
-                         layers_only: bool = False) -> float:
+                         layers_only: bool = False, param_grad: bool = True) -> float:
     """Peak transient bytes on one rank of pipeline stage ``pp_rank`` (see the module docstring). The two
     units gathered at once are neighbours in forward order (the current one and its prefetch). With
     ``layers_only``, those of a transformer layer's backward (the embedding and output layer left out: their
-    moments are ``planning.peak_phases``'), 0 on a stage without layers."""
+    moments are ``planning.peak_phases``'), 0 on a stage without layers; without ``param_grad``, less autograd's
+    grad of the largest parameter (``peak_phases`` places it at its own moment)."""
     pp = config.pipeline_model_parallel_size
     param_bytes = 2 if (config.bf16 or config.fp16) else 4
     units, small = stage_units(config, vocab_size=vocab_size,
@@ -96,7 +97,8 @@ def zero_transient_bytes(config: TransformerConfig, *, vocab_size: int, make_voc
         gated = 2 if config.gated_activation else 1
         largest_param = max([u for u in units if u != experts]
                             + [gated * expert_ffn(config) * config.hidden_size / etp])
-    transient = param_bytes * largest_param  # autograd's grad of one parameter, before it moves into a bucket
+    transient = param_bytes * largest_param if param_grad else 0.0  # autograd's grad of one parameter, before it
+    #                                                                   moves into a bucket
     if zero_stage == 3:
         transient += param_bytes * (2 * small + pair)  # two units, this and the next layer's small
         transient += 4 * (largest + small)  # a full-size fp32 grad bucket, and the layer's small one, which

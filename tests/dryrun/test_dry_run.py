@@ -144,10 +144,10 @@ LAYOUTS = {  # world size, flags (real hidden sizes, fewer layers), measured / p
                                "--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 4 "
                                "--sequence-parallel --use-distributed-optimizer --recompute-granularity full "
                                "--recompute-method uniform --recompute-num-layers 1 "
-                               "--global-batch-size 32".split()),  # 1.080
+                               "--global-batch-size 32".split()),  # 1.075
     "8b-no-recompute": (32, LLAMA3_8B + "--num-layers 4 --seq-length 8192 --tensor-model-parallel-size 4 "
                         "--pipeline-model-parallel-size 2 --sequence-parallel --use-distributed-optimizer "
-                        "--global-batch-size 16".split()),  # 1.081: SDPA flash, no [s, s] saved; see peak_phases
+                        "--global-batch-size 16".split()),  # 1.034 (1.081 before the MLP's backward working set)
     "8b-cp4-32k": (16, LLAMA3_8B + "--num-layers 4 --seq-length 32768 --attention-dropout 0 "
                    "--tensor-model-parallel-size 2 --context-parallel-size 4 --sequence-parallel "
                    "--use-distributed-optimizer --recompute-granularity selective "
