@@ -136,8 +136,10 @@ def layer_activation_bytes(config: TransformerConfig, shape: ActivationShape, *,
     elif not selective and (config.window_size is not None or config.softmax_type != "vanilla"):
         partitioned += e * s * b * q_dim + 4 * a * s * b             # block attention (window / sinks): out, lse
     elif not selective and runs_sdpa(config, shape):  # flash / efficient (a2a: all tokens, a / cp heads)
-        partitioned += e * s * b * (2 * (q_dim - kv_dim) + q_dim)   # k, v repeated to every head; the output
-        partitioned += 4 * a * s * b                                 # its fp32 log-sum-exp
+        partitioned += e * s * b * 2 * (q_dim - kv_dim)              # k, v repeated to every head
+        partitioned += 4 * a * s * b                                 # the output's fp32 log-sum-exp
+        # (the output itself is the projection's input, counted above: SDPA lays it out [b, s, heads, d], so
+        # ``rearrange(.., "b h s d -> s b (h d)")`` is a view of it, on CUDA as on the CPU)
     elif not selective:
         full = shape.seq_length                                      # a2a: all tokens, a / cp heads
         core = e * a * s * full * b                                  # softmax output

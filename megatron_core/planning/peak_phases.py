@@ -17,18 +17,22 @@ run's timeline of live fake-CUDA bytes, Llama-3-8B shape, tp 1, s 8192, 128k voc
   and, at stage 3, the gathered weight.
 - **a transformer layer's backward**: ``A`` less the logits (last stage) plus ``zero_memory``'s transients
   over the layers' units (two gathered units and a bucket at stage 3, the stage-2 buckets) and the MLP's
-  backward working set (``mlp_workspace_bytes``): with ``X`` one ``[tokens, ffn/tp]`` tensor (an MoE layer:
-  ``[M, ffn/etp]``, its M assignments) and ``g`` 2 for a gated activation (SwiGLU: the gate's and the up
-  projection's grads, then their ``[tokens, 2 ffn/tp]`` concatenation) else 1, ``2 g X`` at its largest, or
-  ``g X`` beside autograd's grad of the fc1 weight when that is larger.
+  backward (``mlp_workspace_bytes``), whose tensors replace saved ones as it goes. With ``X`` one ``[tokens,
+  ffn/tp]`` tensor (an MoE layer: ``[M, ffn/etp]``, its M assignments): fc2's backward holds its input's grad
+  ``X`` and its weight's grad beside everything saved (``X + fc2 grad``); fc2's saved input is freed then, so
+  SwiGLU's multiply backward, which writes the gate's and the up projection's grads while that grad lives,
+  is ``A + 2 X``, and every later step less (each frees a saved tensor of its own size); GELU's backward
+  ``A + X``; the fc1 weight's grad comes after fc1's output was freed. So the moment is ``A`` plus the ZeRO
+  transients plus ``max(largest parameter grad, X + fc2 grad, 2 X gated)``. Measured on the quickstart's first
+  stage (GELU, fp32, tp 2: ``X`` 0.5 MiB, fc2's grad 0.125 MiB): its peak is fc2's input-grad GEMM of the
+  first layer in backward, 0.625 MiB above the activations before it, as counted.
 - **the embedding's backward** (first stage): that micro-batch's activations freed (``- P``, one micro-batch of
   one model chunk); the table's dense gradient in the parameter dtype, its fp32 bucket (stages 2-3) and, at
   stage 3, the gathered table.
 - **the activations' own peak**: nothing beyond ``A`` (so the result is never negative).
 
-A dry run's SwiGLU backward holds six ``[s, ffn/tp]`` at once, not four: autograd takes silu's grad-mode
-formula (``infinitely_differentiable_silu_backward``) there, where CPU and CUDA runs call the fused
-``silu_backward``; the planner counts the fused op's four.
+(A dry run on a CPU build used to run ``silu_backward`` as its composite, whose ``[s, ffn/tp]`` temporaries a
+GPU's fused kernel never allocates: ``dryrun.modes.register_cuda_silu_backward``.)
 """
 from __future__ import annotations
 
@@ -55,6 +59,8 @@ class StageMoments:
     """One micro-batch's held activations of the model chunk holding the embedding."""
     mlp_tensor: float = 0.0
     """Bytes of one ``[tokens, ffn/tp]`` tensor of the stage's largest MLP backward (``mlp_tensor_bytes``)."""
+    fc2_grad: float = 0.0
+    """Bytes of that MLP's fc2 weight grad (the parameter dtype)."""
     param_grad: float = 0.0
     """Autograd's grad of the largest parameter (part of ``layer_transient``)."""
 
@@ -87,22 +93,25 @@ def embedding_bytes(config: TransformerConfig, moments: StageMoments) -> float:
 
 
 def mlp_tensor_bytes(config: TransformerConfig, *, tokens: float, tp: int, etp: int, moe_tokens: float,
-                     dense: bool, moe: bool) -> float:
-    """One ``[tokens, ffn/tp]`` tensor of a dense MLP's backward (``dense``), or ``[M, ffn/etp]`` of an MoE
-    layer's experts (``moe``: ``moe_tokens`` M assignments on the rank), whichever is larger."""
-    e, sizes = element_bytes(config), [0.0]
+                     dense: bool, moe: bool) -> tuple[float, float]:
+    """(one ``[tokens, ffn/tp]`` tensor of a dense MLP's backward (``dense``) or ``[M, ffn/etp]`` of an MoE
+    layer's experts (``moe``: ``moe_tokens`` M assignments on the rank), whichever is larger; its fc2 weight's
+    grad ``[h, ffn/tp]``), in bytes."""
+    e, h, shapes = element_bytes(config), config.hidden_size, [(0.0, 0.0)]
     if dense:
-        sizes.append(e * tokens * config.ffn_hidden_size / tp)
+        shapes.append((tokens, config.ffn_hidden_size / tp))
     if moe:
-        sizes.append(e * moe_tokens * (config.moe.moe_ffn_hidden_size or config.ffn_hidden_size) / etp)
-    return max(sizes)
+        shapes.append((moe_tokens, (config.moe.moe_ffn_hidden_size or config.ffn_hidden_size) / etp))
+    rows, ffn = max(shapes, key=lambda shape: shape[0] * shape[1])
+    return e * rows * ffn, e * h * ffn
 
 
 def mlp_workspace_bytes(config: TransformerConfig, moments: StageMoments) -> float:
-    """The MLP backward's bytes at the layer's moment beyond ``layer_transient`` (which holds the parameter's
-    grad): ``max(2 g X - grad, g X)`` (the module docstring)."""
-    g = 2 if config.gated_activation else 1
-    return max(2 * g * moments.mlp_tensor - moments.param_grad, g * moments.mlp_tensor)
+    """The MLP backward's bytes at the layer's moment beyond ``layer_transient`` (which holds the largest
+    parameter's grad): ``max(X + fc2 grad, 2 X gated) - that grad``, at least 0 (the module docstring)."""
+    x = moments.mlp_tensor
+    largest = max(x + moments.fc2_grad, 2 * x if config.gated_activation else 0.0)
+    return max(0.0, largest - moments.param_grad)
 
 
 def peak_extra_bytes(config: TransformerConfig, moments: StageMoments) -> float:

@@ -131,17 +131,57 @@ def test_attention_does_not_save_the_qkv_output_through_v():
 
 def test_planner_counts_fused_attention_on_cuda():
     """On CUDA (1-byte masks) core attention runs SDPA: no ``[s, s]`` softmax is saved but k and v repeated to
-    every head, the output and its fp32 log-sum-exp (the dry run measured the softmax model 1.9x high at
-    Mixtral without recompute). The CPU with attention dropout keeps the softmax path and its terms."""
+    every head and the output's fp32 log-sum-exp (the dry run measured the softmax model 1.9x high at Mixtral
+    without recompute); the output itself is the projection's input, counted with or without recompute (a view:
+    ``test_sdpa_output_is_the_projection_input``). The CPU with attention dropout keeps the softmax path and
+    its terms."""
     config = TransformerConfig(num_layers=2, hidden_size=256, num_attention_heads=8, num_query_groups=2,
                                ffn_hidden_size=512, attention_dropout=0.1, max_position_embeddings=1024)
     s, b, t, e, a, q, kv = 1024, 1, 2, 2, 8, 256, 64
     cuda = ActivationShape(seq_length=s, micro_batch_size=b, tp=t, sequence_parallel=True, mask_bytes=1)
     core = layer_activation_bytes(config, cuda) - layer_activation_bytes(config, cuda, selective=True)
-    assert core == (e * s * b * (2 * (q - kv) + q) + 4 * a * s * b) / t
+    assert core == (e * s * b * 2 * (q - kv) + 4 * a * s * b) / t
     cpu = dataclasses.replace(cuda, mask_bytes=2)
     core = layer_activation_bytes(config, cpu) - layer_activation_bytes(config, cpu, selective=True)
     assert core == a * s * s * b * (e + 2 + e) / t  # softmax, its dropout mask and output
+
+
+def test_sdpa_output_is_the_projection_input():
+    """SDPA lays its output out ``[b, s, heads, d]`` (on CUDA as on the CPU), so attention's ``[s, b, heads d]``
+    context is a view of what SDPA saves for backward: one tensor, which the planner counts once (as the
+    projection's input). Found by the quickstart's census: counting it twice put stage 0 at 0.97."""
+    config = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, hidden_dropout=0.0,
+                               attention_dropout=0.0, bf16=False,
+                               position_embedding_type="rope")
+    layer = SelfAttention(config, layer_number=1, parallel_state=initialize_model_parallel())
+    query, key, value = (torch.randn(16, 2, 4, 16, requires_grad=True) for _ in range(3))
+    context = []
+    saved = _saved_storages(lambda: context.append(layer.core_attention(query, key, value)))
+    assert layer.core_attention.implementation(None, 16, 16, device=query.device, dropout_p=0.0) == "sdpa"
+    assert context[0].shape == (16, 2, 64)
+    assert context[0].untyped_storage().data_ptr() in {t.untyped_storage().data_ptr() for t in saved}
+
+
+def test_dry_run_runs_silu_backward_as_one_kernel(monkeypatch):
+    """A GPU runs SwiGLU's ``silu_backward`` as one fused kernel; fake mode ran ``torch._decomp``'s decomposition
+    (sigmoid, ones, sub, mul, add, mul, mul), whose temporaries put the 8B dry run's first stage at 1.08 of the
+    planner. The dry run now answers it with one output and never calls the decomposition."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from megatron_core.dryrun.modes import FakeCudaMode
+    seen = []
+    dispatch = FakeTensorMode.__torch_dispatch__
+
+    def recording(self, func, types, args=(), kwargs=None):
+        seen.append(func.__name__)
+        return dispatch(self, func, types, args, kwargs)
+    monkeypatch.setattr(FakeTensorMode, "__torch_dispatch__", recording)
+    with FakeCudaMode():
+        grad, x = (torch.empty(4, 8, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        seen.clear()
+        out = torch.ops.aten.silu_backward.default(grad, x)
+        assert out.device.type == "cuda" and out.shape == (4, 8) and out.dtype == torch.bfloat16
+    assert not any(name.startswith(("sigmoid", "mul", "sub", "add")) for name in seen), seen
 
 
 def test_context_parallel_dropout_mask_in_a_dry_run(monkeypatch):
