@@ -147,7 +147,7 @@ LAYOUTS = {  # world size, flags (real hidden sizes, fewer layers), measured / p
                                "--global-batch-size 32".split()),  # 1.075
     "8b-no-recompute": (32, LLAMA3_8B + "--num-layers 4 --seq-length 8192 --tensor-model-parallel-size 4 "
                         "--pipeline-model-parallel-size 2 --sequence-parallel --use-distributed-optimizer "
-                        "--global-batch-size 16".split()),  # 1.032 (1.081 before the MLP's working set and the one-kernel silu_backward)
+                        "--global-batch-size 16".split()),  # 1.032 (was 1.081: see peak_phases)
     "8b-cp4-32k": (16, LLAMA3_8B + "--num-layers 4 --seq-length 32768 --attention-dropout 0 "
                    "--tensor-model-parallel-size 2 --context-parallel-size 4 --sequence-parallel "
                    "--use-distributed-optimizer --recompute-granularity selective "
