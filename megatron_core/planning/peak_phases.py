@@ -22,10 +22,16 @@ run's timeline of live fake-CUDA bytes, Llama-3-8B shape, tp 1, s 8192, 128k voc
   ``X`` and its weight's grad beside everything saved (``X + fc2 grad``); fc2's saved input is freed then, so
   SwiGLU's multiply backward, which writes the gate's and the up projection's grads while that grad lives,
   is ``A + 2 X``, and every later step less (each frees a saved tensor of its own size); GELU's backward
-  ``A + X``; the fc1 weight's grad comes after fc1's output was freed. So the moment is ``A`` plus the ZeRO
-  transients plus ``max(largest parameter grad, X + fc2 grad, 2 X gated)``. Measured on the quickstart's first
-  stage (GELU, fp32, tp 2: ``X`` 0.5 MiB, fc2's grad 0.125 MiB): its peak is fc2's input-grad GEMM of the
-  first layer in backward, 0.625 MiB above the activations before it, as counted.
+  ``A + X``. fc1's backward comes after fc2's input, the activation's output and fc1's output (``2 g X``, ``g``
+  2 for a gated activation else 1) were freed, beside the grad of fc1's output (``g X``): it holds fc1's weight
+  grad (``g`` x fc2's), its input's grad ``H`` (``[tokens, h]``, the whole sequence before SP's
+  reduce-scatter) and, under SP, its input gathered again for the weight grad (another ``H``): ``A - g X + g
+  fc2 grad + H (1 + SP)``. So the moment is ``A`` plus the ZeRO transients plus the largest of the largest
+  parameter grad, ``X + fc2 grad``, ``2 X`` (gated) and fc1's. Measured on the quickstart's first stage (GELU,
+  fp32, tp 2: ``X`` 0.5 MiB, fc2's grad 0.125 MiB): its peak is fc2's input-grad GEMM of the first layer in
+  backward, 0.625 MiB above the activations before it, as counted; on the 70B full-recompute dry run (SwiGLU,
+  tp 8, SP) fc1's backward: the concatenated grad, fc1's weight grad, its input's grad and the re-gathered
+  input (112, 112, 128, 128 MiB).
 - **the embedding's backward** (first stage): that micro-batch's activations freed (``- P``, one micro-batch of
   one model chunk); the table's dense gradient in the parameter dtype, its fp32 bucket (stages 2-3) and, at
   stage 3, the gathered table.
@@ -57,10 +63,8 @@ class StageMoments:
     """``zero_memory.zero_transient_bytes(layers_only=True)``: a transformer layer's backward."""
     microbatch_bytes: float
     """One micro-batch's held activations of the model chunk holding the embedding."""
-    mlp_tensor: float = 0.0
-    """Bytes of one ``[tokens, ffn/tp]`` tensor of the stage's largest MLP backward (``mlp_tensor_bytes``)."""
-    fc2_grad: float = 0.0
-    """Bytes of that MLP's fc2 weight grad (the parameter dtype)."""
+    mlp: "MlpBackward" = None
+    """The stage's largest MLP backward (``mlp_backward``); None: no layers."""
     param_grad: float = 0.0
     """Autograd's grad of the largest parameter (part of ``layer_transient``)."""
 
@@ -92,36 +96,48 @@ def embedding_bytes(config: TransformerConfig, moments: StageMoments) -> float:
     return held - moments.microbatch_bytes
 
 
-def mlp_tensor_bytes(config: TransformerConfig, *, tokens: float, tp: int, etp: int, moe_tokens: float,
-                     dense: bool, moe: bool) -> tuple[float, float]:
-    """(one ``[tokens, ffn/tp]`` tensor of a dense MLP's backward (``dense``) or ``[M, ffn/etp]`` of an MoE
-    layer's experts (``moe``: ``moe_tokens`` M assignments on the rank), whichever is larger; its fc2 weight's
-    grad ``[h, ffn/tp]``), in bytes."""
-    e, h, shapes = element_bytes(config), config.hidden_size, [(0.0, 0.0)]
+@dataclasses.dataclass(frozen=True)
+class MlpBackward:
+    """Bytes of one MLP backward's tensors: ``x`` one ``[tokens, ffn/tp]``, ``fc2_grad`` fc2's weight grad
+    ``[h, ffn/tp]`` (the parameter dtype), ``hidden`` fc1's input grad ``[tokens, h]``; ``regathered``: SP
+    gathers fc1's input again for its weight grad."""
+    x: float
+    fc2_grad: float
+    hidden: float
+    regathered: bool
+
+
+def mlp_backward(config: TransformerConfig, *, tokens: float, tp: int, etp: int, moe_tokens: float, dense: bool,
+                 moe: bool) -> MlpBackward:
+    """The dense MLP's backward (``dense``: ``tokens`` of the whole sequence) or an MoE layer's experts' (``moe``:
+    ``moe_tokens`` M assignments on the rank, ``[M, ffn/etp]``), whichever has the larger ``x``."""
+    e, h, shapes = element_bytes(config), config.hidden_size, []
     if dense:
-        shapes.append((tokens, config.ffn_hidden_size / tp))
+        shapes.append((tokens, config.ffn_hidden_size / tp, bool(config.sequence_parallel and tp > 1)))
     if moe:
-        shapes.append((moe_tokens, (config.moe.moe_ffn_hidden_size or config.ffn_hidden_size) / etp))
-    rows, ffn = max(shapes, key=lambda shape: shape[0] * shape[1])
-    return e * rows * ffn, e * h * ffn
+        shapes.append((moe_tokens, (config.moe.moe_ffn_hidden_size or config.ffn_hidden_size) / etp, False))
+    rows, ffn, regathered = max(shapes, key=lambda shape: shape[0] * shape[1])
+    return MlpBackward(e * rows * ffn, e * h * ffn, e * rows * h, regathered)
 
 
 def mlp_workspace_bytes(config: TransformerConfig, moments: StageMoments) -> float:
     """The MLP backward's bytes at the layer's moment beyond ``layer_transient`` (which holds the largest
-    parameter's grad): ``max(X + fc2 grad, 2 X gated) - that grad``, at least 0 (the module docstring)."""
-    x = moments.mlp_tensor
-    largest = max(x + moments.fc2_grad, 2 * x if config.gated_activation else 0.0)
+    parameter's grad ``param_grad``): the largest of fc2's, the gated multiply's and fc1's moments less that
+    grad, at least 0 (the module docstring)."""
+    mlp, g = moments.mlp, 2 if config.gated_activation else 1
+    fc1 = -g * mlp.x + g * mlp.fc2_grad + mlp.hidden * (2 if mlp.regathered else 1)
+    largest = max(mlp.x + mlp.fc2_grad, 2 * mlp.x if g == 2 else 0.0, fc1)
     return max(0.0, largest - moments.param_grad)
 
 
 def peak_extra_bytes(config: TransformerConfig, moments: StageMoments) -> float:
     """Bytes beyond the held activations at the stage's peak moment (the module docstring's moments)."""
     layer = moments.layer_transient - loss_bytes(config, moments)  # the logits are gone by then
-    if moments.layer_transient:
+    if moments.layer_transient and moments.mlp is not None:
         layer += mlp_workspace_bytes(config, moments)
     return max(0.0, loss_bytes(config, moments), output_layer_bytes(config, moments), layer,
                embedding_bytes(config, moments))
 
 
-__all__ = ["StageMoments", "loss_bytes", "output_layer_bytes", "embedding_bytes", "mlp_tensor_bytes",
+__all__ = ["StageMoments", "MlpBackward", "loss_bytes", "output_layer_bytes", "embedding_bytes", "mlp_backward",
            "mlp_workspace_bytes", "peak_extra_bytes"]

@@ -33,7 +33,7 @@ from megatron_core.planning.moe import (
     stage_layer_count,
 )
 from megatron_core.planning.parameters import stage_expert_parameters, stage_parameters
-from megatron_core.planning.peak_phases import StageMoments, mlp_tensor_bytes, peak_extra_bytes
+from megatron_core.planning.peak_phases import StageMoments, mlp_backward, peak_extra_bytes
 from megatron_core.planning.step_time import (
     StepTime,
     cp_comm_bytes,
@@ -247,13 +247,14 @@ def rank_peak_extra_bytes(config: TransformerConfig, workload: Workload, *, pp_r
     tokens = shape.local_seq_length * shape.micro_batch_size
     moe_tokens = etp * assignments(config, tokens / (shape.tp if shape.sequence_parallel else 1)) \
         if stage["moe_layers"] else 0.0
-    mlp, fc2_grad = mlp_tensor_bytes(config, tokens=tokens, tp=shape.tp, etp=etp, moe_tokens=moe_tokens,
-                                     dense=stage["layers"] > stage["moe_layers"], moe=stage["moe_layers"] > 0)
+    mlp = mlp_backward(config, tokens=tokens, tp=shape.tp, etp=etp, moe_tokens=moe_tokens,
+                       dense=stage["layers"] > stage["moe_layers"], moe=stage["moe_layers"] > 0) \
+        if stage["layers"] else None
     moments = StageMoments(zero_stage=zero_stage, first=stage["first"], last=stage["last"], tokens=tokens,
                            vocab_shard=stage["padded_vocab_size"] / config.tensor_model_parallel_size,
                            layer_transient=layer,
                            microbatch_bytes=microbatch / (config.virtual_pipeline_model_parallel_size or 1),
-                           mlp_tensor=mlp, fc2_grad=fc2_grad, param_grad=layer - transient(param_grad=False))
+                           mlp=mlp, param_grad=layer - transient(param_grad=False))
     return peak_extra_bytes(config, moments)
 
 
