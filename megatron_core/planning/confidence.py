@@ -22,8 +22,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from megatron_core.planning.hardware import PROFILES, hardware_from_profile
-from megatron_core.planning.planner import Layout, Workload, plan_layout
+from megatron_core.planning.hardware import PROFILES
 
 MEMORY_MARGIN = 0.10
 """The bound the planner's memory tests hold measured / predicted peak within (``0.90 < ratio < 1.10``)."""
@@ -52,22 +51,14 @@ class ModelError:
 @functools.lru_cache(maxsize=None)
 def _narayanan_2021() -> ModelError:
     from megatron_core.planning.published import NARAYANAN_2021
-    ratios = []
-    for run in NARAYANAN_2021:
-        layout = Layout(run.tp, run.pp, run.gpus // (run.tp * run.pp), None, 0, False, "full")
-        plan = plan_layout(run.config(), run.workload(), hardware_from_profile("a100", num_devices=run.gpus), layout)
-        ratios.append(plan.tflops_per_device / run.tflops_per_gpu)
+    ratios = [run.plan().tflops_per_device / run.tflops_per_gpu for run in NARAYANAN_2021]
     return ModelError(min(ratios), max(ratios), len(ratios), "a100", "Narayanan et al. 2021, Table 1")
 
 
 @functools.lru_cache(maxsize=None)
 def _llama3_8b_fp8_h100() -> ModelError:
-    from megatron_core.fp8.config import Fp8Config
-    from megatron_core.planning.published import LLAMA3_8B_FP8_TFLOPS_PER_H100, llama3_8b
-    workload = Workload(vocab_size=128256, seq_length=8192, micro_batch_size=1, global_batch_size=128)
-    plan = plan_layout(llama3_8b(Fp8Config(fp8_recipe="tensorwise")), workload,
-                       hardware_from_profile("h100", num_devices=8), Layout(1, 1, 4, None, 1, False, None, 2))
-    ratio = plan.tflops_per_device / LLAMA3_8B_FP8_TFLOPS_PER_H100
+    from megatron_core.planning.published import LLAMA3_8B_FP8_TFLOPS_PER_H100, llama3_8b_fp8_plan
+    ratio = llama3_8b_fp8_plan().tflops_per_device / LLAMA3_8B_FP8_TFLOPS_PER_H100
     return ModelError(ratio, ratio, 1, "h100", "Megatron-Bridge, Llama-3 8B FP8")
 
 

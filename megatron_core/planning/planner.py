@@ -17,7 +17,6 @@ its span of consecutive ranks does.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 from typing import Iterator, Optional
 
@@ -43,7 +42,7 @@ from megatron_core.planning.step_time import (
     step_time,
 )
 from megatron_core.planning.zero_bubble import weight_stash_bytes, zero_bubble_extra_bytes
-from megatron_core.planning.zero_memory import zero_transient_bytes
+from megatron_core.planning.zero_memory import zero_transient_bytes, zero_transient_parts
 from megatron_core.tensor_parallel.utils import vocab_size_with_padding
 from megatron_core.training.metrics import hardware_flops_per_iteration
 
@@ -239,11 +238,11 @@ def rank_peak_extra_bytes(config: TransformerConfig, workload: Workload, *, pp_r
                   - stage_activation_bytes(config, shape, in_flight=0, **stage))
     params, full_grad = stage_parameters(config, workload, pp_rank=pp_rank)
     experts = stage_expert_parameters(config, pp_rank=pp_rank, ep=ep, etp=etp)
-    transient = functools.partial(zero_transient_bytes, config, vocab_size=workload.vocab_size,
-                                  make_vocab_size_divisible_by=workload.make_vocab_size_divisible_by,
-                                  pp_rank=pp_rank, zero_stage=zero_stage, stage_params=params - full_grad + experts,
-                                  ep=ep, etp=etp, layers_only=True)
-    layer = transient()
+    param_grad, zero = zero_transient_parts(config, vocab_size=workload.vocab_size,
+                                            make_vocab_size_divisible_by=workload.make_vocab_size_divisible_by,
+                                            pp_rank=pp_rank, zero_stage=zero_stage,
+                                            stage_params=params - full_grad + experts, ep=ep, etp=etp,
+                                            layers_only=True)
     tokens = shape.local_seq_length * shape.micro_batch_size
     moe_tokens = etp * assignments(config, tokens / (shape.tp if shape.sequence_parallel else 1)) \
         if stage["moe_layers"] else 0.0
@@ -252,9 +251,9 @@ def rank_peak_extra_bytes(config: TransformerConfig, workload: Workload, *, pp_r
         if stage["layers"] else None
     moments = StageMoments(zero_stage=zero_stage, first=stage["first"], last=stage["last"], tokens=tokens,
                            vocab_shard=stage["padded_vocab_size"] / config.tensor_model_parallel_size,
-                           layer_transient=layer,
+                           layer_transient=param_grad + zero,
                            microbatch_bytes=microbatch / (config.virtual_pipeline_model_parallel_size or 1),
-                           mlp=mlp, param_grad=layer - transient(param_grad=False))
+                           mlp=mlp, param_grad=param_grad)
     return peak_extra_bytes(config, moments)
 
 

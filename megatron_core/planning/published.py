@@ -18,7 +18,8 @@ import dataclasses
 import torch
 
 from megatron_core.config import TransformerConfig
-from megatron_core.planning.planner import SearchSpace, Workload
+from megatron_core.planning.hardware import hardware_from_profile
+from megatron_core.planning.planner import Layout, SearchSpace, Workload, plan_layout
 
 NARAYANAN_2021_SPACE = SearchSpace(zero_stages=(0,), recompute=("full",), sequence_parallel=False, max_cp=1)
 
@@ -44,6 +45,15 @@ class PublishedRun:
         return Workload(vocab_size=51200, seq_length=2048, micro_batch_size=1, global_batch_size=self.global_batch,
                         flash_attention=False)
 
+    def layout(self) -> Layout:
+        """The authors' layout: their tp and pp, data parallel over the rest, ZeRO 0, full recompute."""
+        return Layout(self.tp, self.pp, self.gpus // (self.tp * self.pp), None, 0, False, "full")
+
+    def plan(self):
+        """The planner's ``Plan`` at the authors' layout on ``gpus`` A100s."""
+        return plan_layout(self.config(), self.workload(), hardware_from_profile("a100", num_devices=self.gpus),
+                           self.layout())
+
 
 NARAYANAN_2021 = (
     PublishedRun("1.7B", 24, 2304, 24, 1, 1, 32, 512, 137),
@@ -63,6 +73,15 @@ LLAMA3_8B_FP8_TFLOPS_PER_H100 = 744.0
 global batch 128, micro-batch 1, tp 1, pp 1, cp 2, distributed optimizer (the figure issue 32 quotes)."""
 
 
+def llama3_8b_fp8_plan(fp8=True):
+    """The planner's ``Plan`` of Llama-3 8B at Megatron-Bridge's layout on 8 H100s (tp 1, pp 1, dp 4, cp 2,
+    distributed optimizer; sequence 8192, global batch 128), in FP8 (tensorwise) or, with ``fp8=False``, bf16."""
+    from megatron_core.fp8.config import Fp8Config
+    workload = Workload(vocab_size=128256, seq_length=8192, micro_batch_size=1, global_batch_size=128)
+    return plan_layout(llama3_8b(Fp8Config(fp8_recipe="tensorwise") if fp8 else None), workload,
+                       hardware_from_profile("h100", num_devices=8), Layout(1, 1, 4, None, 1, False, None, 2))
+
+
 def llama3_8b(fp8) -> TransformerConfig:
     """Llama-3 8B's shape (32 layers, hidden 4096, 32 heads in 8 groups, SwiGLU 14336, RMSNorm, rope, untied)."""
     return TransformerConfig(num_layers=32, hidden_size=4096, num_attention_heads=32, num_query_groups=8,
@@ -72,4 +91,5 @@ def llama3_8b(fp8) -> TransformerConfig:
                              params_dtype=torch.bfloat16, hidden_dropout=0.0, attention_dropout=0.0, fp8=fp8)
 
 
-__all__ = ["PublishedRun", "NARAYANAN_2021", "NARAYANAN_2021_SPACE", "LLAMA3_8B_FP8_TFLOPS_PER_H100", "llama3_8b"]
+__all__ = ["PublishedRun", "NARAYANAN_2021", "NARAYANAN_2021_SPACE", "LLAMA3_8B_FP8_TFLOPS_PER_H100", "llama3_8b",
+           "llama3_8b_fp8_plan"]

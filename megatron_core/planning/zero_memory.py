@@ -67,15 +67,21 @@ def stage_units(config: TransformerConfig, *, vocab_size: int, make_vocab_size_d
     return units, small
 
 
-def zero_transient_bytes(config: TransformerConfig, *, vocab_size: int, make_vocab_size_divisible_by: int,
+def zero_transient_bytes(config: TransformerConfig, **kwargs) -> float:
+    """Peak transient bytes on one rank of pipeline stage ``pp_rank`` (see the module docstring): the sum of
+    ``zero_transient_parts``, which takes the same keywords."""
+    return sum(zero_transient_parts(config, **kwargs))
+
+
+def zero_transient_parts(config: TransformerConfig, *, vocab_size: int, make_vocab_size_divisible_by: int,
                          pp_rank: int, zero_stage: int, stage_params: float,
-                         bucket_size: int = DEFAULT_STAGE2_BUCKET, ep: int = 1, etp: int = 1,
-                         layers_only: bool = False, param_grad: bool = True) -> float:
-    """Peak transient bytes on one rank of pipeline stage ``pp_rank`` (see the module docstring). The two
-    units gathered at once are neighbours in forward order (the current one and its prefetch). With
-    ``layers_only``, those of a transformer layer's backward (the embedding and output layer left out: their
-    moments are ``planning.peak_phases``'), 0 on a stage without layers; without ``param_grad``, less autograd's
-    grad of the largest parameter (``peak_phases`` places it at its own moment)."""
+                         bucket_size: int = DEFAULT_STAGE2_BUCKET, ep: int = 1,
+                         etp: int = 1, layers_only: bool = False) -> tuple[float, float]:
+    """(autograd's grad of the largest parameter, the rest: ZeRO's gathered units and grad buckets), the peak
+    transient bytes on one rank of pipeline stage ``pp_rank``. The two units gathered at once are neighbours in
+    forward order (the current one and its prefetch). With ``layers_only``, those of a transformer layer's
+    backward (the embedding and output layer left out: their moments are ``planning.peak_phases``'), (0, 0) on
+    a stage without layers (``peak_phases`` places the parameter's grad at its own moment)."""
     pp = config.pipeline_model_parallel_size
     param_bytes = 2 if (config.bf16 or config.fp16) else 4
     units, small = stage_units(config, vocab_size=vocab_size,
@@ -84,7 +90,7 @@ def zero_transient_bytes(config: TransformerConfig, *, vocab_size: int, make_voc
                                layers=stage_layer_count(config, pp_rank),
                                moe_layers=moe_layers_on_stage(config, pp_rank=pp_rank), ep=ep, etp=etp)
     if not units:
-        return 0.0
+        return 0.0, 0.0
     largest = max(units)
     pair = max((a + b for a, b in zip(units, units[1:])), default=largest)
     moe_layers = moe_layers_on_stage(config, pp_rank=pp_rank)
@@ -97,8 +103,8 @@ def zero_transient_bytes(config: TransformerConfig, *, vocab_size: int, make_voc
         gated = 2 if config.gated_activation else 1
         largest_param = max([u for u in units if u != experts]
                             + [gated * expert_ffn(config) * config.hidden_size / etp])
-    transient = param_bytes * largest_param if param_grad else 0.0  # autograd's grad of one parameter, before it
-    #                                                                   moves into a bucket
+    param_grad = param_bytes * largest_param  # autograd's grad of one parameter, before it moves into a bucket
+    transient = 0.0
     if zero_stage == 3:
         transient += param_bytes * (2 * small + pair)  # two units, this and the next layer's small
         transient += 4 * (largest + small)  # a full-size fp32 grad bucket, and the layer's small one, which
@@ -106,7 +112,7 @@ def zero_transient_bytes(config: TransformerConfig, *, vocab_size: int, make_voc
     elif zero_stage == 2:  # DistributedDataParallelConfig's default: capped at a quarter of the model, >= 1M
         bucket = min(bucket_size, max(1_000_000, stage_params // 4), stage_params)
         transient += 4 * min(2 * bucket, stage_params)  # one bucket reducing, the next one filling
-    return transient
+    return param_grad, transient
 
 
-__all__ = ["stage_units", "zero_transient_bytes"]
+__all__ = ["stage_units", "zero_transient_bytes", "zero_transient_parts"]

@@ -15,30 +15,21 @@ from megatron_core.planning.step_time import PARTS, pipeline_seconds
 from tools import plan_parallelism
 
 
-def _expert_plan(run):
-    hardware = hardware_from_profile("a100", num_devices=run.gpus)
-    layout = Layout(run.tp, run.pp, run.gpus // (run.tp * run.pp), None, 0, False, "full")
-    return plan_layout(run.config(), run.workload(), hardware, layout)
-
-
 def test_published_throughput_within_15_percent_and_below_peak():
     """Predicted TFLOP/s per GPU at each expert layout (their FLOPs formula: hardware FLOPs) within 15% of
     what they measured; never above the A100's 312 TFLOP/s."""
     for run in NARAYANAN_2021:
-        plan = _expert_plan(run)
+        plan = run.plan()
         assert abs(plan.tflops_per_device / run.tflops_per_gpu - 1) < 0.15, (run.name, plan.tflops_per_device)
         assert plan.tflops_per_device < PROFILES["a100"]["peak_tflops"]
         assert sum(plan.time.parts.values()) == pytest.approx(plan.step_seconds)
 
 
 def test_llama3_8b_fp8_on_h100_within_15_percent_of_megatron_bridge():
-    from megatron_core.fp8.config import Fp8Config
-    from megatron_core.planning.published import LLAMA3_8B_FP8_TFLOPS_PER_H100, llama3_8b
-    workload = Workload(vocab_size=128256, seq_length=8192, micro_batch_size=1, global_batch_size=128)
-    plan = plan_layout(llama3_8b(Fp8Config(fp8_recipe="tensorwise")), workload,
-                       hardware_from_profile("h100", num_devices=8), Layout(1, 1, 4, None, 1, False, None, 2))
+    from megatron_core.planning.published import LLAMA3_8B_FP8_TFLOPS_PER_H100, llama3_8b_fp8_plan
+    plan = llama3_8b_fp8_plan()
     assert abs(plan.tflops_per_device / LLAMA3_8B_FP8_TFLOPS_PER_H100 - 1) < 0.15, plan.tflops_per_device
-    bf16 = plan_layout(llama3_8b(None), workload, hardware_from_profile("h100", num_devices=8), plan.layout)
+    bf16 = llama3_8b_fp8_plan(fp8=False)
     assert 1.2 < plan.tflops_per_device / bf16.tflops_per_device < 2  # the FP8 peak is 2x, attention is not FP8
 
 
@@ -191,7 +182,7 @@ def test_how_sure_is_the_published_runs_error_and_names_the_layouts_inside_it():
     the 15% test checks); its spread marks which alternatives the model cannot rank. For 7.5B the experts'
     tp 4 pp 1 is one of them; on one device nothing else exists and the choice is firm."""
     from megatron_core.planning.confidence import how_sure, model_error, uncertain_alternatives
-    ratios = [_expert_plan(run).tflops_per_device / run.tflops_per_gpu for run in NARAYANAN_2021]
+    ratios = [run.plan().tflops_per_device / run.tflops_per_gpu for run in NARAYANAN_2021]
     error, note = model_error("a100")
     assert (error.low, error.high, error.runs, note) == (min(ratios), max(ratios), 10, "")
     assert error.spread == pytest.approx(max(ratios) / min(ratios) - 1) and 0.05 < error.spread < 0.3
