@@ -39,13 +39,26 @@ class ForwardCost:
     """Of ``elementwise``: the unfused softmax's ``s^2`` scores (selective recompute runs them again)."""
 
 
-def collective_seconds(volume_bytes: float, *, span: int, hardware: Hardware, count: int = 1) -> float:
+def collective_seconds(volume_bytes: float, *, span: int, hardware: Hardware, count: int = 1,
+                       ring_ranks: int = 0) -> float:
     """``count`` collectives moving ``volume_bytes`` per rank in total over a group spanning ``span``
-    consecutive ranks: latency plus bytes over the link's bus bandwidth."""
+    consecutive ranks: latency plus bytes over the link's bus bandwidth.
+
+    ``ring_ranks``: the group's size, for NCCL's ring collectives (all-reduce, reduce-scatter, all-gather). A
+    group with k ranks on each node it straddles runs k rings at once, each crossing between nodes on another
+    rank's NIC (NCCL's channels on a rail-per-GPU fabric), so its bus bandwidth is k times one device's
+    inter-node bandwidth, up to NVLink's: nccl-tests measure ~45 GB/s at 4 and ~90 at 8 GPUs per node on the
+    same NICs (NVIDIA/nccl#1168), ~320 GB/s on 8 x 400 Gb/s H100 nodes (nccl#1221), "up to the NVLink
+    bandwidth" with a NIC per GPU (nccl#412). Point-to-point traffic (pp sends, cp's ring, all-to-all) leaves
+    it 0: each rank's bytes cross on its own NIC. A group whose span is not whole nodes (tp 6) has a node with
+    fewer ranks (as few as one): it keeps one device's bandwidth."""
     if volume_bytes <= 0:
         return 0.0
     intra = span <= hardware.devices_per_node and hardware.devices_per_node % span == 0  # else it straddles nodes
     gbps = hardware.intra_node_bandwidth_gbps if intra else hardware.inter_node_bandwidth_gbps
+    if not intra and ring_ranks and span % hardware.devices_per_node == 0:
+        rails = max(1, ring_ranks * hardware.devices_per_node // span)  # the group's ranks on each node
+        gbps = min(hardware.intra_node_bandwidth_gbps, rails * hardware.inter_node_bandwidth_gbps)
     latency = hardware.intra_node_latency_us if intra else hardware.inter_node_latency_us
     return count * latency * 1e-6 + volume_bytes / (gbps * 1e9)
 
@@ -168,7 +181,8 @@ def layer_forward_cost(config: TransformerConfig, hardware: Hardware, *, micro_b
     tp = 0.0
     if t > 1:
         volume = 4 * (t - 1) / t * tokens * config.hidden_size * element_bytes(config)
-        tp = collective_seconds(volume, span=t, hardware=hardware, count=4 if config.sequence_parallel else 2)
+        tp = collective_seconds(volume, span=t, hardware=hardware, count=4 if config.sequence_parallel else 2,
+                                ring_ranks=t)
     return ForwardCost(gemm=gemm, attention=attention, elementwise=elementwise, tp=tp, scores=scores)
 
 

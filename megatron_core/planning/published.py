@@ -9,7 +9,10 @@ table and assumed here: micro-batch 1.
 
 What those runs could use is the planner's ``SearchSpace`` for them: ZeRO 0 (no distributed optimizer then),
 full recompute, no sequence or context parallelism (both came later), interleaving allowed, and attention
-without flash (the softmax's ``s^2`` scores materialized).
+without flash (the softmax's ``s^2`` scores materialized). Their data-parallel all-reduce did not overlap the
+backward: Megatron-LM's ``train_step`` of the time called ``allreduce_gradients()`` after the last micro-batch's
+backward (``--overlap-grad-reduce`` came in 2023), so they are planned on the A100 profile with
+``comm_overlap=0`` (``PublishedRun.hardware``).
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ import dataclasses
 import torch
 
 from megatron_core.config import TransformerConfig
-from megatron_core.planning.hardware import hardware_from_profile
+from megatron_core.planning.hardware import Hardware, hardware_from_profile
 from megatron_core.planning.planner import Layout, SearchSpace, Workload, plan_layout
 
 NARAYANAN_2021_SPACE = SearchSpace(zero_stages=(0,), recompute=("full",), sequence_parallel=False, max_cp=1)
@@ -49,10 +52,13 @@ class PublishedRun:
         """The authors' layout: their tp and pp, data parallel over the rest, ZeRO 0, full recompute."""
         return Layout(self.tp, self.pp, self.gpus // (self.tp * self.pp), None, 0, False, "full")
 
+    def hardware(self) -> Hardware:
+        """``gpus`` A100s as these runs used them: the gradient all-reduce after the backward, not under it."""
+        return hardware_from_profile("a100", num_devices=self.gpus, comm_overlap=0.0)
+
     def plan(self):
         """The planner's ``Plan`` at the authors' layout on ``gpus`` A100s."""
-        return plan_layout(self.config(), self.workload(), hardware_from_profile("a100", num_devices=self.gpus),
-                           self.layout())
+        return plan_layout(self.config(), self.workload(), self.hardware(), self.layout())
 
 
 NARAYANAN_2021 = (

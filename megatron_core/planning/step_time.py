@@ -110,7 +110,7 @@ def _ep_layer_seconds(config: TransformerConfig, workload, layout, hardware: Har
     ep_bytes = ep_comm_bytes(config, tokens=layout.etp * tokens, element_bytes=e, ep=layout.ep, recompute_full=full)
     etp_bytes = etp_comm_bytes(config, tokens=tokens, element_bytes=e, etp=layout.etp, recompute_full=full)
     return (collective_seconds(ep_bytes, span=layout.ep * layout.etp, hardware=hardware, count=4)
-            + collective_seconds(etp_bytes, span=layout.etp, hardware=hardware, count=4))
+            + collective_seconds(etp_bytes, span=layout.etp, hardware=hardware, count=4, ring_ranks=layout.etp))
 
 
 def ep_comm_seconds(config: TransformerConfig, workload, layout, hardware: Hardware, num_microbatches: int) -> float:
@@ -182,11 +182,11 @@ def _edge_tp_seconds(config: TransformerConfig, hardware: Hardware, layout, *, t
     activation = (t - 1) / t * tokens * h * e * (1 if sp else 2)
     forward = backward = 0.0
     if first:
-        forward += collective_seconds(activation, span=t, hardware=hardware)
+        forward += collective_seconds(activation, span=t, hardware=hardware, ring_ranks=t)
     if last:
-        loss = collective_seconds(3 * 4 * tokens, span=t, hardware=hardware, count=3)
-        forward += loss + (collective_seconds(activation, span=t, hardware=hardware) if sp else 0.0)
-        backward += collective_seconds(activation, span=t, hardware=hardware)
+        loss = collective_seconds(3 * 4 * tokens, span=t, hardware=hardware, count=3, ring_ranks=t)
+        forward += loss + (collective_seconds(activation, span=t, hardware=hardware, ring_ranks=t) if sp else 0.0)
+        backward += collective_seconds(activation, span=t, hardware=hardware, ring_ranks=t)
     return forward, backward
 
 
@@ -242,14 +242,15 @@ def _dp_parts(params: float, ranks: int, zero_stage: int, m: int, element: int, 
     grads = 4 * params
     per_step = zero_stage < 2
     reduce = collective_seconds((2 if per_step else m) * ring * grads, span=span, hardware=hardware,
-                                count=buckets * (1 if per_step else m))
+                                count=buckets * (1 if per_step else m), ring_ranks=ranks)
     gather_after = gather_during = 0.0
     gather_bytes = element * params - (element - 1) * fp8_gathered
     if zero_stage in (1, 2):
-        gather_after = collective_seconds(ring * gather_bytes, span=span, hardware=hardware, count=buckets)
+        gather_after = collective_seconds(ring * gather_bytes, span=span, hardware=hardware, count=buckets,
+                                           ring_ranks=ranks)
     elif zero_stage == 3:
         gather_during = collective_seconds(2 * m * ring * gather_bytes, span=span, hardware=hardware,
-                                           count=2 * m * buckets)
+                                           count=2 * m * buckets, ring_ranks=ranks)
     return reduce, gather_after, gather_during
 
 
