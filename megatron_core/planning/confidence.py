@@ -110,12 +110,19 @@ def how_sure(chosen, plans: list, hardware_name: str, *, names: int = 4) -> str:
         return text + "and no fitting layout with another tp, pp or cp is predicted within that of the fastest: " \
                       "the choice of these axes is firm."
     fastest = min((plan for plan in plans if plan.fits), key=lambda plan: plan.step_seconds)
-    listed = ", ".join(f"{layout_name(plan)} ({100 * (plan.step_seconds / fastest.step_seconds - 1):+.1f}%)"
-                       for plan in others[:names])
+    listed = ", ".join(f"{layout_name(plan)} ({_versus(plan, fastest)})" for plan in others[:names])
     more = f" and {len(others) - names} more" if len(others) > names else ""
     return (text + f"so {len(others)} other tp/pp/cp choice{'s are' if len(others) > 1 else ' is'} within the "
             f"model's error of the fastest: {listed}{more} (vs the fastest). The model cannot rank these; time a "
             "few steps of each to choose.")
+
+
+def _versus(plan, fastest) -> str:
+    """``plan``'s predicted step time against the fastest's: ``+4.7%``, or ``the fastest`` itself (when the
+    tolerance chose a simpler layout)."""
+    if plan.step_seconds == fastest.step_seconds:
+        return "the fastest"
+    return f"{100 * (plan.step_seconds / fastest.step_seconds - 1):+.1f}%"
 
 
 def memory_note(chosen, plans: list, budget_bytes: float) -> str:

@@ -200,6 +200,11 @@ def test_how_sure_is_the_published_runs_error_and_names_the_layouts_inside_it():
     fastest = min(plan.step_seconds for plan in plans if plan.fits)
     assert all(plan.step_seconds <= fastest * (1 + error.spread) for plan in inside)
     assert "tp2 pp1 dp32" in how_sure(plans[0], plans, "a100", names=len(inside))
+    seven = NARAYANAN_2021[2]  # 7.5B, reduction overlapped: tp 2 pp 1 chosen within 3% of the fastest tp 1 pp 2
+    plans = rank_plans(seven.config(), seven.workload(), hardware_from_profile("a100", num_devices=seven.gpus),
+                       space=NARAYANAN_2021_SPACE)
+    assert plans[0].step_seconds > min(plan.step_seconds for plan in plans if plan.fits)
+    assert "tp1 pp2 dp64 vpp2 Z0 full (the fastest)" in how_sure(plans[0], plans, "a100")
     single = rank_plans(run.config(), run.workload(), hardware_from_profile("a100", num_devices=1))
     assert "the choice of these axes is firm" in how_sure(single[0], single, "a100")
 
