@@ -240,15 +240,16 @@ class Bucket:
         if scale != 1.0:
             self.grad_data.mul_(scale)
         self._op = op
-        if self.reduce_scatter and (self.dp_size == 1 or self.p2p_collectives):
-            # this rank's shard of the bucket, reduced in place (a view, read once the work completes)
+        if self.reduce_scatter:
+            # this rank's shard of the bucket, reduced in place (a view, read once the work completes): no
+            # receive buffer beside the bucket, as Megatron-LM's reduce-scatter into its shard of grad_data
+            # (NCCL's in-place form: output == input + rank * count; gloo's gives the same sums)
             self._recv = self.grad_data[self.shard_lo:self.shard_lo + self.shard_size]
-            if self.dp_size > 1:
+            if self.dp_size > 1 and self.p2p_collectives:
                 self._grad_work = reduce_scatter_p2p(self.grad_data, self.dp_group)
-        elif self.reduce_scatter:
-            self._recv = torch.empty(self.shard_size, dtype=self.kind.grad_dtype, device=self.device)
-            self._grad_work = dist.reduce_scatter_single(self._recv, self.grad_data, op=op,
-                                                         group=self.dp_group, async_op=True)
+            elif self.dp_size > 1:
+                self._grad_work = dist.reduce_scatter_single(self._recv, self.grad_data, op=op,
+                                                             group=self.dp_group, async_op=True)
         elif self.dp_size > 1:
             self._grad_work = dist.all_reduce(self.grad_data, op=op, group=self.dp_group, async_op=True)
         self.launched, self.dirty = True, False

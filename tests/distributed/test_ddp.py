@@ -307,3 +307,36 @@ def test_lazily_zeroed_grad_buffers_read_zero_for_parameters_without_a_grad(dist
         assert first[0].abs().sum() > 0 and torch.equal(second[0], torch.zeros_like(second[0])), stage
         torch.testing.assert_close(third[0], first[0], rtol=0, atol=0)  # accumulation starts from zero again
         torch.testing.assert_close(third[1], first[1], rtol=0, atol=0)
+
+
+def _reduce_scatter_targets(stage: int):
+    """(output is the rank's slice of the bucket's own storage, output numel) of each native reduce-scatter."""
+    state = initialize_model_parallel()
+    torch.manual_seed(0)
+    ddp = DistributedDataParallel(Net(), config=DistributedDataParallelConfig(
+        zero_stage=stage, bucket_size=100, p2p_collectives=False), dp_group=state.dp_group)
+    original, seen = dist.reduce_scatter_single, []
+
+    def record(output, input, *args, **kwargs):
+        same = output.untyped_storage().data_ptr() == input.untyped_storage().data_ptr()
+        offset = (output.data_ptr() - input.data_ptr()) // output.element_size()
+        seen.append((same and offset == state.dp_rank * output.numel(), output.numel()))
+        return original(output, input, *args, **kwargs)
+
+    x, y = net_batch(0)
+    dist.reduce_scatter_single = record
+    try:
+        F.mse_loss(ddp(x), y).backward()
+        ddp.finish_grad_sync()
+    finally:
+        dist.reduce_scatter_single = original
+    return seen
+
+
+def test_native_reduce_scatter_writes_into_the_buckets_own_shard(distributed):
+    """ZeRO 1-2 on NCCL's path reduce-scatter each bucket in place, into this rank's slice of the bucket (as
+    Megatron-LM does): no receive buffer of a shard's size per bucket in flight (a 70B dry run held seven,
+    0.4 GiB, at its peak before)."""
+    for stage in (1, 2):
+        for seen in distributed(2, _reduce_scatter_targets, stage):
+            assert seen and all(in_place for in_place, _ in seen), seen
