@@ -11,8 +11,9 @@ What those runs could use is the planner's ``SearchSpace`` for them: ZeRO 0 (no 
 full recompute, no sequence or context parallelism (both came later), interleaving allowed, and attention
 without flash (the softmax's ``s^2`` scores materialized). Their data-parallel all-reduce did not overlap the
 backward: Megatron-LM's ``train_step`` of the time called ``allreduce_gradients()`` after the last micro-batch's
-backward (``--overlap-grad-reduce`` came in 2023), so they are planned on the A100 profile with
-``comm_overlap=0`` (``PublishedRun.hardware``).
+backward ("the communication in local DDP doesn't" overlap it, NVIDIA/Megatron-LM#428; ``--overlap-grad-reduce``
+came in September 2023, #391), so they are planned on the A100 profile with ``comm_overlap=0``
+(``PublishedRun.hardware``).
 """
 from __future__ import annotations
 
