@@ -53,8 +53,9 @@ class DistributedDataParallelConfig:
     parameter shard goes to every other rank, straight into its slot. None (default) picks them on gloo, whose
     collectives cost several times the same bytes point to point (14 MB over 2 ranks: reduce-scatter 16.0 ms
     wall / 10.1 ms CPU, all-gather 10.3 / 9.1 ms, a pairwise exchange 2.2 / 1.8 ms). A reduce-scatter holds
-    (dp - 1)/dp of the bucket in receive buffers while in flight (gloo's and NCCL's: 1/dp). NCCL keeps its
-    own collectives. Stage 0 all-reduces with the backend's all-reduce either way."""
+    (dp - 1)/dp of the bucket in receive buffers while in flight (gloo's and NCCL's own reduce into the rank's
+    slice of the bucket: none). NCCL keeps its own collectives. Stage 0 all-reduces with the backend's
+    all-reduce either way."""
 
     reshard_after_forward: bool = True
     """Stage 3: free each unit's gathered parameters after its forward and gather them again for its backward
