@@ -12,7 +12,8 @@ Every number is one a user can check against a spec sheet or a benchmark:
 - ``memory_bandwidth_gbps``: HBM (or DRAM) bandwidth, which bounds the element-wise ops (norms, activations,
   residuals, rope, dropout, the loss's softmax, the optimizer step).
 - ``intra_node_bandwidth_gbps`` / ``inter_node_bandwidth_gbps``: the bus bandwidth of a collective inside a
-  node (NVLink) and per device between nodes (InfiniBand), each with a per-message ``latency_us``.
+  node (NVLink) and per device between nodes (InfiniBand), each with a per-message ``latency_us``; a ring
+  collective between nodes also pays ``ring_step_latency_us`` / ``net_step_latency_us`` per step.
 - ``layer_overhead_us``: the fixed time of one layer's forward plus backward per micro-batch that no FLOP or
   byte explains (kernel launches, dispatch); about 1.5 ms on this CPU, 100 us assumed on a GPU.
 - ``comm_overlap``: the fraction of data-parallel traffic that runs under backward compute (1 where
@@ -47,6 +48,11 @@ class Hardware:
     """Device memory bandwidth, GB/s; 0 leaves the element-wise ops out of the step time."""
     intra_node_latency_us: float = 0.0
     inter_node_latency_us: float = 0.0
+    ring_step_latency_us: float = 0.0
+    """Per step of a ring collective between nodes: a step inside a node (NVLink)..."""
+    net_step_latency_us: float = 0.0
+    """...and a step that crosses to the next node (``layer_cost.ring_steps_seconds``; NCCL's own tuning model,
+    ``hwLat`` of Ring/Simple: 3.4 and 14 us)."""
     layer_overhead_us: float = 0.0
     """Fixed seconds (x 1e-6) of one layer's forward + backward per micro-batch beyond its FLOPs and bytes."""
     comm_overlap: float = 0.0
@@ -62,7 +68,8 @@ class Hardware:
 # which a ring reaches ~90%). Large-GEMM efficiency: cuBLAS bf16 at 8192^3 reaches ~0.8 of peak on A100 and
 # ~0.7 on H100/H200/B200 (public cuBLAS/torch.matmul benchmarks).
 _GPU = MappingProxyType(dict(layer_overhead_us=100, comm_overlap=1.0, intra_node_latency_us=8,
-                            inter_node_latency_us=25, inter_node_bandwidth_gbps=45, pcie_bandwidth_gbps=50))
+                            inter_node_latency_us=25, inter_node_bandwidth_gbps=45, pcie_bandwidth_gbps=50,
+                            ring_step_latency_us=3.4, net_step_latency_us=14.0))
 _H100 = MappingProxyType(dict(_GPU, name="h100", memory_per_device_gb=80, peak_tflops=989, fp8_peak_tflops=1979,
                               compute_efficiency=0.7, gemm_half_dim=96, memory_bandwidth_gbps=3350,
                               intra_node_bandwidth_gbps=450))

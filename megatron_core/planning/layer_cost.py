@@ -21,6 +21,7 @@ write, read). Backward: twice the forward's GEMMs and bytes. Tensor-parallel tra
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from megatron_core.config import TransformerConfig
 from megatron_core.planning.hardware import Hardware, gemm_efficiency
@@ -40,7 +41,7 @@ class ForwardCost:
 
 
 def collective_seconds(volume_bytes: float, *, span: int, hardware: Hardware, count: int = 1,
-                       ring_ranks: int = 0) -> float:
+                       ring_ranks: int = 0, steps: str = "") -> float:
     """``count`` collectives moving ``volume_bytes`` per rank in total over a group spanning ``span``
     consecutive ranks: latency plus bytes over the link's bus bandwidth.
 
@@ -51,7 +52,10 @@ def collective_seconds(volume_bytes: float, *, span: int, hardware: Hardware, co
     same NICs (NVIDIA/nccl#1168), ~320 GB/s on 8 x 400 Gb/s H100 nodes (nccl#1221), "up to the NVLink
     bandwidth" with a NIC per GPU (nccl#412). Point-to-point traffic (pp sends, cp's ring, all-to-all) leaves
     it 0: each rank's bytes cross on its own NIC. A group whose span is not whole nodes (tp 6) has a node with
-    fewer ranks (as few as one): it keeps one device's bandwidth."""
+    fewer ranks (as few as one): it keeps one device's bandwidth.
+
+    ``steps`` (``"all_reduce"`` or ``"gather"``: all-gather / reduce-scatter), with ``ring_ranks``: each of the
+    ``count`` collectives between nodes also pays its steps' latency (``ring_steps_seconds``)."""
     if volume_bytes <= 0:
         return 0.0
     intra = span <= hardware.devices_per_node and hardware.devices_per_node % span == 0  # else it straddles nodes
@@ -60,7 +64,23 @@ def collective_seconds(volume_bytes: float, *, span: int, hardware: Hardware, co
         rails = max(1, ring_ranks * hardware.devices_per_node // span)  # the group's ranks on each node
         gbps = min(hardware.intra_node_bandwidth_gbps, rails * hardware.inter_node_bandwidth_gbps)
     latency = hardware.intra_node_latency_us if intra else hardware.inter_node_latency_us
+    if steps and not intra and ring_ranks and span % hardware.devices_per_node == 0:
+        latency += 1e6 * ring_steps_seconds(hardware, ring_ranks, span // hardware.devices_per_node,
+                                            all_reduce=steps == "all_reduce")
     return count * latency * 1e-6 + volume_bytes / (gbps * 1e9)
+
+
+def ring_steps_seconds(hardware: Hardware, ranks: int, nodes: int, *, all_reduce: bool) -> float:
+    """The step latency of one collective of ``ranks`` over ``nodes`` nodes, as NCCL's tuning model counts it
+    (``tuning.cc``): a ring all-gather or reduce-scatter takes ``ranks - 1`` steps, ``nodes - 1`` of them over
+    the network; an all-reduce the ring's twice that, or the tree's ``2 (ranks per node - 1)`` NVLink and
+    ``2 log2(nodes)`` network steps, whichever is less (the tree, across nodes)."""
+    a, b = hardware.ring_step_latency_us, hardware.net_step_latency_us
+    ring = (ranks - nodes) * a + (nodes - 1) * b
+    if all_reduce:
+        tree = 2 * ((ranks // nodes - 1) * a + math.ceil(math.log2(nodes)) * b)
+        return 1e-6 * min(2 * ring, tree)
+    return 1e-6 * ring
 
 
 def _gemm_seconds(flops: float, hardware: Hardware, *dims: float) -> float:

@@ -242,15 +242,16 @@ def _dp_parts(params: float, ranks: int, zero_stage: int, m: int, element: int, 
     grads = 4 * params
     per_step = zero_stage < 2
     reduce = collective_seconds((2 if per_step else m) * ring * grads, span=span, hardware=hardware,
-                                count=buckets * (1 if per_step else m), ring_ranks=ranks)
+                                count=buckets * (1 if per_step else m), ring_ranks=ranks,
+                                steps="all_reduce" if zero_stage == 0 else "gather")
     gather_after = gather_during = 0.0
     gather_bytes = element * params - (element - 1) * fp8_gathered
     if zero_stage in (1, 2):
         gather_after = collective_seconds(ring * gather_bytes, span=span, hardware=hardware, count=buckets,
-                                           ring_ranks=ranks)
+                                           ring_ranks=ranks, steps="gather")
     elif zero_stage == 3:
         gather_during = collective_seconds(2 * m * ring * gather_bytes, span=span, hardware=hardware,
-                                           count=2 * m * buckets, ring_ranks=ranks)
+                                           count=2 * m * buckets, ring_ranks=ranks, steps="gather")
     return reduce, gather_after, gather_during
 
 

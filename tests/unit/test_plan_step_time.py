@@ -261,3 +261,21 @@ def test_published_runs_reduce_gradients_after_the_backward():
     overlapped = plan_layout(run.config(), run.workload(), hardware_from_profile("a100", num_devices=run.gpus),
                              run.layout())
     assert run.plan().time.parts["dp"] > overlapped.time.parts["dp"]
+
+
+def test_ring_steps_between_nodes_follow_nccls_tuning_model():
+    """NCCL's tuning model (Ring/Simple: 3.4 us an NVLink step, 14 us a network step): an all-gather over 512
+    ranks on 64 nodes takes 448 + 63 steps; an all-reduce takes the tree's 2 (7 + 6) when that is less than the
+    ring's twice. The data-parallel collectives pay it; inside a node, or on a profile without it, nothing."""
+    from megatron_core.planning.layer_cost import collective_seconds, ring_steps_seconds
+    h100 = hardware_from_profile("h100", num_devices=512)
+    assert ring_steps_seconds(h100, 512, 64, all_reduce=False) == pytest.approx((448 * 3.4 + 63 * 14) * 1e-6)
+    assert ring_steps_seconds(h100, 512, 64, all_reduce=True) == pytest.approx(2 * (7 * 3.4 + 6 * 14) * 1e-6)
+    assert ring_steps_seconds(h100, 16, 2, all_reduce=True) == pytest.approx(2 * (7 * 3.4 + 14) * 1e-6)
+    gather = collective_seconds(1.0, span=512, hardware=h100, ring_ranks=512, steps="gather")
+    assert gather == pytest.approx(25e-6 + (448 * 3.4 + 63 * 14) * 1e-6, rel=1e-3)
+    assert collective_seconds(1.0, span=8, hardware=h100, ring_ranks=8, steps="gather") == pytest.approx(8e-6,
+                                                                                                         rel=1e-3)
+    custom = dataclasses.replace(h100, ring_step_latency_us=0.0, net_step_latency_us=0.0)
+    assert collective_seconds(1.0, span=512, hardware=custom, ring_ranks=512, steps="gather") == \
+        pytest.approx(25e-6, rel=1e-3)
