@@ -60,27 +60,25 @@ def collective_seconds(volume_bytes: float, *, span: int, hardware: Hardware, co
         return 0.0
     intra = span <= hardware.devices_per_node and hardware.devices_per_node % span == 0  # else it straddles nodes
     gbps = hardware.intra_node_bandwidth_gbps if intra else hardware.inter_node_bandwidth_gbps
-    if not intra and ring_ranks and span % hardware.devices_per_node == 0:
-        rails = max(1, ring_ranks * hardware.devices_per_node // span)  # the group's ranks on each node
-        gbps = min(hardware.intra_node_bandwidth_gbps, rails * hardware.inter_node_bandwidth_gbps)
     latency = hardware.intra_node_latency_us if intra else hardware.inter_node_latency_us
-    if steps and not intra and ring_ranks and span % hardware.devices_per_node == 0:
-        latency += 1e6 * ring_steps_seconds(hardware, ring_ranks, span // hardware.devices_per_node,
-                                            all_reduce=steps == "all_reduce")
+    if not intra and ring_ranks and span % hardware.devices_per_node == 0:  # a ring over whole nodes
+        nodes = span // hardware.devices_per_node
+        rails = max(1, ring_ranks // nodes)  # the group's ranks on each node
+        gbps = min(hardware.intra_node_bandwidth_gbps, rails * hardware.inter_node_bandwidth_gbps)
+        if steps:
+            latency += 1e6 * ring_steps_seconds(hardware, ring_ranks, nodes, all_reduce=steps == "all_reduce")
     return count * latency * 1e-6 + volume_bytes / (gbps * 1e9)
 
 
 def ring_steps_seconds(hardware: Hardware, ranks: int, nodes: int, *, all_reduce: bool) -> float:
     """The step latency of one collective of ``ranks`` over ``nodes`` nodes, as NCCL's tuning model counts it
     (``tuning.cc``): a ring all-gather or reduce-scatter takes ``ranks - 1`` steps, ``nodes - 1`` of them over
-    the network; an all-reduce the ring's twice that, or the tree's ``2 (ranks per node - 1)`` NVLink and
-    ``2 log2(nodes)`` network steps, whichever is less (the tree, across nodes)."""
+    the network; an all-reduce the tree's ``2 (ranks per node - 1)`` NVLink and ``2 log2(nodes)`` network steps
+    (across two or more nodes never more than the ring's twice ``ranks - 1``, so NCCL's latency is the tree's)."""
     a, b = hardware.ring_step_latency_us, hardware.net_step_latency_us
-    ring = (ranks - nodes) * a + (nodes - 1) * b
     if all_reduce:
-        tree = 2 * ((ranks // nodes - 1) * a + math.ceil(math.log2(nodes)) * b)
-        return 1e-6 * min(2 * ring, tree)
-    return 1e-6 * ring
+        return 1e-6 * 2 * ((ranks // nodes - 1) * a + math.ceil(math.log2(nodes)) * b)
+    return 1e-6 * ((ranks - nodes) * a + (nodes - 1) * b)
 
 
 def _gemm_seconds(flops: float, hardware: Hardware, *dims: float) -> float:
