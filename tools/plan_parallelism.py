@@ -6,10 +6,13 @@
 
 Model and batch flags are pretrain_gpt.py's (parsed by ``megatron_core.training.arguments``); layout flags
 given there (tp, pp, cp, SP, ZeRO, recompute) are ignored: every valid layout is tried (tp x pp x cp x dp x
-vpp in {1, 2} x ZeRO 0-3 x SP x recompute none/selective/full; cp where --seq-length divides by 2 cp, with the
+vpp in {1, 2} x ZeRO 0-3 x SP x recompute none/selective/full; pp where --num-layers divides evenly, or with the
+embedding and loss counted as layers where only that divides (--account-for-embedding/loss-in-pipeline-split);
+cp where --seq-length divides by 2 cp, with the
 --cp-comm-type given, p2p by default; with --num-experts every --expert-model-parallel-size dividing the
 experts, --expert-tensor-parallel-size 1 or tp, ep x etp dividing tp x cp x dp, experts' states sharded over expert-dp,
-the MoE activations and the ep all-to-all/all-gather traffic counted). Memory: parameters, fp32 grads, fp32 masters and
+the MoE activations and the ep all-to-all/all-gather traffic counted). Memory: parameters, grads (fp32, or bf16
+with --grad-reduce-in-bf16), fp32 masters and
 Adam states per ZeRO stage, activations per Korthikanti et al. with SP, recompute and the micro-batches in
 flight on the fullest pipeline stage (``megatron_core.planning``). Time: hardware FLOPs (recompute included)
 over peak x --compute-efficiency, tp/cp/pp/dp volumes over the link bandwidths, bubble (p-1)/(v m).
@@ -44,7 +47,8 @@ LAYOUT_FLAGS = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size"
                 "--sequence-parallel",
                 "--zero-stage", "--use-distributed-optimizer", "--data-parallel-sharding-strategy",
                 "--recompute-granularity", "--recompute-method", "--recompute-num-layers",
-                "--num-layers-per-virtual-pipeline-stage")
+                "--num-layers-per-virtual-pipeline-stage", "--num-virtual-stages-per-pipeline-rank",
+                "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split")
 
 
 def _planner_parser() -> argparse.ArgumentParser:
@@ -139,7 +143,11 @@ def _layout_flags(plan: Plan, *, moe: bool = False) -> list[str]:
         flags += ["--expert-model-parallel-size", str(layout.ep)]
     if layout.etp > 1 or (moe and layout.tp > 1):
         flags += ["--expert-tensor-parallel-size", str(layout.etp)]
-    if layout.vpp:
+    if layout.embedding_loss_split:
+        flags += ["--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"]
+    if layout.vpp and layout.embedding_loss_split:  # the chunks' layer counts differ: name the chunk count
+        flags += ["--num-virtual-stages-per-pipeline-rank", str(layout.vpp)]
+    elif layout.vpp:
         flags += ["--num-layers-per-virtual-pipeline-stage", "LAYERS_PER_CHUNK"]
     if layout.sequence_parallel:
         flags.append("--sequence-parallel")
@@ -158,7 +166,7 @@ def torchrun_command(plan: Plan, model_argv: list[str], *, num_devices: int, dev
     per_node = min(num_devices, devices_per_node)
     nodes = -(-num_devices // per_node)
     flags = _layout_flags(plan, moe="--num-experts" in model_argv)
-    if plan.layout.vpp:
+    if "LAYERS_PER_CHUNK" in flags:
         flags[flags.index("LAYERS_PER_CHUNK")] = str(num_layers // (plan.layout.pp * plan.layout.vpp))
     launcher = ["torchrun", "--nnodes", str(nodes), "--nproc-per-node", str(per_node)]
     if nodes > 1:
@@ -193,7 +201,8 @@ def _rank(options: argparse.Namespace, args: argparse.Namespace) -> tuple[Worklo
                         global_batch_size=args.global_batch_size or args.micro_batch_size * options.num_devices,
                         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
                         optimizer_state_bytes=8 if args.optimizer == "adam" else 4, mask_bytes=options.mask_bytes,
-                        flash_attention=not options.no_flash_attention)
+                        flash_attention=not options.no_flash_attention,
+                        grad_bytes=2 if args.grad_reduce_in_bf16 and (args.bf16 or args.fp16) else 4)
     machine = hardware(options)
     return workload, rank_plans(base, workload, machine, space=search_space(options),
                                 tolerance=options.tolerance), machine

@@ -2,15 +2,15 @@
 that error cannot tell apart from the chosen layout.
 
 The evidence is the published runs of ``planning.published``, planned at the layout their authors used and
-set against what they measured: Narayanan et al. 2021's ten GPT models on A100s, and Megatron-Bridge's
-Llama-3 8B FP8 on H100s. ``measured / predicted`` step time (= predicted / measured TFLOP/s) over those runs
-spans ``low`` to ``high``. A ranking compares two predictions, and each can be off anywhere in that range,
-so two layouts whose predicted times differ by less than ``high / low - 1`` (the **spread**) are not told
+set against what they measured: Narayanan et al. 2021's ten GPT models on A100s, and Megatron-Bridge's three
+Llama-3 FP8 recipes (8B, 70B, 405B) on H100s. ``measured / predicted`` step time (= predicted / measured
+TFLOP/s) over a profile's runs spans ``low`` to ``high``. A ranking compares two predictions, and each can be
+off anywhere in that range, so two layouts whose predicted times differ by less than ``high / low - 1`` (the **spread**) are not told
 apart by the model: only timing a few steps of each would. A constant error (every prediction 5% fast)
 would not change the ranking; the spread is what can.
 
-Profiles without published runs of their own (H200 shares H100's compute and links; B200; a JSON from
-``--calibrate``) are reported against the A100 evidence, and say so.
+H200 shares H100's compute and links and is reported against the H100 runs; profiles without published runs
+of their own (B200, a JSON from ``--calibrate``) against the A100 runs (the largest set), and say so.
 
 Memory has its own error: the predicted peak is held within ``MEMORY_MARGIN`` (10%) of the measured one by
 the tests (``tests/distributed/test_planner.py``: real CPU steps; ``tests/dryrun/test_dry_run.py``: dry runs of
@@ -56,22 +56,22 @@ def _narayanan_2021() -> ModelError:
 
 
 @functools.lru_cache(maxsize=None)
-def _llama3_8b_fp8_h100() -> ModelError:
-    from megatron_core.planning.published import LLAMA3_8B_FP8_TFLOPS_PER_H100, llama3_8b_fp8_plan
-    ratio = llama3_8b_fp8_plan().tflops_per_device / LLAMA3_8B_FP8_TFLOPS_PER_H100
-    return ModelError(ratio, ratio, 1, "h100", "Megatron-Bridge, Llama-3 8B FP8")
+def _megatron_bridge_h100() -> ModelError:
+    from megatron_core.planning.published import MEGATRON_BRIDGE_H100
+    ratios = [run.measured_step_seconds / run.plan().step_seconds for run in MEGATRON_BRIDGE_H100]
+    return ModelError(min(ratios), max(ratios), len(ratios), "h100", "Megatron-Bridge's Llama-3 FP8 recipes")
 
 
 def model_error(hardware_name: str) -> tuple[ModelError, str]:
-    """(the evidence for a profile named ``hardware_name``, a note on how it applies). The spread always comes
-    from the A100 runs (the only set with more than one run); H100 adds its one run's ratio."""
+    """(the evidence for a profile named ``hardware_name``, a note on how it applies): a profile's own
+    published runs (a100, h100; h200 takes h100's), else the A100 runs."""
     a100 = _narayanan_2021()
     name = hardware_name.lower()
     if name == "a100":
         return a100, ""
-    if name == "h100":
-        h100 = _llama3_8b_fp8_h100()
-        return a100, f"on h100 the one published run gives {h100.low:.2f}"
+    if name in ("h100", "h200"):
+        note = "" if name == "h100" else "H200 has H100's compute and links: the H100 runs are the nearest"
+        return _megatron_bridge_h100(), note
     if name in PROFILES:
         return a100, f"no published run on {hardware_name}: the A100 evidence is the nearest"
     return a100, (f"{hardware_name} is not a shipped profile: the A100 evidence is shown; a calibrated machine's "

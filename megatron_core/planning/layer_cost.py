@@ -8,15 +8,28 @@ parallelism for the norms and residuals), with ``q = a d`` query and ``k = g d``
     proj  2 T q h / t                          (T, q / t, h)
     fc1   2 T h f_in / t                       (T, h, f_in / t)     f_in = 2 f gated (SwiGLU), else f
     fc2   2 T f h / t                          (T, f / t, h)
-    core  4 b (a / t) (s / c) s d              (s / c, s, d)        the FLOPs formula's full s^2 (as MFU's)
+    core  4 b (a / t) (s / c) s d              (s / c, s, d)        the FLOPs formula's full s^2 (as MFU's);
+                                                                    half of it with flash attention (causal)
 
 An MoE layer replaces fc1/fc2 by its experts (each rank's experts see ``etp T topk`` assignments, per expert
 ``ep etp T topk / E``: few tokens, low efficiency) and the shared expert; multi-latent attention's linears
 take the FLOPs of ``training.metrics.attention_flops_ratio``. Element-wise bytes per forward: two norms and
 two bias-dropout-adds (``10 h`` per token and element, plus dropout masks), rope on q and k, the activation
 (``f_in + f``), the MoE permutation; without flash attention the softmax's ``s^2`` scores (write, read,
-write, read). Backward: twice the forward's GEMMs and bytes. Tensor-parallel traffic: the two all-reduces
-(or all-gather + reduce-scatter pairs under SP) of ``[T, h]`` forward, two backward.
+write, read). Backward: twice the forward's GEMMs and bytes; core attention's is 2.5 times its forward with
+flash attention, which recomputes the scores (``attention_backward_ratio``).
+
+Flash attention with the causal mask computes only the score tiles on or below the diagonal, ``s (s + 1) / 2``
+of the ``s^2`` query-key pairs, and skips the rest (FlashAttention-2, Dao 2023, which counts causal FLOPs at
+half; torch's CPU kernel too: causal takes 0.63x the time of unmasked forward, 0.67x forward + backward, at
+s 2048 here; with cp's load-balanced split each rank's share is also half), so its time is that of half the
+formula's FLOPs. Its backward runs five GEMMs to the forward's two (``Q K^T`` again, ``dV``, ``dP``, ``dQ``,
+``dK``): 2.5 times the forward's FLOPs (the FlashAttention-2 paper's count). Without
+flash attention the unfused path computes every score and masks them after (``baddbmm`` then the masked
+softmax), and backward reuses the saved probabilities: the full ``s^2``, backward twice the forward.
+
+Tensor-parallel traffic: the two all-reduces (or all-gather + reduce-scatter pairs under SP) of ``[T, h]``
+forward, two backward.
 """
 from __future__ import annotations
 
@@ -26,6 +39,11 @@ import math
 from megatron_core.config import TransformerConfig
 from megatron_core.planning.hardware import Hardware, gemm_efficiency
 from megatron_core.training.metrics import attention_flops_ratio
+
+
+def attention_backward_ratio(flash: bool) -> float:
+    """Core attention's backward over its forward: 2.5 with flash attention (the scores recomputed), else 2."""
+    return 2.5 if flash else 2.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,6 +208,8 @@ def layer_forward_cost(config: TransformerConfig, hardware: Hardware, *, micro_b
     else:
         d = config.kv_channels
         core_flops = 4.0 * config.num_attention_heads / t * tokens * seq_length * d
+    if flash:
+        core_flops /= 2  # causal: the tiles above the diagonal are skipped
     attention = _gemm_seconds(core_flops, hardware, tokens / micro_batch_size, seq_length, d)
     elementwise = bytes_seconds(_elementwise_bytes(config, tokens, t, flash=flash, moe_layer=moe_layer,
                                                     micro_batch_size=micro_batch_size, seq_length=seq_length,
@@ -222,5 +242,5 @@ def output_layer_forward_seconds(config: TransformerConfig, hardware: Hardware, 
     return gemm, bytes_seconds(tokens * vocab * (element_bytes(config) + 3 * 4), hardware)
 
 
-__all__ = ["ForwardCost", "collective_seconds", "element_bytes", "elementwise_layer_bytes", "layer_forward_cost",
-           "output_layer_forward_seconds", "bytes_seconds"]
+__all__ = ["ForwardCost", "attention_backward_ratio", "collective_seconds", "element_bytes", "elementwise_layer_bytes",
+           "layer_forward_cost", "output_layer_forward_seconds", "bytes_seconds"]

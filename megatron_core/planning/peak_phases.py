@@ -67,6 +67,8 @@ class StageMoments:
     """The stage's largest MLP backward (``mlp_backward``); None: no layers."""
     param_grad: float = 0.0
     """Autograd's grad of the largest parameter (part of ``layer_transient``)."""
+    grad_bytes: int = 4
+    """Per element of a gradient bucket (``Workload.grad_bytes``)."""
 
 
 def loss_bytes(config: TransformerConfig, moments: StageMoments) -> float:
@@ -83,7 +85,7 @@ def output_layer_bytes(config: TransformerConfig, moments: StageMoments) -> floa
     backward = gathered + e * weight + e * moments.tokens * config.hidden_size
     if moments.zero_stage < 2:
         return backward
-    return max(backward, gathered + e * weight + 4 * weight - loss_bytes(config, moments))
+    return max(backward, gathered + e * weight + moments.grad_bytes * weight - loss_bytes(config, moments))
 
 
 def embedding_bytes(config: TransformerConfig, moments: StageMoments) -> float:
@@ -91,8 +93,8 @@ def embedding_bytes(config: TransformerConfig, moments: StageMoments) -> float:
     if not moments.first:
         return 0.0
     e, table = element_bytes(config), moments.vocab_shard * config.hidden_size
-    held = e * table + (4 * table if moments.zero_stage >= 2 else 0.0) + (e * table if moments.zero_stage == 3
-                                                                           else 0.0)
+    grad = moments.grad_bytes * table if moments.zero_stage >= 2 else 0.0
+    held = e * table + grad + (e * table if moments.zero_stage == 3 else 0.0)
     return held - moments.microbatch_bytes
 
 

@@ -21,6 +21,7 @@ import itertools
 from typing import Iterator, Optional
 
 from megatron_core.config import TransformerConfig
+from megatron_core.pipeline_parallel.layout import split_chunk_counts
 from megatron_core.planning.activations import ActivationShape, in_flight_microbatches, stage_activation_bytes
 from megatron_core.planning.choose import choose_plan
 from megatron_core.planning.fp8 import fp8_layers_on_stage
@@ -60,6 +61,9 @@ class Workload:
     make_vocab_size_divisible_by: int = 128
     optimizer_state_bytes: int = 8
     """Per parameter: 8 for Adam's two fp32 moments, 4 for SGD momentum."""
+    grad_bytes: int = 4
+    """Per gradient element: 4 (fp32 main grads, reduced in fp32: the default), 2 with ``--grad-reduce-in-bf16``
+    (grads kept and reduced in the 16-bit dtype, as Megatron-Bridge's performance recipes run)."""
     mask_bytes: int = 1
     """Per dropout-mask element: 1 on CUDA, the activation's element size on the CPU."""
     flash_attention: bool = True
@@ -85,6 +89,11 @@ class Layout:
     any size dividing the expert hidden size with ep x etp dividing tp x cp x dp)."""
     zero_bubble: bool = False
     """The zero-bubble pipeline schedule (ZB-H1, ``--zero-bubble``; pp > 1, no vpp)."""
+    embedding_loss_split: bool = False
+    """The embedding and the loss each count as a layer in the pipeline split (``--account-for-embedding-in-
+    pipeline-split --account-for-loss-in-pipeline-split``; ``layout.split_chunk_counts``): the first and last
+    model chunks hold one transformer layer fewer. The search uses it where no even split exists (Llama-3.1
+    405B's 126 layers on pp 8 x vpp 8, as Megatron-Bridge's recipe)."""
 
     @property
     def dp_cp(self) -> int:
@@ -135,13 +144,16 @@ class Plan:
 
 
 def layout_config(base: TransformerConfig, layout: Layout) -> TransformerConfig:
-    """``base`` with the layout's parallel sizes, sequence parallelism and recompute."""
+    """``base`` with the layout's parallel sizes, sequence parallelism, recompute and pipeline split."""
     recompute = dict(recompute_granularity=layout.recompute, recompute_method=None, recompute_num_layers=None)
     if layout.recompute == "full":
         recompute.update(recompute_method="uniform", recompute_num_layers=1)
     elif layout.recompute is None and base.recompute_granularity == "full":
         recompute.update(recompute_granularity="full", recompute_method=base.recompute_method,
                          recompute_num_layers=base.recompute_num_layers)
+    if layout.embedding_loss_split:
+        split = split_chunk_counts(base.num_layers, layout.pp, layout.vpp or 1, embedding=True, loss=True)
+        recompute.update(pipeline_model_parallel_layout=split)
     return dataclasses.replace(base, tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
                                virtual_pipeline_model_parallel_size=layout.vpp,
                                context_parallel_size=layout.cp,
@@ -154,16 +166,16 @@ def _sharded_state_bytes(config: TransformerConfig, workload: Workload, *, param
     master_and_states = (4 if param_bytes == 2 else 0) + workload.optimizer_state_bytes
     sharded_params = params / shards if zero_stage >= 3 else params
     if zero_stage >= 2:
-        grads = 4 * (full_grad + (params - full_grad) / shards)
+        grads = workload.grad_bytes * (full_grad + (params - full_grad) / shards)
     else:
-        grads = 4 * params
+        grads = workload.grad_bytes * params
     states = master_and_states * (params / shards if zero_stage >= 1 else params)
     return param_bytes * sharded_params + grads + states
 
 
 def model_state_bytes(config: TransformerConfig, workload: Workload, *, pp_rank: int, dp: int, zero_stage: int,
                       ep: int = 1, etp: int = 1, instances: int = 1) -> float:
-    """Parameters + gradients (fp32, as the training loop reduces them) + fp32 masters (16-bit models) +
+    """Parameters + gradients (``workload.grad_bytes``: fp32 unless reduced in bf16) + fp32 masters (16-bit models) +
     optimizer states on one rank, sharded by the ZeRO stage: the dense ones over ``dp`` (dp x cp), the
     routed experts over the expert-dp group (``tp x dp / (ep x etp)`` ranks); with ``instances`` distributed
     optimizer instances (``--num-distributed-optimizer-instances``), over 1/instances of those ranks."""
@@ -242,7 +254,7 @@ def rank_peak_extra_bytes(config: TransformerConfig, workload: Workload, *, pp_r
                                             make_vocab_size_divisible_by=workload.make_vocab_size_divisible_by,
                                             pp_rank=pp_rank, zero_stage=zero_stage,
                                             stage_params=params - full_grad + experts, ep=ep, etp=etp,
-                                            layers_only=True)
+                                            layers_only=True, grad_bytes=workload.grad_bytes)
     tokens = shape.local_seq_length * shape.micro_batch_size
     moe_tokens = etp * assignments(config, tokens / (shape.tp if shape.sequence_parallel else 1)) \
         if stage["moe_layers"] else 0.0
@@ -253,7 +265,7 @@ def rank_peak_extra_bytes(config: TransformerConfig, workload: Workload, *, pp_r
                            vocab_shard=stage["padded_vocab_size"] / config.tensor_model_parallel_size,
                            layer_transient=param_grad + zero,
                            microbatch_bytes=microbatch / (config.virtual_pipeline_model_parallel_size or 1),
-                           mlp=mlp, param_grad=param_grad)
+                           mlp=mlp, param_grad=param_grad, grad_bytes=workload.grad_bytes)
     return peak_extra_bytes(config, moments)
 
 
@@ -267,7 +279,7 @@ def rank_transient_bytes(config: TransformerConfig, workload: Workload, *, pp_ra
     return zero_transient_bytes(config, vocab_size=workload.vocab_size,
                                 make_vocab_size_divisible_by=workload.make_vocab_size_divisible_by,
                                 pp_rank=pp_rank, zero_stage=zero_stage, stage_params=params - full_grad + experts,
-                                ep=ep, etp=etp)
+                                ep=ep, etp=etp, grad_bytes=workload.grad_bytes)
 
 
 def plan_layout(base: TransformerConfig, workload: Workload, hardware: Hardware, layout: Layout) -> Plan:
@@ -328,6 +340,8 @@ class SearchSpace:
     max_cp: Optional[int] = None
     interleaving: bool = True
     zero_bubble: bool = False
+    embedding_loss_split: bool = True
+    """Where no even pipeline split exists, count the embedding and loss as layers (``Layout.embedding_loss_split``)."""
 
 
 def valid_layouts(base: TransformerConfig, workload: Workload, num_devices: int,
@@ -342,7 +356,8 @@ def valid_layouts(base: TransformerConfig, workload: Workload, num_devices: int,
         if num_devices % (tp * pp * cp) or (space.max_cp is not None and cp > space.max_cp):
             continue
         dp = num_devices // (tp * pp * cp)
-        if (base.num_attention_heads % tp or base.num_query_groups % tp or base.num_layers % pp
+        split = _pipeline_split(base, pp, space.embedding_loss_split)
+        if (base.num_attention_heads % tp or base.num_query_groups % tp or split is None
                 or workload.global_batch_size % (workload.micro_batch_size * dp)):
             continue
         if cp > 1 and (workload.seq_length % (2 * cp) or (base.cp_comm_type == "a2a" and (
@@ -350,7 +365,7 @@ def valid_layouts(base: TransformerConfig, workload: Workload, num_devices: int,
             continue
         m = workload.global_batch_size // (workload.micro_batch_size * dp)
         schedules = [(None, False)]
-        if pp > 1 and space.interleaving and base.num_layers % (2 * pp) == 0 and m % pp == 0:
+        if pp > 1 and space.interleaving and (base.num_layers + 2 * split) % (2 * pp) == 0 and m % pp == 0:
             schedules.append((2, False))
         if pp > 1 and space.zero_bubble:
             schedules.append((None, True))
@@ -367,7 +382,7 @@ def valid_layouts(base: TransformerConfig, workload: Workload, num_devices: int,
                 continue
             if stage and dp * cp == 1 and (base.moe is None or tp * cp * dp // (ep * etp) == 1):
                 continue  # nothing to shard: every state is on one rank of its group
-            yield Layout(tp, pp, dp, vpp, stage, sp, recompute, cp, ep, etp, zero_bubble=zb)
+            yield Layout(tp, pp, dp, vpp, stage, sp, recompute, cp, ep, etp, zero_bubble=zb, embedding_loss_split=split)
 
 
 def rank_plans(base: TransformerConfig, workload: Workload, hardware: Hardware, *,
@@ -387,6 +402,14 @@ def rank_plans(base: TransformerConfig, workload: Workload, hardware: Hardware, 
     ranked = sorted(plans, key=lambda plan: (not plan.fits, plan.step_seconds, plan.memory_bytes))
     chosen = choose_plan(ranked, tolerance) if tolerance > 0 else None
     return ranked if chosen is None else [chosen] + [plan for plan in ranked if plan is not chosen]
+
+
+def _pipeline_split(base: TransformerConfig, pp: int, allowed: bool) -> Optional[bool]:
+    """How ``pp`` stages split the layers: evenly (False), with the embedding and loss counted as layers (True)
+    where only that divides, or None where neither does."""
+    if base.num_layers % pp == 0:
+        return False
+    return True if allowed and pp > 1 and (base.num_layers + 2) % pp == 0 else None
 
 
 def _divisors(n: int) -> list[int]:

@@ -8,7 +8,8 @@ precision, full activation recompute, achieved TFLOP/s per GPU counted with thei
 table and assumed here: micro-batch 1.
 
 What those runs could use is the planner's ``SearchSpace`` for them: ZeRO 0 (no distributed optimizer then),
-full recompute, no sequence or context parallelism (both came later), interleaving allowed, and attention
+full recompute, no sequence or context parallelism (both came later), an even pipeline split (counting the
+embedding and loss as layers came later too), interleaving allowed, and attention
 without flash (the softmax's ``s^2`` scores materialized). Their data-parallel all-reduce did not overlap the
 backward: Megatron-LM's ``train_step`` of the time called ``allreduce_gradients()`` after the last micro-batch's
 backward ("the communication in local DDP doesn't" overlap it, NVIDIA/Megatron-LM#428; ``--overlap-grad-reduce``
@@ -18,14 +19,17 @@ came in September 2023, #391), so they are planned on the A100 profile with ``co
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 import torch
 
 from megatron_core.config import TransformerConfig
+from megatron_core.fp8.config import Fp8Config
 from megatron_core.planning.hardware import Hardware, hardware_from_profile
 from megatron_core.planning.planner import Layout, SearchSpace, Workload, plan_layout
 
-NARAYANAN_2021_SPACE = SearchSpace(zero_stages=(0,), recompute=("full",), sequence_parallel=False, max_cp=1)
+NARAYANAN_2021_SPACE = SearchSpace(zero_stages=(0,), recompute=("full",), sequence_parallel=False, max_cp=1,
+                                   embedding_loss_split=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,27 +80,100 @@ NARAYANAN_2021 = (
 )
 
 LLAMA3_8B_FP8_TFLOPS_PER_H100 = 744.0
-"""Megatron-Bridge's published performance of Llama-3 8B in FP8 (current scaling) on 8 H100s: sequence 8192,
-global batch 128, micro-batch 1, tp 1, pp 1, cp 2, distributed optimizer (the figure issue 32 quotes)."""
+"""Megatron-Bridge's published Model TFLOP/s per GPU of Llama-3 8B in FP8 (current scaling) on 8 H100s (the
+figure issue 32 quotes): ``MEGATRON_BRIDGE_H100[0]``, whose tokens per second the planner is checked against."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BridgeRun:
+    """A Megatron-Bridge H100 performance recipe and what it measured (``docs/performance-summary-archive.md``
+    of NVIDIA-NeMo/Megatron-Bridge; the layout from ``perf_recipes/llama/h100``): Llama-3 in FP8 current
+    scaling (``--fp8-format hybrid --fp8-recipe tensorwise --fp8-param-gather``, no bf16 first/last layers),
+    sequence 8192, micro-batch 1, the distributed optimizer, bf16 gradient reduction.
+
+    The check is on step time, from the published tokens per second per GPU: ``global_batch * 8192 / (tokens
+    x gpus)``, which no FLOPs formula enters (Megatron-Bridge's Model TFLOP/s count causal attention at half
+    the ``s^2`` term, the 2021 papers at all of it). Their runs overlap the tp collectives with the GEMMs
+    (Transformer Engine's userbuffers, ``tp_comm_overlap``), which this framework does not: the planner
+    charges them in full, and so predicts these runs slower than measured by about that share."""
+
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    ffn: int
+    gpus: int
+    global_batch: int
+    tp: int
+    pp: int
+    cp: int
+    vpp: Optional[int]
+    tokens_per_gpu_second: float
+    model_tflops: float
+    container: str
+    recompute_block_layers: Optional[int] = None
+    """Full recompute of the first n layers of each chunk (``--recompute-method block``), or none."""
+    embedding_loss_split: bool = False
+    """The embedding and the loss take a layer's place in the pipeline split
+    (``--account-for-embedding/loss-in-pipeline-split``)."""
+
+    def config(self, fp8: bool = True) -> TransformerConfig:
+        recompute = {} if self.recompute_block_layers is None else dict(
+            recompute_granularity="full", recompute_method="block", recompute_num_layers=self.recompute_block_layers)
+        fp8_config = Fp8Config(fp8_recipe="tensorwise", fp8_param_gather=True) if fp8 else None
+        return dataclasses.replace(llama3(self.layers, self.hidden, self.heads, self.ffn, fp8_config), **recompute)
+
+    def workload(self) -> Workload:
+        return Workload(vocab_size=128256, seq_length=8192, micro_batch_size=1, global_batch_size=self.global_batch,
+                        grad_bytes=2)
+
+    def layout(self) -> Layout:
+        dp = self.gpus // (self.tp * self.pp * self.cp)
+        return Layout(self.tp, self.pp, dp, self.vpp, 1, self.tp > 1, None, self.cp,
+                      embedding_loss_split=self.embedding_loss_split)
+
+    def hardware(self) -> Hardware:
+        return hardware_from_profile("h100", num_devices=self.gpus)
+
+    def plan(self, fp8: bool = True):
+        """The planner's ``Plan`` at the recipe's layout (``fp8=False``: the same in bf16)."""
+        return plan_layout(self.config(fp8), self.workload(), self.hardware(), self.layout())
+
+    @property
+    def measured_step_seconds(self) -> float:
+        return self.global_batch * 8192 / (self.tokens_per_gpu_second * self.gpus)
+
+
+MEGATRON_BRIDGE_H100 = (
+    BridgeRun("Llama-3 8B", 32, 4096, 32, 14336, 8, 128, 1, 1, 1, None, 14451, 744, "25.11",
+              recompute_block_layers=5),
+    BridgeRun("Llama-3 70B", 80, 8192, 64, 28672, 64, 256, 4, 8, 1, 5, 1664, 731, "26.04.01"),
+    BridgeRun("Llama-3.1 405B", 126, 16384, 128, 53248, 1024, 1536, 8, 8, 2, 8, 328, 827, "26.04.01",
+              embedding_loss_split=True),
+)
 
 
 def llama3_8b_fp8_plan(fp8=True):
-    """The planner's ``Plan`` of Llama-3 8B at Megatron-Bridge's layout on 8 H100s (tp 1, pp 1, dp 4, cp 2,
-    distributed optimizer; sequence 8192, global batch 128), in FP8 (tensorwise) or, with ``fp8=False``, bf16."""
-    from megatron_core.fp8.config import Fp8Config
-    workload = Workload(vocab_size=128256, seq_length=8192, micro_batch_size=1, global_batch_size=128)
-    return plan_layout(llama3_8b(Fp8Config(fp8_recipe="tensorwise") if fp8 else None), workload,
-                       hardware_from_profile("h100", num_devices=8), Layout(1, 1, 4, None, 1, False, None, 2))
+    """The planner's ``Plan`` of Llama-3 8B at Megatron-Bridge's FP8 recipe on 8 H100s (tp 1, pp 1, dp 8,
+    distributed optimizer, full recompute of 5 layers; sequence 8192, global batch 128), in FP8 (tensorwise)
+    or, with ``fp8=False``, bf16."""
+    return MEGATRON_BRIDGE_H100[0].plan(fp8)
 
 
 def llama3_8b(fp8) -> TransformerConfig:
     """Llama-3 8B's shape (32 layers, hidden 4096, 32 heads in 8 groups, SwiGLU 14336, RMSNorm, rope, untied)."""
-    return TransformerConfig(num_layers=32, hidden_size=4096, num_attention_heads=32, num_query_groups=8,
-                             ffn_hidden_size=14336, activation="swiglu", normalization="RMSNorm",
+    return llama3(32, 4096, 32, 14336, fp8)
+
+
+def llama3(layers: int, hidden: int, heads: int, ffn: int, fp8) -> TransformerConfig:
+    """A Llama-3 shape (8 query groups, SwiGLU, RMSNorm, rope, untied embeddings, bf16) with ``fp8`` (an
+    ``Fp8Config`` or None)."""
+    return TransformerConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=heads, num_query_groups=8,
+                             ffn_hidden_size=ffn, activation="swiglu", normalization="RMSNorm",
                              position_embedding_type="rope", add_bias_linear=False,
                              untie_embeddings_and_output_weights=True, max_position_embeddings=8192, bf16=True,
                              params_dtype=torch.bfloat16, hidden_dropout=0.0, attention_dropout=0.0, fp8=fp8)
 
 
 __all__ = ["PublishedRun", "NARAYANAN_2021", "NARAYANAN_2021_SPACE", "LLAMA3_8B_FP8_TFLOPS_PER_H100", "llama3_8b",
-           "llama3_8b_fp8_plan"]
+           "llama3_8b_fp8_plan", "llama3", "BridgeRun", "MEGATRON_BRIDGE_H100"]

@@ -28,6 +28,7 @@ from megatron_core.pipeline_parallel.schedule_plan import (
 from megatron_core.planning.fp8 import fp8_gathered_expert_parameters, fp8_gathered_parameters
 from megatron_core.planning.hardware import Hardware
 from megatron_core.planning.layer_cost import (
+    attention_backward_ratio,
     bytes_seconds,
     collective_seconds,
     element_bytes,
@@ -155,7 +156,8 @@ def _stage_microbatch(config: TransformerConfig, workload, layout, hardware: Har
     tp_again = recomputed * dense.tp if layout.recompute == "full" else 0.0
     overhead = layers * hardware.layer_overhead_us * 1e-6 * (1 + (recomputed / max(layers, 1) / 3))
     cp_layer = _cp_layer_seconds(config, workload, layout, hardware)
-    core = dense.attention * 3
+    backward_ratio = attention_backward_ratio(workload.flash_attention)
+    core = dense.attention * (1 + backward_ratio)
     cp = layers * max(cp_layer - hardware.comm_overlap * min(cp_layer, core), 0.0)
     ep = moe_layers * _ep_layer_seconds(config, workload, layout, hardware) if moe_layers else 0.0
     pp = 0.0
@@ -164,7 +166,7 @@ def _stage_microbatch(config: TransformerConfig, workload, layout, hardware: Har
             layout.tp if layout.sequence_parallel else 1)
         pp = (layout.vpp or 1) * collective_seconds(activation, span=2 * layout.tp * layout.cp * layout.dp,
                                                     hardware=hardware)
-    return {"gemm": (gemm, 2 * gemm), "attention": (attention, 2 * attention),
+    return {"gemm": (gemm, 2 * gemm), "attention": (attention, backward_ratio * attention),
             "elementwise": (elementwise, 2 * elementwise), "recompute": (0.0, recompute),
             "overhead": (overhead / 3, overhead * 2 / 3), "tp": (tp, tp_backward + tp_again),
             "cp": (cp / 3, cp * 2 / 3),
@@ -229,7 +231,7 @@ def pipeline_seconds(forward: list, backward: list, *, num_microbatches: int, vp
 
 
 def _dp_parts(params: float, ranks: int, zero_stage: int, m: int, element: int, span: int, hardware: Hardware,
-              units: int, fp8_gathered: float = 0.0) -> tuple[float, float, float]:
+              units: int, fp8_gathered: float = 0.0, grad_bytes: int = 4) -> tuple[float, float, float]:
     """(gradient-reduction seconds, parameter-gather seconds after the step, overlappable gathers) for
     ``params`` over ``ranks``: one collective per bucket (the wrapper's bucket size; at ZeRO 3 one per unit,
     ``units`` of them) per step, or per micro-batch from ZeRO 2 on. ``fp8_gathered`` of the parameters go as
@@ -239,7 +241,7 @@ def _dp_parts(params: float, ranks: int, zero_stage: int, m: int, element: int, 
         return 0.0, 0.0, 0.0
     bucket = DistributedDataParallelConfig(zero_stage=zero_stage).resolved_bucket_size(ranks, total_numel=int(params))
     ring, buckets = (ranks - 1) / ranks, units if zero_stage == 3 else max(1, math.ceil(params / bucket))
-    grads = 4 * params
+    grads = grad_bytes * params  # fp32, or the 16-bit dtype with --grad-reduce-in-bf16
     per_step = zero_stage < 2
     reduce = collective_seconds((2 if per_step else m) * ring * grads, span=span, hardware=hardware,
                                 count=buckets * (1 if per_step else m), ring_ranks=ranks,
@@ -281,10 +283,11 @@ def step_time(config: TransformerConfig, workload, layout, hardware: Hardware, *
     units = 4 * layers + 2  # ZeRO 3 gathers: QKV, proj, fc1, fc2 per layer (norms and biases ride along), plus the
     reduce, after, during = (sum(x) for x in zip(  # embedding and output layer
         _dp_parts(dense, layout.dp * layout.cp, layout.zero_stage, m, e, group_span, hardware, units,
-                  fp8_gathered_parameters(config, pp_rank=busiest)),
+                  fp8_gathered_parameters(config, pp_rank=busiest), workload.grad_bytes),
         _dp_parts(experts, layout.expert_dp, layout.zero_stage, m, e, group_span, hardware,
                   moe_layers_on_stage(config, pp_rank=busiest),
-                  fp8_gathered_expert_parameters(config, pp_rank=busiest, ep=layout.ep, etp=layout.etp))))
+                  fp8_gathered_expert_parameters(config, pp_rank=busiest, ep=layout.ep, etp=layout.etp),
+                  workload.grad_bytes)))
     window = backward[busiest] * (m if layout.zero_stage >= 2 else 1)
     parts["dp"] = max(reduce - hardware.comm_overlap * min(reduce, window), 0.0)
     compute = m * (forward[busiest] + backward[busiest])

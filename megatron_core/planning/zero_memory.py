@@ -3,9 +3,10 @@
 - ZeRO-3 gathers parameters around each unit (a module owning parameters): at most two neighbouring units
   (current + prefetched) are full at once (in an MoE model's backward: the local experts of two MoE layers), plus the
   small unit (norms and biases) of this layer and the next.
-- ZeRO 2-3 reduce full-size fp32 gradient buckets that are freed when the collective completes; one bucket's
-  collective stays in flight while the next one fills (so that it overlaps that backward), and older ones are
-  finished before a new bucket is allocated: two exist at a time (at stage 3, two neighbouring units').
+- ZeRO 2-3 reduce full-size gradient buckets (fp32, or 16-bit with ``grad_bytes=2``) that are freed when the
+  collective completes; one bucket's collective stays in flight while the next one fills (so that it overlaps
+  that backward), and older ones are finished before a new bucket is allocated: two exist at a time (at stage
+  3, two neighbouring units').
 - At every stage autograd first produces a parameter's grad in the parameter's dtype before it moves into its
   bucket: one parameter's worth.
 
@@ -76,7 +77,7 @@ def zero_transient_bytes(config: TransformerConfig, **kwargs) -> float:
 def zero_transient_parts(config: TransformerConfig, *, vocab_size: int, make_vocab_size_divisible_by: int,
                          pp_rank: int, zero_stage: int, stage_params: float,
                          bucket_size: int = DEFAULT_STAGE2_BUCKET, ep: int = 1,
-                         etp: int = 1, layers_only: bool = False) -> tuple[float, float]:
+                         etp: int = 1, layers_only: bool = False, grad_bytes: int = 4) -> tuple[float, float]:
     """(autograd's grad of the largest parameter, the rest: ZeRO's gathered units and grad buckets), the peak
     transient bytes on one rank of pipeline stage ``pp_rank``. The two units gathered at once are neighbours in
     forward order (the current one and its prefetch). With ``layers_only``, those of a transformer layer's
@@ -107,11 +108,11 @@ def zero_transient_parts(config: TransformerConfig, *, vocab_size: int, make_voc
     transient = 0.0
     if zero_stage == 3:
         transient += param_bytes * (2 * small + pair)  # two units, this and the next layer's small
-        transient += 4 * (largest + small)  # a full-size fp32 grad bucket, and the layer's small one, which
+        transient += grad_bytes * (largest + small)  # a full-size grad bucket, and the layer's small one, which
         #                                     fills during the whole backward of the layer
     elif zero_stage == 2:  # DistributedDataParallelConfig's default: capped at a quarter of the model, >= 1M
         bucket = min(bucket_size, max(1_000_000, stage_params // 4), stage_params)
-        transient += 4 * min(2 * bucket, stage_params)  # one bucket reducing, the next one filling
+        transient += grad_bytes * min(2 * bucket, stage_params)  # one bucket reducing, the next one filling
     return param_grad, transient
 
 

@@ -40,20 +40,24 @@ LAYOUTS = [  # tp, pp, dp, vpp, zero stage, sequence parallel, recompute
 ]
 
 
-def _measure(layout: Layout, model: dict, steps: int = 1, track_live: bool = False):
+def _measure(layout: Layout, model: dict, steps: int = 1, track_live: bool = False, grad_bytes: int = 4):
     return measure_layout(model, tp=layout.tp, pp=layout.pp, zero_stage=layout.zero_stage, vocab_size=V,
                           seq_length=S, micro_batch_size=B, num_microbatches=M, vpp=layout.vpp, steps=steps,
-                          track_live=track_live, cp=layout.cp, ep=layout.ep, etp=layout.etp)
+                          track_live=track_live, cp=layout.cp, ep=layout.ep, etp=layout.etp,
+                          grad_reduce_in_fp32=grad_bytes == 4)
 
 
-def predicted_and_measured(distributed, layout: Layout, model: dict = MODEL) -> list[tuple[float, float]]:
-    """(predicted, measured) bytes per rank."""
+def predicted_and_measured(distributed, layout: Layout, model: dict = MODEL,
+                           grad_bytes: int = 4) -> list[tuple[float, float]]:
+    """(predicted, measured) bytes per rank (``grad_bytes`` 2: grads kept and reduced in bf16)."""
     base = TransformerConfig(**model, max_position_embeddings=S, params_dtype=torch.bfloat16, bf16=True)
     config = layout_config(base, layout)
     workload = Workload(vocab_size=V, seq_length=S, micro_batch_size=B, global_batch_size=B * M * layout.dp,
-                        make_vocab_size_divisible_by=8, mask_bytes=2)
-    kwargs = {**model, "sequence_parallel": layout.sequence_parallel, "recompute_granularity": layout.recompute}
-    results = distributed(layout.tp * layout.pp * layout.dp * layout.cp, _measure, layout, kwargs)
+                        make_vocab_size_divisible_by=8, mask_bytes=2, grad_bytes=grad_bytes)
+    kwargs = {**model, "sequence_parallel": layout.sequence_parallel, "recompute_granularity": layout.recompute,
+              "pipeline_model_parallel_layout": config.pipeline_model_parallel_layout}
+    results = distributed(layout.tp * layout.pp * layout.dp * layout.cp, _measure, layout, kwargs, 1, False,
+                          grad_bytes)
     pairs = []
     for result in results:
         predicted = (model_state_bytes(config, workload, pp_rank=result.pp_rank, dp=layout.dp_cp,
@@ -68,6 +72,22 @@ def predicted_and_measured(distributed, layout: Layout, model: dict = MODEL) -> 
 def test_predicted_memory_within_ten_percent(distributed, layout):
     for predicted, measured in predicted_and_measured(distributed, layout):
         assert abs(predicted / measured - 1) < 0.10, (layout, predicted, measured)
+
+
+@pytest.mark.parametrize("layout, grad_bytes", [(Layout(1, 1, 2, None, 1, False, None), 2),
+                                                (Layout(1, 1, 2, None, 2, False, None), 2),
+                                                (Layout(1, 4, 1, None, 0, False, None, embedding_loss_split=True), 4)],
+                         ids=["zero1-bf16-grads", "zero2-bf16-grads", "pp4-embedding-loss-split"])
+def test_predicted_memory_within_ten_percent_with_bf16_grads_or_the_embedding_and_loss_in_the_split(
+        distributed, layout, grad_bytes):
+    """``--grad-reduce-in-bf16`` (the grad buffers in bf16) and 6 layers over pp 4 with the embedding and loss
+    counted as layers (chunks of 1, 2, 2, 1 layers), measured against the prediction."""
+    model = {**MODEL, "num_layers": 6} if layout.embedding_loss_split else MODEL
+    pairs = predicted_and_measured(distributed, layout, model, grad_bytes)
+    for predicted, measured in pairs:
+        assert abs(predicted / measured - 1) < 0.10, (layout, predicted, measured)
+    if layout.embedding_loss_split:
+        assert len({round(measured) for _, measured in pairs}) > 1  # the stages differ
 
 
 def _moe_model(**options) -> dict:
