@@ -5,9 +5,9 @@ The evidence is the published runs of ``planning.published``, planned at the lay
 set against what they measured: Narayanan et al. 2021's ten GPT models on A100s, and Megatron-Bridge's three
 Llama-3 FP8 recipes (8B, 70B, 405B) on H100s. ``measured / predicted`` step time (= predicted / measured
 TFLOP/s) over a profile's runs spans ``low`` to ``high``. A ranking compares two predictions, and each can be
-off anywhere in that range, so two layouts whose predicted times differ by less than ``high / low - 1`` (the **spread**) are not told
-apart by the model: only timing a few steps of each would. A constant error (every prediction 5% fast)
-would not change the ranking; the spread is what can.
+off anywhere in that range, so two layouts whose predicted times differ by less than ``high / low - 1`` (the
+**spread**) are not told apart by the model: only timing a few steps of each would. A constant error (every
+prediction 5% fast) would not change the ranking; the spread is what can.
 
 H200 shares H100's compute and links and is reported against the H100 runs; profiles without published runs
 of their own (B200, a JSON from ``--calibrate``) against the A100 runs (the largest set), and say so.
