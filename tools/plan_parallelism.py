@@ -48,7 +48,8 @@ LAYOUT_FLAGS = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size"
                 "--zero-stage", "--use-distributed-optimizer", "--data-parallel-sharding-strategy",
                 "--recompute-granularity", "--recompute-method", "--recompute-num-layers",
                 "--num-layers-per-virtual-pipeline-stage", "--num-virtual-stages-per-pipeline-rank",
-                "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split")
+                "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split",
+                "--tp-comm-overlap")
 
 
 def _planner_parser() -> argparse.ArgumentParser:
@@ -151,6 +152,8 @@ def _layout_flags(plan: Plan, *, moe: bool = False) -> list[str]:
         flags += ["--num-layers-per-virtual-pipeline-stage", "LAYERS_PER_CHUNK"]
     if layout.sequence_parallel:
         flags.append("--sequence-parallel")
+    if layout.tp_comm_overlap:
+        flags.append("--tp-comm-overlap")
     if layout.zero_stage:
         flags += ["--zero-stage", str(layout.zero_stage)]
     if layout.recompute == "selective":
@@ -183,7 +186,8 @@ def format_table(plans: list[Plan], top: int) -> str:
         lay = plan.layout
         rows.append(f"| {i} | {lay.tp} | {lay.pp} | {lay.cp} | {lay.ep} | {lay.etp} | {lay.dp} | {lay.vpp or 1} | "
                     f"{lay.zero_stage}{' ZB' if lay.zero_bubble else ''} | "
-                    f"{'yes' if lay.sequence_parallel else 'no'} | {lay.recompute or 'none'} | "
+                    f"{('overlap' if lay.tp_comm_overlap else 'yes') if lay.sequence_parallel else 'no'} | "
+                    f"{lay.recompute or 'none'} | "
                     f"{plan.model_state_bytes / 2**30:.2f} | {plan.activation_bytes / 2**30:.2f} | "
                     f"{plan.transient_bytes / 2**30:.2f} | {plan.memory_bytes / 2**30:.2f} | "
                     f"{'yes' if plan.fits else 'NO'} | {plan.step_seconds:.3f} | "

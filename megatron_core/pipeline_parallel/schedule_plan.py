@@ -24,6 +24,7 @@ variant holds back only the last r W passes of rank r (``zero_bubble_ops(defer=.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Optional
 
@@ -151,28 +152,14 @@ def bubble_fraction_formula(pp_size: int, num_microbatches: int, vpp_size: Optio
     return (pp_size - 1) / ((vpp_size or 1) * num_microbatches)
 
 
-def simulate(rank_ops: list[list[Op]], vpp_size: int = 1, *, forward_time: float = 1.0,
-             backward_time: float = 2.0, weight_time: float = 1.0,
-             durations: Optional[dict[tuple[int, str, int, int], float]] = None) -> list[float]:
-    """Runs every rank's order with unit-cost passes and instant transfers; returns each rank's finish time.
-    (Under zero bubble, give B the input-gradient time: ``backward_time=1``; W costs ``weight_time``, and a
-    B without a W of its own costs both.)
-
-    ``durations`` maps ``(rank, kind, chunk, microbatch)`` to a pass's time (e.g. measured), overriding
-    ``forward_time`` / ``backward_time`` for the passes it names.
-
-    An op starts once this rank finished its previous op and its input exists: the activation from the
-    previous model chunk's forward, the gradient from the next chunk's backward (and for B, the own F; for W,
-    the own B). Raises ValueError if some rank can never proceed (the orders would deadlock).
-    """
+def pass_inputs(rank_ops: list[list[Op]], vpp_size: int = 1) -> list[list[list[tuple[str, int, int, int]]]]:
+    """For each rank's each pass, the passes ``(kind, rank, chunk, microbatch)`` whose output it needs: a
+    forward the previous model chunk's forward, a backward its own forward and the next chunk's backward, a W
+    its own B (``simulate``'s dependencies; reusable for one set of orders)."""
     p = len(rank_ops)
     last_chunk = (p - 1, vpp_size - 1)
-    split = [{(op.chunk, op.microbatch) for op in ops if op.kind == "W"} for ops in rank_ops]
-    has_weight_passes = any(split)
-    done: dict[tuple[str, int, int, int], float] = {}
-    position, clock = [0] * p, [0.0] * p
 
-    def dependency(rank: int, op: Op) -> list[tuple[str, int, int, int]]:
+    def inputs(rank: int, op: Op) -> list[tuple[str, int, int, int]]:
         if op.kind == "F":
             if (rank, op.chunk) == (0, 0):
                 return []
@@ -186,25 +173,63 @@ def simulate(rank_ops: list[list[Op]], vpp_size: int = 1, *, forward_time: float
             deps.append(("B", *nxt, op.microbatch))
         return deps
 
-    while any(position[r] < len(rank_ops[r]) for r in range(p)):
-        progressed = False
-        for rank in range(p):
-            while position[rank] < len(rank_ops[rank]):
-                op = rank_ops[rank][position[rank]]
-                deps = dependency(rank, op)
-                if any(d not in done for d in deps):
-                    break
-                start = max([clock[rank]] + [done[d] for d in deps])
-                cost = {"F": forward_time, "B": backward_time, "W": weight_time}[op.kind]
-                if op.kind == "B" and has_weight_passes and (op.chunk, op.microbatch) not in split[rank]:
-                    cost += weight_time  # a whole backward (zero bubble: no W of its own)
-                if durations is not None:
-                    cost = durations.get((rank, op.kind, op.chunk, op.microbatch), cost)
-                clock[rank] = start + cost
-                done[(op.kind, rank, op.chunk, op.microbatch)] = clock[rank]
-                position[rank] += 1
-                progressed = True
-        if not progressed:
-            stuck = {r: rank_ops[r][position[r]] for r in range(p) if position[r] < len(rank_ops[r])}
-            raise ValueError(f"the pipeline orders deadlock; ranks wait at {stuck}")
+    return [[inputs(rank, op) for op in ops] for rank, ops in enumerate(rank_ops)]
+
+
+def simulate(rank_ops: list[list[Op]], vpp_size: int = 1, *, forward_time: float = 1.0,
+             backward_time: float = 2.0, weight_time: float = 1.0,
+             durations: Optional[dict[tuple[int, str, int, int], float]] = None,
+             rank_times: Optional[list[tuple[float, float, float]]] = None,
+             inputs: Optional[list] = None) -> list[float]:
+    """Runs every rank's order with unit-cost passes and instant transfers; returns each rank's finish time.
+    (Under zero bubble, give B the input-gradient time: ``backward_time=1``; W costs ``weight_time``, and a
+    B without a W of its own costs both.)
+
+    ``durations`` maps ``(rank, kind, chunk, microbatch)`` to a pass's time (e.g. measured), overriding
+    ``forward_time`` / ``backward_time`` for the passes it names; ``rank_times`` gives each rank its own
+    ``(forward_time, backward_time, weight_time)``; ``inputs``: ``pass_inputs(rank_ops, vpp_size)``, when the
+    caller keeps it for many runs of the same orders.
+
+    An op starts once this rank finished its previous op and its input exists: the activation from the
+    previous model chunk's forward, the gradient from the next chunk's backward (and for B, the own F; for W,
+    the own B). Raises ValueError if some rank can never proceed (the orders would deadlock).
+    """
+    p = len(rank_ops)
+    split = [{(op.chunk, op.microbatch) for op in ops if op.kind == "W"} for ops in rank_ops]
+    has_weight_passes = any(split)
+    done: dict[tuple[str, int, int, int], float] = {}
+    position, clock = [0] * p, [0.0] * p
+
+    # A rank runs its ops in order until one waits on an input; a rank's inputs come from its two neighbours
+    # in the chunk ring, so only those are looked at again after it advanced (every op's start time is fixed
+    # by its inputs and its rank's previous op: the order ranks are visited in does not change it).
+    times = rank_times or [(forward_time, backward_time, weight_time)] * p
+    costs = [{"F": f, "B": b, "W": w} for f, b, w in times]
+    deps_of = inputs if inputs is not None else pass_inputs(rank_ops, vpp_size)
+    waiting, queued = collections.deque(range(p)), [True] * p
+    while waiting:
+        rank = waiting.popleft()
+        queued[rank] = False
+        advanced = False
+        while position[rank] < len(rank_ops[rank]):
+            op, deps = rank_ops[rank][position[rank]], deps_of[rank][position[rank]]
+            if any(d not in done for d in deps):
+                break
+            start = max([clock[rank]] + [done[d] for d in deps])
+            cost = costs[rank][op.kind]
+            if op.kind == "B" and has_weight_passes and (op.chunk, op.microbatch) not in split[rank]:
+                cost += costs[rank]["W"]  # a whole backward (zero bubble: no W of its own)
+            if durations is not None:
+                cost = durations.get((rank, op.kind, op.chunk, op.microbatch), cost)
+            clock[rank] = start + cost
+            done[(op.kind, rank, op.chunk, op.microbatch)] = clock[rank]
+            position[rank] += 1
+            advanced = True
+        for other in ({(rank - 1) % p, (rank + 1) % p} if advanced else ()):
+            if not queued[other] and position[other] < len(rank_ops[other]):
+                waiting.append(other)
+                queued[other] = True
+    stuck = {r: rank_ops[r][position[r]] for r in range(p) if position[r] < len(rank_ops[r])}
+    if stuck:
+        raise ValueError(f"the pipeline orders deadlock; ranks wait at {stuck}")
     return clock

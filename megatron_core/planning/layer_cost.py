@@ -29,7 +29,8 @@ flash attention the unfused path computes every score and masks them after (``ba
 softmax), and backward reuses the saved probabilities: the full ``s^2``, backward twice the forward.
 
 Tensor-parallel traffic: the two all-reduces (or all-gather + reduce-scatter pairs under SP) of ``[T, h]``
-forward, two backward.
+forward, two backward; under ``tp_comm_overlap`` each in k chunks, run beside the GEMMs
+(``tp_overlap_exposed``).
 """
 from __future__ import annotations
 
@@ -38,7 +39,30 @@ import math
 
 from megatron_core.config import TransformerConfig
 from megatron_core.planning.hardware import Hardware, gemm_efficiency
+from megatron_core.tensor_parallel.comm_overlap import DEFAULT_NUM_CHUNKS, usable_chunks
 from megatron_core.training.metrics import attention_flops_ratio
+
+
+def tp_overlap_chunks(config: TransformerConfig, tokens: float) -> int:
+    """Chunks each sequence-parallel collective is cut into under ``tp_comm_overlap`` (``comm_overlap.
+    usable_chunks`` of the rank's ``tokens / t`` rows), 1 without it."""
+    t = config.tensor_model_parallel_size or 1
+    if not (config.tp_comm_overlap and config.sequence_parallel and t > 1):
+        return 1
+    return usable_chunks(int(tokens // t), DEFAULT_NUM_CHUNKS)
+
+
+def tp_overlap_exposed(config: TransformerConfig, hardware: Hardware, *, tp: float, gemm: float,
+                       tokens: float) -> float:
+    """What stays of ``tp`` seconds of sequence-parallel collectives beside ``gemm`` seconds of the layers' GEMMs
+    under ``tp_comm_overlap`` (``tensor_parallel.comm_overlap``): each collective is cut into k chunks and the
+    GEMM of the rows already present runs meanwhile; the last chunk's GEMM waits for its collective, so at most
+    ``(k - 1) / k`` of the GEMM time hides communication, times the profile's ``comm_overlap`` (the share of
+    traffic that runs beside compute: 1 on a GPU, 0 on a CPU, whose gloo threads share the cores)."""
+    t = config.tensor_model_parallel_size or 1
+    if not (config.tp_comm_overlap and config.sequence_parallel and t > 1):
+        return tp
+    return max(tp - hardware.comm_overlap * (1 - 1 / tp_overlap_chunks(config, tokens)) * gemm, 0.0)
 
 
 def attention_backward_ratio(flash: bool) -> float:
@@ -219,8 +243,8 @@ def layer_forward_cost(config: TransformerConfig, hardware: Hardware, *, micro_b
     tp = 0.0
     if t > 1:
         volume = 4 * (t - 1) / t * tokens * config.hidden_size * element_bytes(config)
-        tp = collective_seconds(volume, span=t, hardware=hardware, count=4 if config.sequence_parallel else 2,
-                                ring_ranks=t)
+        count = 4 * tp_overlap_chunks(config, tokens) if config.sequence_parallel else 2
+        tp = collective_seconds(volume, span=t, hardware=hardware, count=count, ring_ranks=t)
     return ForwardCost(gemm=gemm, attention=attention, elementwise=elementwise, tp=tp, scores=scores)
 
 
@@ -242,5 +266,6 @@ def output_layer_forward_seconds(config: TransformerConfig, hardware: Hardware, 
     return gemm, bytes_seconds(tokens * vocab * (element_bytes(config) + 3 * 4), hardware)
 
 
-__all__ = ["ForwardCost", "attention_backward_ratio", "collective_seconds", "element_bytes", "elementwise_layer_bytes",
-           "layer_forward_cost", "output_layer_forward_seconds", "bytes_seconds"]
+__all__ = ["ForwardCost", "attention_backward_ratio", "tp_overlap_chunks", "tp_overlap_exposed", "collective_seconds",
+           "element_bytes", "elementwise_layer_bytes", "layer_forward_cost", "output_layer_forward_seconds",
+           "bytes_seconds"]

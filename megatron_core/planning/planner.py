@@ -94,6 +94,8 @@ class Layout:
     pipeline-split --account-for-loss-in-pipeline-split``; ``layout.split_chunk_counts``): the first and last
     model chunks hold one transformer layer fewer. The search uses it where no even split exists (Llama-3.1
     405B's 126 layers on pp 8 x vpp 8, as Megatron-Bridge's recipe)."""
+    tp_comm_overlap: bool = False
+    """``--tp-comm-overlap``: the sequence-parallel collectives in chunks beside the GEMMs (needs SP)."""
 
     @property
     def dp_cp(self) -> int:
@@ -156,8 +158,8 @@ def layout_config(base: TransformerConfig, layout: Layout) -> TransformerConfig:
         recompute.update(pipeline_model_parallel_layout=split)
     return dataclasses.replace(base, tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
                                virtual_pipeline_model_parallel_size=layout.vpp,
-                               context_parallel_size=layout.cp,
-                               sequence_parallel=layout.sequence_parallel, **recompute)
+                               context_parallel_size=layout.cp, sequence_parallel=layout.sequence_parallel,
+                               tp_comm_overlap=layout.tp_comm_overlap, **recompute)
 
 
 def _sharded_state_bytes(config: TransformerConfig, workload: Workload, *, params: float, full_grad: float,
@@ -342,6 +344,8 @@ class SearchSpace:
     zero_bubble: bool = False
     embedding_loss_split: bool = True
     """Where no even pipeline split exists, count the embedding and loss as layers (``Layout.embedding_loss_split``)."""
+    tp_comm_overlap: bool = True
+    """Sequence-parallel layouts also with ``--tp-comm-overlap``."""
 
 
 def valid_layouts(base: TransformerConfig, workload: Workload, num_devices: int,
@@ -376,13 +380,15 @@ def valid_layouts(base: TransformerConfig, workload: Workload, num_devices: int,
         sps = [False, True] if tp > 1 and base.moe is None else [True] if tp > 1 else [False]
         if not space.sequence_parallel and base.moe is None:
             sps = [False]
-        for (vpp, zb), stage, sp, recompute, (ep, etp) in itertools.product(schedules, space.zero_stages, sps,
-                                                                              space.recompute, experts):
-            if sp and (workload.seq_length // cp) % tp:
+        overlaps = (False, True) if space.tp_comm_overlap else (False,)
+        for (vpp, zb), stage, sp, recompute, (ep, etp), overlap in itertools.product(
+                schedules, space.zero_stages, sps, space.recompute, experts, overlaps):
+            if (sp and (workload.seq_length // cp) % tp) or (overlap and not sp):
                 continue
             if stage and dp * cp == 1 and (base.moe is None or tp * cp * dp // (ep * etp) == 1):
                 continue  # nothing to shard: every state is on one rank of its group
-            yield Layout(tp, pp, dp, vpp, stage, sp, recompute, cp, ep, etp, zero_bubble=zb, embedding_loss_split=split)
+            yield Layout(tp, pp, dp, vpp, stage, sp, recompute, cp, ep, etp, zero_bubble=zb, embedding_loss_split=split,
+                         tp_comm_overlap=overlap)
 
 
 def rank_plans(base: TransformerConfig, workload: Workload, hardware: Hardware, *,

@@ -15,7 +15,7 @@ def layout_name(plan) -> str:
             name += f" {label}{value}"
     name += f" Z{lay.zero_stage}" + (" SP" if lay.sequence_parallel else "")
     name += {None: "", "selective": " sel", "full": " full"}[lay.recompute] + (" ZB" if lay.zero_bubble else "")
-    name += " E|L" if lay.embedding_loss_split else ""
+    name += (" E|L" if lay.embedding_loss_split else "") + (" TPO" if lay.tp_comm_overlap else "")
     return name
 
 

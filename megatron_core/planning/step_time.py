@@ -22,6 +22,7 @@ from megatron_core.distributed.ddp_config import DistributedDataParallelConfig
 from megatron_core.pipeline_parallel.schedule_plan import (
     interleaved_ops,
     one_f_one_b_ops,
+    pass_inputs,
     simulate,
     zero_bubble_ops,
 )
@@ -34,6 +35,7 @@ from megatron_core.planning.layer_cost import (
     element_bytes,
     layer_forward_cost,
     output_layer_forward_seconds,
+    tp_overlap_exposed,
 )
 from megatron_core.planning.moe import ep_comm_bytes, etp_comm_bytes, moe_layers_on_stage, stage_layer_count
 from megatron_core.training.metrics import recomputed_layers_per_chunk
@@ -138,8 +140,10 @@ def _stage_microbatch(config: TransformerConfig, workload, layout, hardware: Har
     def total(field: str) -> float:
         return n_dense * getattr(dense, field) + moe_layers * getattr(moe, field)
 
-    gemm, attention, elementwise, tp = total("gemm"), total("attention"), total("elementwise"), total("tp")
-    tp_backward = tp
+    gemm, attention, elementwise = total("gemm"), total("attention"), total("elementwise")
+    tokens = b * s / layout.cp
+    tp = tp_overlap_exposed(config, hardware, tp=total("tp"), gemm=gemm, tokens=tokens)
+    tp_backward = tp_overlap_exposed(config, hardware, tp=total("tp"), gemm=2 * gemm, tokens=tokens)
     if pp_rank == layout.pp - 1:
         out_gemm, out_bytes = output_layer_forward_seconds(config, hardware, tokens=b * s / layout.cp,
                                                            padded_vocab_size=padded_vocab_size)
@@ -153,7 +157,8 @@ def _stage_microbatch(config: TransformerConfig, workload, layout, hardware: Har
     layer_forward = (dense.gemm + dense.attention + dense.elementwise) if layers else 0.0
     recompute = (recomputed * layer_forward if layout.recompute == "full"
                  else attention + total("scores") if layout.recompute == "selective" else 0.0)
-    tp_again = recomputed * dense.tp if layout.recompute == "full" else 0.0
+    tp_again = recomputed * tp_overlap_exposed(config, hardware, tp=dense.tp, gemm=dense.gemm, tokens=tokens) \
+        if layout.recompute == "full" else 0.0
     overhead = layers * hardware.layer_overhead_us * 1e-6 * (1 + (recomputed / max(layers, 1) / 3))
     cp_layer = _cp_layer_seconds(config, workload, layout, hardware)
     backward_ratio = attention_backward_ratio(workload.flash_attention)
@@ -192,24 +197,26 @@ def _edge_tp_seconds(config: TransformerConfig, hardware: Hardware, layout, *, t
     return forward, backward
 
 
-@functools.lru_cache(maxsize=4096)
-def _makespan(pp: int, vpp: int, m: int, zero_bubble: bool, forward: tuple, backward: tuple) -> float:
-    """Finish time of the simulated schedule with per-stage chunk durations (``m`` small: see ``pipeline``)."""
+@functools.lru_cache(maxsize=256)
+def _orders(pp: int, vpp: int, m: int, zero_bubble: bool) -> tuple:
+    """(every rank's pass order of the schedule, each pass's inputs): shared by the layouts of one pp, vpp
+    and m."""
     if vpp > 1:
         orders = [interleaved_ops(r, pp, vpp, m) for r in range(pp)]
     elif zero_bubble:
         orders = [zero_bubble_ops(r, pp, m, defer="all") for r in range(pp)]
     else:
         orders = [one_f_one_b_ops(r, pp, m) for r in range(pp)]
-    durations: dict = {}
-    for r, ops in enumerate(orders):
-        split = {(op.chunk, op.microbatch) for op in ops if op.kind == "W"}
-        for op in ops:
-            cost = forward[r] if op.kind == "F" else backward[r]
-            if zero_bubble and (op.kind == "W" or (op.chunk, op.microbatch) in split):
-                cost = backward[r] / 2  # B (input grads) and W (weight grads): half a backward each
-            durations[(r, op.kind, op.chunk, op.microbatch)] = cost
-    return max(simulate(orders, vpp, durations=durations))
+    return orders, pass_inputs(orders, vpp)
+
+
+@functools.lru_cache(maxsize=4096)
+def _makespan(pp: int, vpp: int, m: int, zero_bubble: bool, forward: tuple, backward: tuple) -> float:
+    """Finish time of the simulated schedule with per-stage chunk durations (``m`` small: see ``pipeline``).
+    Zero bubble: a split backward's B (input grads) and W (weight grads) take half a backward each."""
+    times = [(f, x / 2, x / 2) if zero_bubble else (f, x, 0.0) for f, x in zip(forward, backward)]
+    orders, inputs = _orders(pp, vpp, m, zero_bubble)
+    return max(simulate(orders, vpp, rank_times=times, inputs=inputs))
 
 
 def pipeline_seconds(forward: list, backward: list, *, num_microbatches: int, vpp: int = 1,

@@ -1,6 +1,6 @@
 """Predicted against measured step time on this machine: the planner with a calibrated profile
 (``planning.calibrate``) against real training steps (``planning.measure.measure_layout``) at layouts of every
-axis: tp (with and without SP), pp (1F1B and interleaved), cp, ep, dp x ZeRO 1-3, selective and full
+axis: tp (with and without SP, SP with ``--tp-comm-overlap``), pp (1F1B and interleaved), cp, ep, dp x ZeRO 1-3, selective and full
 recompute. Used by ``tests/distributed/test_planner_time.py`` and ``scripts/benchmark.py --only planner``.
 
 The model is large enough for its GEMMs and element-wise ops to matter on a CPU (hidden 256, 256 tokens per
@@ -32,6 +32,7 @@ LAYOUTS = MappingProxyType({  # name: (layout, MoE)
     "dp 2 full recompute": (Layout(1, 1, 2, None, 0, False, "full"), False),
     "tp 2": (Layout(2, 1, 1, None, 0, False, None), False),
     "tp 2 SP": (Layout(2, 1, 1, None, 0, True, None), False),
+    "tp 2 SP overlap": (Layout(2, 1, 1, None, 0, True, None, tp_comm_overlap=True), False),
     "pp 2": (Layout(1, 2, 1, None, 0, False, None), False),
     "pp 2 vpp 2": (Layout(1, 2, 1, 2, 0, False, None), False),
     "cp 2": (Layout(1, 1, 1, None, 0, False, None, 2), False),
@@ -42,7 +43,8 @@ LAYOUTS = MappingProxyType({  # name: (layout, MoE)
 
 
 def _model(layout: Layout, moe: bool) -> dict:
-    model = {**MODEL, "sequence_parallel": layout.sequence_parallel, "recompute_granularity": layout.recompute}
+    model = {**MODEL, "sequence_parallel": layout.sequence_parallel, "recompute_granularity": layout.recompute,
+             "tp_comm_overlap": layout.tp_comm_overlap}
     if layout.recompute == "full":
         model.update(recompute_method="uniform", recompute_num_layers=1)
     if moe:
@@ -69,7 +71,7 @@ def predicted_seconds(layout: Layout, moe: bool, profile: dict) -> float:
     """The planner's step time at ``layout`` with the calibrated ``profile`` (CPU attention: scores
     materialized; CPU dropout masks: the activation's 2 bytes)."""
     model = _model(layout, moe)
-    base = TransformerConfig(**{k: v for k, v in model.items() if k not in ("sequence_parallel",)},
+    base = TransformerConfig(**{k: v for k, v in model.items() if k not in ("sequence_parallel", "tp_comm_overlap")},
                              max_position_embeddings=S, params_dtype=torch.bfloat16, bf16=True)
     workload = Workload(vocab_size=V, seq_length=S, micro_batch_size=B, global_batch_size=B * M * layout.dp,
                         make_vocab_size_divisible_by=8, mask_bytes=2, flash_attention=False)
