@@ -1,7 +1,8 @@
 """Predicted against measured step time on this machine: the planner with a calibrated profile
 (``planning.calibrate``) against real training steps (``planning.measure.measure_layout``) at layouts of every
 axis: tp (with and without SP, SP with ``--tp-comm-overlap``), pp (1F1B and interleaved), cp, ep, dp x ZeRO
-1-3, selective and full recompute. Used by ``tests/distributed/test_planner_time.py`` and ``scripts/benchmark.py --only planner``.
+1-3, selective and full recompute. Used by ``tests/distributed/test_planner_time.py`` and
+``scripts/benchmark.py --only planner``.
 
 The model is large enough for its GEMMs and element-wise ops to matter on a CPU (hidden 256, 256 tokens per
 sequence) and small enough for a step to take about half a second; every layout on 2 ranks, one per core, one
