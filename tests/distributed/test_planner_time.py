@@ -1,6 +1,7 @@
 """The planner's step time, calibrated on this machine (``--calibrate``: GEMM curve, layer overhead,
-element-wise rate, gloo all-reduce), against real training steps at 10 layouts covering every axis: dp with
-and without full recompute, tp (with and without SP), pp (1F1B, interleaved), cp, ZeRO 1 and 3, MoE ep; each
+element-wise rate, gloo all-reduce), against real training steps at 11 layouts covering every axis: dp with
+and without full recompute, tp (with and without SP, and SP with --tp-comm-overlap), pp (1F1B, interleaved),
+cp, ZeRO 1 and 3, MoE ep; each
 within 20%. Fresh ranks of their own (the suite's shared ranks carry the state of every earlier test). This
 2-core machine's speed drifts with its neighbours: a layout outside 20% is measured again (twice at most)
 after a fresh calibration, so that only a model error that persists fails the test."""
