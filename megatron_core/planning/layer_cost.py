@@ -112,6 +112,24 @@ def collective_seconds(volume_bytes: float, *, span: int, hardware: Hardware, co
     return count * latency * 1e-6 + volume_bytes / (gbps * 1e9)
 
 
+def all_to_all_seconds(volume_bytes: float, *, ranks: int, span: int, hardware: Hardware, count: int = 1) -> float:
+    """``count`` all-to-alls in which each of ``ranks`` ranks (spread evenly over ``span`` consecutive ranks)
+    sends ``volume_bytes`` in total, an equal share to every other rank. Inside a node it is one collective
+    over NVLink; across nodes each rank's shares for its own node's ranks go over NVLink while those for other
+    nodes go over its NIC, at once, so the slower of the two sets the time (NCCL's all-to-all is point-to-point
+    sends to each peer, each over the link that reaches it)."""
+    if volume_bytes <= 0 or ranks <= 1:
+        return 0.0
+    nodes = -(-span // hardware.devices_per_node)
+    if nodes == 1:
+        return collective_seconds(volume_bytes, span=span, hardware=hardware, count=count)
+    local = ranks // nodes - 1  # peers on this rank's node
+    remote = ranks - 1 - local
+    seconds = max(volume_bytes * local / (ranks - 1) / (hardware.intra_node_bandwidth_gbps * 1e9),
+                  volume_bytes * remote / (ranks - 1) / (hardware.inter_node_bandwidth_gbps * 1e9))
+    return count * hardware.inter_node_latency_us * 1e-6 + seconds
+
+
 def ring_steps_seconds(hardware: Hardware, ranks: int, nodes: int, *, all_reduce: bool) -> float:
     """The step latency of one collective of ``ranks`` over ``nodes`` nodes, as NCCL's tuning model counts it
     (``tuning.cc``): a ring all-gather or reduce-scatter takes ``ranks - 1`` steps, ``nodes - 1`` of them over
@@ -266,6 +284,6 @@ def output_layer_forward_seconds(config: TransformerConfig, hardware: Hardware, 
     return gemm, bytes_seconds(tokens * vocab * (element_bytes(config) + 3 * 4), hardware)
 
 
-__all__ = ["ForwardCost", "attention_backward_ratio", "tp_overlap_chunks", "tp_overlap_exposed", "collective_seconds",
-           "element_bytes", "elementwise_layer_bytes", "layer_forward_cost", "output_layer_forward_seconds",
-           "bytes_seconds"]
+__all__ = ["ForwardCost", "all_to_all_seconds", "attention_backward_ratio", "tp_overlap_chunks", "tp_overlap_exposed",
+           "collective_seconds", "element_bytes", "elementwise_layer_bytes", "layer_forward_cost",
+           "output_layer_forward_seconds", "bytes_seconds"]

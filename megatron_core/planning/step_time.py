@@ -29,6 +29,7 @@ from megatron_core.pipeline_parallel.schedule_plan import (
 from megatron_core.planning.fp8 import fp8_gathered_expert_parameters, fp8_gathered_parameters
 from megatron_core.planning.hardware import Hardware
 from megatron_core.planning.layer_cost import (
+    all_to_all_seconds,
     attention_backward_ratio,
     bytes_seconds,
     collective_seconds,
@@ -112,8 +113,12 @@ def _ep_layer_seconds(config: TransformerConfig, workload, layout, hardware: Har
     e, full = element_bytes(config), layout.recompute == "full"
     ep_bytes = ep_comm_bytes(config, tokens=layout.etp * tokens, element_bytes=e, ep=layout.ep, recompute_full=full)
     etp_bytes = etp_comm_bytes(config, tokens=tokens, element_bytes=e, etp=layout.etp, recompute_full=full)
-    return (collective_seconds(ep_bytes, span=layout.ep * layout.etp, hardware=hardware, count=4)
-            + collective_seconds(etp_bytes, span=layout.etp, hardware=hardware, count=4, ring_ranks=layout.etp))
+    span = layout.ep * layout.etp
+    ep_seconds = (all_to_all_seconds(ep_bytes, ranks=layout.ep, span=span, hardware=hardware, count=4)
+                  if config.moe.moe_token_dispatcher_type == "alltoall"
+                  else collective_seconds(ep_bytes, span=span, hardware=hardware, count=4))
+    return ep_seconds + collective_seconds(etp_bytes, span=layout.etp, hardware=hardware, count=4,
+                                           ring_ranks=layout.etp)
 
 
 def ep_comm_seconds(config: TransformerConfig, workload, layout, hardware: Hardware, num_microbatches: int) -> float:

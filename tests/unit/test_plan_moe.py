@@ -87,3 +87,19 @@ def test_the_launch_line_names_etp_1_at_tp_2_since_etp_defaults_to_tp():
     assert "--expert-tensor-parallel-size 1" in line and "--expert-model-parallel-size 2" in line
     dense = tool.torchrun_command(plan, [], num_devices=4, devices_per_node=4, num_layers=2)
     assert "--expert-tensor-parallel-size" not in dense
+
+
+def test_all_to_all_across_nodes_sends_to_its_own_node_over_nvlink():
+    """An ep 16 all-to-all over two 8-GPU nodes: each rank's 7 shares for its own node go over NVLink while
+    the 8 for the other node go over its NIC, so the NIC's 8/15 of the bytes set the time, not all of them;
+    inside one node it is one NVLink collective."""
+    from megatron_core.planning.hardware import hardware_from_profile
+    from megatron_core.planning.layer_cost import all_to_all_seconds, collective_seconds
+    h100 = hardware_from_profile("h100", num_devices=16)
+    volume = 1e9
+    across = all_to_all_seconds(volume, ranks=16, span=16, hardware=h100)
+    nic = volume * 8 / 15 / (h100.inter_node_bandwidth_gbps * 1e9)
+    assert across == pytest.approx(nic + h100.inter_node_latency_us * 1e-6)
+    assert across < 0.6 * collective_seconds(volume, span=16, hardware=h100)
+    assert all_to_all_seconds(volume, ranks=8, span=8, hardware=h100) == collective_seconds(volume, span=8,
+                                                                                            hardware=h100)
