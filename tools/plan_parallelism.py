@@ -26,7 +26,7 @@ import sys
 from typing import Optional, Sequence
 
 from megatron_core.planning.hardware import PROFILES, Hardware, hardware_from_profile, save_profile
-from megatron_core.planning.planner import RECOMPUTE_CHOICES, Plan, SearchSpace, Workload, rank_plans
+from megatron_core.planning.planner import RECOMPUTE_CHOICES, Plan, SearchSpace, Workload, grad_bytes_of, rank_plans
 from megatron_core.planning.report import explain, plot
 from megatron_core.training.arguments import build_parser, transformer_config, validate_args
 from megatron_core.utils.errors import run_tool
@@ -206,7 +206,7 @@ def _rank(options: argparse.Namespace, args: argparse.Namespace) -> tuple[Worklo
                         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
                         optimizer_state_bytes=8 if args.optimizer == "adam" else 4, mask_bytes=options.mask_bytes,
                         flash_attention=not options.no_flash_attention,
-                        grad_bytes=2 if args.grad_reduce_in_bf16 and (args.bf16 or args.fp16) else 4)
+                        grad_bytes=grad_bytes_of(args))
     machine = hardware(options)
     return workload, rank_plans(base, workload, machine, space=search_space(options),
                                 tolerance=options.tolerance), machine

@@ -71,6 +71,12 @@ class Workload:
     ``s^2`` scores' memory traffic (the unfused softmax path, e.g. Megatron-LM before flash attention)."""
 
 
+def grad_bytes_of(args) -> int:
+    """``Workload.grad_bytes`` of a run with these pretrain_gpt.py flags: 2 with ``--grad-reduce-in-bf16`` on a
+    16-bit model (the grad buffers then take the parameters' dtype), else 4."""
+    return 2 if getattr(args, "grad_reduce_in_bf16", False) and (args.bf16 or args.fp16) else 4
+
+
 @dataclasses.dataclass(frozen=True)
 class Layout:
     tp: int
@@ -422,7 +428,7 @@ def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-__all__ = ["Hardware", "Workload", "Layout", "Plan", "SearchSpace", "cp_comm_bytes", "cp_comm_seconds",
+__all__ = ["Hardware", "Workload", "Layout", "grad_bytes_of", "Plan", "SearchSpace", "cp_comm_bytes", "cp_comm_seconds",
            "ep_comm_seconds", "layout_config", "stage_expert_parameters",
            "model_state_bytes", "optimizer_state_bytes", "rank_activation_bytes", "rank_transient_bytes",
            "rank_peak_extra_bytes",

@@ -23,7 +23,13 @@ from megatron_core.fp8.config import fp8_runs_emulated
 from megatron_core.optimizer.memory import memory_categories
 from megatron_core.pipeline_parallel.schedule_plan import resolve_zero_bubble_defer
 from megatron_core.pipeline_parallel.schedules import pipeline_tensor_shape
-from megatron_core.planning.planner import Workload, model_state_bytes, rank_activation_bytes, rank_peak_extra_bytes
+from megatron_core.planning.planner import (
+    Workload,
+    grad_bytes_of,
+    model_state_bytes,
+    rank_activation_bytes,
+    rank_peak_extra_bytes,
+)
 from megatron_core.training.metrics import memory_bytes
 from megatron_core.utils.live_memory import LiveMemoryTracker, peak_rss_bytes
 
@@ -58,7 +64,8 @@ def predicted_stage_bytes(run) -> dict[str, float]:
     workload = Workload(vocab_size=run.tokenizer.vocab_size, seq_length=args.seq_length,
                         micro_batch_size=args.micro_batch_size, global_batch_size=run.global_batch,
                         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-                        mask_bytes=1 if run.state.device.type == "cuda" else (2 if (config.bf16 or config.fp16) else 4))
+                        mask_bytes=1 if run.state.device.type == "cuda" else (2 if (config.bf16 or config.fp16) else 4),
+                        grad_bytes=grad_bytes_of(args))
     zero = getattr(args, "zero_stage", 0) or 0
     pp_rank, experts = run.state.pp_rank, dict(ep=run.state.ep_size, etp=run.state.etp_size)
     parts = {"model states": model_state_bytes(config, workload, pp_rank=pp_rank, dp=run.state.dp_cp_size,

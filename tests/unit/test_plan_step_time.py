@@ -117,6 +117,11 @@ def test_grads_reduced_in_bf16_halve_the_grad_bytes_and_the_data_parallel_traffi
     a100 = hardware_from_profile("a100", num_devices=8, comm_overlap=0.0)
     dp = [plan_layout(CONFIG, w, a100, layout).time.parts["dp"] for w in (fp32, bf16)]
     assert dp[1] == pytest.approx(dp[0] / 2, rel=0.05)
+    from argparse import Namespace
+
+    from megatron_core.planning.planner import grad_bytes_of  # the tool's and the banner's reading of the flags
+    assert [grad_bytes_of(Namespace(grad_reduce_in_bf16=g, bf16=b, fp16=False))
+            for g, b in ((True, True), (False, True), (True, False))] == [2, 4, 4]
 
 
 def test_layer_counts_no_even_split_takes_count_the_embedding_and_loss_as_layers():
