@@ -29,8 +29,8 @@ flash attention the unfused path computes every score and masks them after (``ba
 softmax), and backward reuses the saved probabilities: the full ``s^2``, backward twice the forward.
 
 Tensor-parallel traffic: the two all-reduces (or all-gather + reduce-scatter pairs under SP) of ``[T, h]``
-forward, two backward; under ``tp_comm_overlap`` each in k chunks, run beside the GEMMs
-(``tp_overlap_exposed``).
+forward, two backward (under SP three: ``tp_backward_exposed``); under ``tp_comm_overlap`` each in k chunks,
+run beside the GEMMs (``tp_overlap_exposed``).
 """
 from __future__ import annotations
 
@@ -65,6 +65,24 @@ def tp_overlap_exposed(config: TransformerConfig, hardware: Hardware, *, tp: flo
     return max(tp - hardware.comm_overlap * (1 - 1 / tp_overlap_chunks(config, tokens)) * gemm, 0.0)
 
 
+def tp_backward_exposed(config: TransformerConfig, hardware: Hardware, *, tp: float, gemm: float,
+                        column_gemm: float, tokens: float) -> float:
+    """What the backward's tp collectives leave exposed, for layers whose forward collectives take ``tp`` and
+    forward GEMMs ``gemm`` (of which ``column_gemm`` the column-parallel layers'). Without SP: the column layers'
+    input-grad all-reduces, as many as forward's. With SP, 1.5 times forward's: the row layers' all-gathers of
+    the output grad (half as many as forward's collectives), which their GEMMs wait for, and the column layers'
+    all-gather of the saved input and reduce-scatter of the input grad (as many as forward's), which run
+    asynchronously beside the input- and weight-gradient GEMMs (``tensor_parallel.sequence_parallel_linear``;
+    times the profile's ``comm_overlap``); under ``tp_comm_overlap`` all of them in chunks beside the backward's
+    GEMMs (``tp_overlap_exposed``)."""
+    t = config.tensor_model_parallel_size or 1
+    if not (config.sequence_parallel and t > 1):
+        return tp
+    if config.tp_comm_overlap:
+        return tp_overlap_exposed(config, hardware, tp=1.5 * tp, gemm=2 * gemm, tokens=tokens)
+    return 0.5 * tp + max(tp - hardware.comm_overlap * 2 * column_gemm, 0.0)
+
+
 def attention_backward_ratio(flash: bool) -> float:
     """Core attention's backward over its forward: 2.5 with flash attention (the scores recomputed), else 2."""
     return 2.5 if flash else 2.0
@@ -80,6 +98,8 @@ class ForwardCost:
     tp: float
     scores: float = 0.0
     """Of ``elementwise``: the unfused softmax's ``s^2`` scores (selective recompute runs them again)."""
+    column_gemm: float = 0.0
+    """Of ``gemm``: the column-parallel layers' (QKV, and fc1 in a dense layer)."""
 
 
 def collective_seconds(volume_bytes: float, *, span: int, hardware: Hardware, count: int = 1,
@@ -238,6 +258,9 @@ def layer_forward_cost(config: TransformerConfig, hardware: Hardware, *, micro_b
     gemms = _attention_linears(config, tokens, t) + _mlp_linears(config, tokens, t, moe_layer=moe_layer, ep=ep,
                                                                  etp=etp)
     gemm = sum(_gemm_seconds(flops, hardware, *dims) for flops, dims in gemms)
+    attention_linears = len(_attention_linears(config, tokens, t))
+    column_flops = gemms[0][0] + (0.0 if moe_layer else gemms[attention_linears][0])
+    column_share = column_flops / sum(flops for flops, _ in gemms)
     fp8_share = _fp8_layer_share(config, hardware)
     if fp8_share:  # FP8 GEMMs at the FP8 peak, plus quantizing each GEMM's input and weight (read e, write 1 B)
         fp8 = dataclasses.replace(hardware, peak_tflops=hardware.fp8_peak_tflops)
@@ -263,7 +286,8 @@ def layer_forward_cost(config: TransformerConfig, hardware: Hardware, *, micro_b
         volume = 4 * (t - 1) / t * tokens * config.hidden_size * element_bytes(config)
         count = 4 * tp_overlap_chunks(config, tokens) if config.sequence_parallel else 2
         tp = collective_seconds(volume, span=t, hardware=hardware, count=count, ring_ranks=t)
-    return ForwardCost(gemm=gemm, attention=attention, elementwise=elementwise, tp=tp, scores=scores)
+    return ForwardCost(gemm=gemm, attention=attention, elementwise=elementwise, tp=tp, scores=scores,
+                       column_gemm=column_share * gemm)
 
 
 def elementwise_layer_bytes(config: TransformerConfig, *, micro_batch_size: int, seq_length: int, flash: bool = True,
@@ -284,6 +308,6 @@ def output_layer_forward_seconds(config: TransformerConfig, hardware: Hardware, 
     return gemm, bytes_seconds(tokens * vocab * (element_bytes(config) + 3 * 4), hardware)
 
 
-__all__ = ["ForwardCost", "all_to_all_seconds", "attention_backward_ratio", "tp_overlap_chunks", "tp_overlap_exposed",
-           "collective_seconds", "element_bytes", "elementwise_layer_bytes", "layer_forward_cost",
+__all__ = ["ForwardCost", "all_to_all_seconds", "attention_backward_ratio", "tp_backward_exposed", "tp_overlap_chunks",
+           "tp_overlap_exposed", "collective_seconds", "element_bytes", "elementwise_layer_bytes", "layer_forward_cost",
            "output_layer_forward_seconds", "bytes_seconds"]

@@ -36,6 +36,7 @@ from megatron_core.planning.layer_cost import (
     element_bytes,
     layer_forward_cost,
     output_layer_forward_seconds,
+    tp_backward_exposed,
     tp_overlap_exposed,
 )
 from megatron_core.planning.moe import ep_comm_bytes, etp_comm_bytes, moe_layers_on_stage, stage_layer_count
@@ -148,7 +149,8 @@ def _stage_microbatch(config: TransformerConfig, workload, layout, hardware: Har
     gemm, attention, elementwise = total("gemm"), total("attention"), total("elementwise")
     tokens = b * s / layout.cp
     tp = tp_overlap_exposed(config, hardware, tp=total("tp"), gemm=gemm, tokens=tokens)
-    tp_backward = tp_overlap_exposed(config, hardware, tp=total("tp"), gemm=2 * gemm, tokens=tokens)
+    tp_backward = tp_backward_exposed(config, hardware, tp=total("tp"), gemm=gemm, column_gemm=total("column_gemm"),
+                                      tokens=tokens)
     if pp_rank == layout.pp - 1:
         out_gemm, out_bytes = output_layer_forward_seconds(config, hardware, tokens=b * s / layout.cp,
                                                            padded_vocab_size=padded_vocab_size)
