@@ -88,19 +88,19 @@ class Plan:
 
 def layout_config(base: TransformerConfig, layout: Layout) -> TransformerConfig:
     """``base`` with the layout's parallel sizes, sequence parallelism, recompute and pipeline split."""
-    recompute = dict(recompute_granularity=layout.recompute, recompute_method=None, recompute_num_layers=None)
+    changes = dict(recompute_granularity=layout.recompute, recompute_method=None, recompute_num_layers=None)
     if layout.recompute == "full":
-        recompute.update(recompute_method="uniform", recompute_num_layers=1)
+        changes.update(recompute_method="uniform", recompute_num_layers=1)
     elif layout.recompute is None and base.recompute_granularity == "full":
-        recompute.update(recompute_granularity="full", recompute_method=base.recompute_method,
-                         recompute_num_layers=base.recompute_num_layers)
+        changes.update(recompute_granularity="full", recompute_method=base.recompute_method,
+                       recompute_num_layers=base.recompute_num_layers)
     if layout.embedding_loss_split:
         split = split_chunk_counts(base.num_layers, layout.pp, layout.vpp or 1, embedding=True, loss=True)
-        recompute.update(pipeline_model_parallel_layout=split)
+        changes.update(pipeline_model_parallel_layout=split)
     return dataclasses.replace(base, tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
                                virtual_pipeline_model_parallel_size=layout.vpp,
                                context_parallel_size=layout.cp, sequence_parallel=layout.sequence_parallel,
-                               tp_comm_overlap=layout.tp_comm_overlap, **recompute)
+                               tp_comm_overlap=layout.tp_comm_overlap, **changes)
 
 
 def _sharded_state_bytes(config: TransformerConfig, workload: Workload, *, params: float, full_grad: float,
