@@ -99,7 +99,7 @@ def bench_planner(args) -> list[str]:
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests" / "distributed"))
     import test_planner as tp_test
 
-    from megatron_core.planning.calibrate import calibrate
+    from megatron_core.planning.calibrate import calibrate, fastest_cpu_dtype
     from megatron_core.planning.time_validation import validate
     from megatron_core.testing import run_distributed
     lines = ["| tp | pp | dp | vpp | ZeRO | SP | recompute | predicted MiB | measured MiB | ratio |",
@@ -110,11 +110,12 @@ def bench_planner(args) -> list[str]:
         lines.append(f"| {layout.tp} | {layout.pp} | {layout.dp} | {layout.vpp or 1} | {layout.zero_stage} | "
                      f"{'yes' if layout.sequence_parallel else 'no'} | {layout.recompute or 'none'} | "
                      f"{predicted / 2**20:.3f} | {measured / 2**20:.3f} | {predicted / measured:.3f} |")
-    profile = calibrate(2)
-    lines += ["", "calibrated: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+    dtype = fastest_cpu_dtype()
+    profile = calibrate(2, dtype_name=dtype)
+    lines += ["", f"calibrated in {dtype}: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                                            for k, v in profile.items()), "",
               "| layout | predicted ms | measured ms | predicted / measured |", "| --- | ---: | ---: | ---: |"]
-    for name, predicted, measured in validate(run_distributed, profile, rounds=max(args.runs, 1)):
+    for name, predicted, measured in validate(run_distributed, profile, rounds=max(args.runs, 1), dtype_name=dtype):
         lines.append(f"| {name} | {1e3 * predicted:.1f} | {1e3 * measured:.1f} | {predicted / measured:.2f} |")
     return lines
 

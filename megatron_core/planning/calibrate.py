@@ -13,8 +13,11 @@ will train). Each is a small benchmark; the result is a hardware profile (``plan
   GEMM, attention and overhead time, over the planner's element-wise bytes for it. On a CPU, dropout's random
   numbers, dtype conversions and ``exp`` make these ops slower than DRAM bandwidth; a GPU's are bound by HBM.
 - All-reduce: ``2 (n - 1) / n x bytes / time`` of a 16 MiB all-reduce, and the latency between GEMMs (what
-  256 KiB all-reduces add to rounds of GEMMs, less their bytes' time; waiting for the slower rank included).
+  256 KiB all-reduces add to rounds of GEMMs, less their bytes' time; waiting for the slower rank included);
+  ``chunk_latency_us``: what cutting each into two halves issued at once adds (``--tp-comm-overlap``'s chunks).
 On a CPU every rank runs one thread (as the test and benchmark ranks do); devices = ranks, one node.
+``fastest_cpu_dtype``: a CPU without bf16 instructions (AVX512-BF16 / AMX: e.g. AMD Zen 1-3) runs bf16 GEMMs
+through a fallback ~20x slower than fp32; there the calibration and the steps it predicts run in fp32.
 """
 from __future__ import annotations
 
@@ -46,6 +49,22 @@ def _median_seconds(fn: Callable[[], object], *, repeats: int = 5) -> float:
     """The median of ``repeats`` timings: the typical cost, as a step pays it (``time_validation`` takes the
     median step too)."""
     return statistics.median(_timings(fn, repeats))
+
+
+def fastest_cpu_dtype(dim: int = 256, slowdown: float = 2.0) -> str:
+    """``"bfloat16"`` where this CPU's bf16 ``[dim, dim]`` GEMM (one thread) takes under ``slowdown`` times the
+    fp32 one, else ``"float32"``: the dtype in which calibrating and timing steps measure the hardware rather
+    than an emulation of it."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        seconds = {}
+        for dtype in (torch.float32, torch.bfloat16):
+            a, b = torch.randn(dim, dim, dtype=dtype), torch.randn(dim, dim, dtype=dtype)
+            seconds[dtype] = _median_seconds(lambda: a @ b, repeats=3)
+    finally:
+        torch.set_num_threads(threads)
+    return "bfloat16" if seconds[torch.bfloat16] < slowdown * seconds[torch.float32] else "float32"
 
 
 def gemm_curve(dtype: torch.dtype, dims=(16, 32, 64, 128, 256, 512, 1024)) -> dict:
@@ -122,16 +141,22 @@ def allreduce(group=None, dtype: torch.dtype = torch.bfloat16) -> dict:
     busbw = ring * large.numel() * 4 / seconds
     a, w = torch.randn(512, 256, dtype=dtype), torch.randn(256, 1024, dtype=dtype)
 
-    def rounds(with_collective: bool) -> None:
+    halves = message.chunk(2)
+
+    def rounds(chunks: int) -> None:
         for _ in range(20):
             for _ in range(4):
                 a @ w
-            if with_collective:
+            if chunks == 1:
                 dist.all_reduce(message, group=group)
-    with_collectives = _median_seconds(lambda: rounds(True), repeats=9)  # a step pays the typical cost of each
-    added = (with_collectives - _median_seconds(lambda: rounds(False), repeats=9)) / 20  # of its collectives
+            elif chunks == 2:  # issued at once, then waited for: --tp-comm-overlap's chunks
+                for work in [dist.all_reduce(half, group=group, async_op=True) for half in halves]:
+                    work.wait()
+    alone = _median_seconds(lambda: rounds(0), repeats=9)
+    added = (_median_seconds(lambda: rounds(1), repeats=9) - alone) / 20  # a step pays the typical cost of each
+    chunked = (_median_seconds(lambda: rounds(2), repeats=9) - alone) / 20  # of its collectives
     latency = max(added - ring * message.numel() * message.element_size() / busbw, 0.0)
-    return {"latency_us": latency * 1e6, "bus_gbps": busbw / 1e9}
+    return {"latency_us": latency * 1e6, "bus_gbps": busbw / 1e9, "chunk_latency_us": max(chunked - added, 0.0) * 1e6}
 
 
 def calibrate_rank(dtype_name: str = "bfloat16") -> dict:
@@ -148,6 +173,7 @@ def calibrate_rank(dtype_name: str = "bfloat16") -> dict:
     world = dist.get_world_size()
     fields.update(intra_node_bandwidth_gbps=comm["bus_gbps"], inter_node_bandwidth_gbps=comm["bus_gbps"],
                   intra_node_latency_us=comm["latency_us"], inter_node_latency_us=comm["latency_us"],
+                  chunk_latency_us=comm["chunk_latency_us"],
                   devices_per_node=world, comm_overlap=0.0, name=f"calibrated-cpu-{world}ranks")
     return fields
 
@@ -169,5 +195,5 @@ def calibrate(world_size: int = 2, *, dtype_name: str = "bfloat16", memory_per_d
     return fields
 
 
-__all__ = ["calibrate", "calibrate_rank", "gemm_curve", "layer_overhead_us", "elementwise_bandwidth_gbps",
-           "allreduce"]
+__all__ = ["calibrate", "calibrate_rank", "fastest_cpu_dtype", "gemm_curve", "layer_overhead_us",
+           "elementwise_bandwidth_gbps", "allreduce"]

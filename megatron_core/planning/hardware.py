@@ -53,6 +53,10 @@ class Hardware:
     net_step_latency_us: float = 0.0
     """...and a step that crosses to the next node (``layer_cost.ring_steps_seconds``; NCCL's own tuning model,
     ``hwLat`` of Ring/Simple: 3.4 and 14 us)."""
+    chunk_latency_us: Optional[float] = None
+    """What each further chunk of a collective cut into chunks and issued at once (``--tp-comm-overlap``) adds to
+    its latency; None: a whole latency each (NCCL runs every chunk as a kernel and ring of its own). Gloo's queued
+    chunks share one wake-up of its thread: ``--calibrate`` measures it on a CPU."""
     layer_overhead_us: float = 0.0
     """Fixed seconds (x 1e-6) of one layer's forward + backward per micro-batch beyond its FLOPs and bytes."""
     comm_overlap: float = 0.0

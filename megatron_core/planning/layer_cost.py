@@ -29,8 +29,9 @@ flash attention the unfused path computes every score and masks them after (``ba
 softmax), and backward reuses the saved probabilities: the full ``s^2``, backward twice the forward.
 
 Tensor-parallel traffic: the two all-reduces (or all-gather + reduce-scatter pairs under SP) of ``[T, h]``
-forward, two backward (under SP three: ``tp_backward_exposed``); under ``tp_comm_overlap`` each in k chunks,
-run beside the GEMMs (``tp_overlap_exposed``).
+forward, two backward (under SP three: ``tp_backward_exposed``); under ``tp_comm_overlap`` each in k chunks
+(a latency each, or the profile's ``chunk_latency_us`` for each further one), run beside the GEMMs
+(``tp_overlap_exposed``).
 """
 from __future__ import annotations
 
@@ -284,8 +285,12 @@ def layer_forward_cost(config: TransformerConfig, hardware: Hardware, *, micro_b
     tp = 0.0
     if t > 1:
         volume = 4 * (t - 1) / t * tokens * config.hidden_size * element_bytes(config)
-        count = 4 * tp_overlap_chunks(config, tokens) if config.sequence_parallel else 2
-        tp = collective_seconds(volume, span=t, hardware=hardware, count=count, ring_ranks=t)
+        chunks = tp_overlap_chunks(config, tokens) if config.sequence_parallel else 1
+        count = 4 * chunks if config.sequence_parallel else 2
+        further = 0.0
+        if hardware.chunk_latency_us is not None:  # a collective's chunks share its latency, each adds this
+            count, further = count // chunks, 4 * (chunks - 1) * hardware.chunk_latency_us * 1e-6
+        tp = collective_seconds(volume, span=t, hardware=hardware, count=count, ring_ranks=t) + further
     return ForwardCost(gemm=gemm, attention=attention, elementwise=elementwise, tp=tp, scores=scores,
                        column_gemm=column_share * gemm)
 

@@ -152,7 +152,7 @@ def measure_layout(config_kwargs: dict, *, tp: int, pp: int, zero_stage: int, vo
                    micro_batch_size: int, num_microbatches: int, steps: int = 1,
                    vpp: Optional[int] = None, track_live: bool = False, cp: int = 1,
                    ep: int = 1, etp: int = 1, track_activations: bool = True,
-                   grad_reduce_in_fp32: bool = True) -> LayoutMeasurement:
+                   grad_reduce_in_fp32: bool = True, dtype: torch.dtype = torch.bfloat16) -> LayoutMeasurement:
     """Builds the GPT at (tp, cp, pp, dp = world / (tp cp pp)) with ZeRO ``zero_stage`` (sharded over dp x cp),
     bf16 with fp32 grads and fp32 Adam masters (the training loop's defaults), runs ``steps`` steps; returns
     the last step's numbers. With cp > 1 each cp rank gets its ``split_batch`` tokens and the loss is
@@ -160,19 +160,23 @@ def measure_layout(config_kwargs: dict, *, tp: int, pp: int, zero_stage: int, vo
     model (``config_kwargs["moe"]``) runs at expert-parallel size ``ep`` (and expert tensor-parallel size
     ``etp``), experts over expert-dp. ``track_activations=False`` times the step without the saved-tensor
     hooks (``activation_bytes`` is then 0). ``grad_reduce_in_fp32=False``: grads kept and reduced in bf16
-    (``--grad-reduce-in-bf16``)."""
+    (``--grad-reduce-in-bf16``). ``dtype=torch.float32``: an fp32 model (no masters), for CPUs without bf16
+    instructions (``planning.calibrate.fastest_cpu_dtype``)."""
+    if dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"measure_layout dtype {dtype} is not supported: use torch.bfloat16 or torch.float32")
     state = initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                       virtual_pipeline_model_parallel_size=vpp, context_parallel_size=cp,
                                       expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
     config = TransformerConfig(**config_kwargs, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                virtual_pipeline_model_parallel_size=vpp, context_parallel_size=cp,
-                               max_position_embeddings=seq_length, params_dtype=torch.bfloat16, bf16=True)
+                               max_position_embeddings=seq_length, params_dtype=dtype,
+                               bf16=dtype == torch.bfloat16)
     ddp_config = DistributedDataParallelConfig(zero_stage=zero_stage, grad_reduce_in_fp32=grad_reduce_in_fp32)
     chunks = [DistributedDataParallel(c, config=ddp_config, dp_group=state.dp_cp_group,
                                       expert_dp_group=state.expert_dp_group)
               for c in _chunks(config, state, vocab_size, seq_length)]
     model_parallel_seed(1 + state.pp_rank, tp_rank=state.tp_rank, tracker=state.rng_tracker)
-    optimizer = get_optimizer(OptimizerConfig(bf16=True), chunks, parallel_state=state)
+    optimizer = get_optimizer(OptimizerConfig(bf16=dtype == torch.bfloat16), chunks, parallel_state=state)
     g = torch.Generator().manual_seed(state.dp_rank)
     tokens = torch.randint(0, vocab_size, (num_microbatches, micro_batch_size, seq_length + 1), generator=g)
     positions = torch.arange(seq_length).expand(micro_batch_size, seq_length)

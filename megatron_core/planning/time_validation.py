@@ -6,7 +6,8 @@ axis: tp (with and without SP, SP with ``--tp-comm-overlap``), pp (1F1B and inte
 
 The model is large enough for its GEMMs and element-wise ops to matter on a CPU (hidden 256, 256 tokens per
 sequence) and small enough for a step to take about half a second; every layout on 2 ranks, one per core, one
-thread each: the calibration's conditions (two ranks measuring at once share the memory system).
+thread each: the calibration's conditions (two ranks measuring at once share the memory system). In bf16, or
+in fp32 on a CPU without bf16 instructions (``calibrate.fastest_cpu_dtype``), the calibration's dtype.
 """
 from __future__ import annotations
 
@@ -53,41 +54,46 @@ def _model(layout: Layout, moe: bool) -> dict:
     return model
 
 
-def _measure(layout: Layout, model: dict, steps: int) -> float:
+def _measure(layout: Layout, model: dict, steps: int, dtype_name: str) -> float:
     result = measure_layout(model, tp=layout.tp, pp=layout.pp, zero_stage=layout.zero_stage, vocab_size=V,
                             seq_length=S, micro_batch_size=B, num_microbatches=M, vpp=layout.vpp, steps=steps,
-                            cp=layout.cp, ep=layout.ep, etp=layout.etp, track_activations=False)
+                            cp=layout.cp, ep=layout.ep, etp=layout.etp, track_activations=False,
+                            dtype=getattr(torch, dtype_name))
     return result.step_seconds
 
 
-def measured_seconds(distributed: Callable, layout: Layout, moe: bool, *, rounds: int = 3) -> float:
+def measured_seconds(distributed: Callable, layout: Layout, moe: bool, *, rounds: int = 3,
+                     dtype_name: str = "bfloat16") -> float:
     """The median over ``rounds`` of the slowest rank's last step (of 2: the first warms up); the calibration
     takes median timings too."""
     ranks = layout.tp * layout.pp * layout.dp * layout.cp
-    return statistics.median(max(distributed(ranks, _measure, layout, _model(layout, moe), 2))
+    return statistics.median(max(distributed(ranks, _measure, layout, _model(layout, moe), 2, dtype_name))
                              for _ in range(rounds))
 
 
-def predicted_seconds(layout: Layout, moe: bool, profile: dict) -> float:
+def predicted_seconds(layout: Layout, moe: bool, profile: dict, dtype_name: str = "bfloat16") -> float:
     """The planner's step time at ``layout`` with the calibrated ``profile`` (CPU attention: scores
-    materialized; CPU dropout masks: the activation's 2 bytes)."""
+    materialized; CPU dropout masks: one activation element each)."""
     model = _model(layout, moe)
+    dtype = getattr(torch, dtype_name)
     base = TransformerConfig(**{k: v for k, v in model.items() if k not in ("sequence_parallel", "tp_comm_overlap")},
-                             max_position_embeddings=S, params_dtype=torch.bfloat16, bf16=True)
+                             max_position_embeddings=S, params_dtype=dtype, bf16=dtype == torch.bfloat16)
     workload = Workload(vocab_size=V, seq_length=S, micro_batch_size=B, global_batch_size=B * M * layout.dp,
-                        make_vocab_size_divisible_by=8, mask_bytes=2, flash_attention=False)
+                        make_vocab_size_divisible_by=8, mask_bytes=dtype.itemsize, flash_attention=False)
     ranks = layout.tp * layout.pp * layout.dp * layout.cp
     hardware = Hardware(num_devices=ranks, **{**profile, "devices_per_node": max(ranks, 1)})
     return plan_layout(base, workload, hardware, layout).step_seconds
 
 
-def validate(distributed: Callable, profile: dict, names=None, rounds: int = 3) -> list[tuple[str, float, float]]:
-    """(name, predicted, measured) seconds per step for each validated layout."""
+def validate(distributed: Callable, profile: dict, names=None, rounds: int = 3,
+             dtype_name: str = "bfloat16") -> list[tuple[str, float, float]]:
+    """(name, predicted, measured) seconds per step for each validated layout, in ``dtype_name`` (the
+    calibration's)."""
     rows = []
     for name, (layout, moe) in LAYOUTS.items():
         if names is None or name in names:
-            rows.append((name, predicted_seconds(layout, moe, profile), measured_seconds(distributed, layout, moe,
-                                                                                         rounds=rounds)))
+            rows.append((name, predicted_seconds(layout, moe, profile, dtype_name),
+                         measured_seconds(distributed, layout, moe, rounds=rounds, dtype_name=dtype_name)))
     return rows
 
 

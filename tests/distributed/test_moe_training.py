@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 S, V, MICRO = 8, 64, 4  # global batch: 4 micro-batches of one sequence
+ADAM_EPS = 1e-4  # above the round-off of a near-zero grad, which Adam at eps 1e-8 turns into a 1e-5 step
 
 
 def _model(state):
@@ -31,7 +32,7 @@ def _train_body(ep, zero_stage, steps=3):
         model = _model(state)
         ddp = DistributedDataParallel(model, config=DistributedDataParallelConfig(zero_stage=zero_stage),
                                       dp_group=state.dp_group, expert_dp_group=state.expert_dp_group)
-        optimizer = get_optimizer(OptimizerConfig(lr=1e-2, weight_decay=0.1, clip_grad=0.05), ddp,
+        optimizer = get_optimizer(OptimizerConfig(lr=1e-2, weight_decay=0.1, clip_grad=0.05, adam_eps=ADAM_EPS), ddp,
                                   parallel_state=state)
         data = torch.randint(0, V, (steps, MICRO, S + 1), generator=torch.Generator().manual_seed(3))
         per_rank = MICRO // state.dp_size
@@ -81,7 +82,7 @@ def test_ep2_dp4_training_equals_single_process(distributed, reference, zero_sta
         torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5, atol=0)
         assert norms[0] > 0.05  # clipping is active
         for name, value in params.items():
-            # atol: Adam turns last-bit differences of a near-zero grad (reduce-scatter vs all-reduce order) into ~2e-6
-            torch.testing.assert_close(value, ref_params[name], rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+            # atol: the last-bit differences (reduce-scatter vs all-reduce order) of near-zero elements
+            torch.testing.assert_close(value, ref_params[name], rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
     held = set().union(*(params for _, _, params in results))
     assert held == set(ref_params)  # every expert lives on some rank

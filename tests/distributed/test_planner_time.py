@@ -4,10 +4,11 @@ and without full recompute, tp (with and without SP, and SP with --tp-comm-overl
 cp, ZeRO 1 and 3, MoE ep; each
 within 20%. Fresh ranks of their own (the suite's shared ranks carry the state of every earlier test). This
 2-core machine's speed drifts with its neighbours: a layout outside 20% is measured again (twice at most)
-after a fresh calibration, so that only a model error that persists fails the test."""
+after a fresh calibration, so that only a model error that persists fails the test. In bf16 where this CPU has
+bf16 instructions, else in fp32 (``fastest_cpu_dtype``)."""
 import json
 
-from megatron_core.planning.calibrate import calibrate
+from megatron_core.planning.calibrate import calibrate, fastest_cpu_dtype
 from megatron_core.planning.hardware import Hardware, hardware_from_profile, save_profile
 from megatron_core.planning.time_validation import LAYOUTS, validate
 from megatron_core.testing import PoolCache
@@ -22,14 +23,15 @@ def test_predicted_step_time_within_20_percent_on_this_machine(tmp_path):
         def distributed(world_size, fn, *args, **kwargs):
             return pools.get(world_size).run(fn, *args, **kwargs)
 
-        profile = calibrate(2, distributed=distributed)
-        rows = validate(distributed, profile, rounds=1)
+        dtype = fastest_cpu_dtype()  # fp32 on a CPU whose bf16 GEMMs are emulated (~20x slower)
+        profile = calibrate(2, distributed=distributed, dtype_name=dtype)
+        rows = validate(distributed, profile, rounds=1, dtype_name=dtype)
         attempts = [rows]
         for _ in range(2):
             if not _outside(attempts[-1]):
                 break
-            profile = calibrate(2, distributed=distributed)
-            attempts.append(validate(distributed, profile, names=_outside(attempts[-1]), rounds=3))
+            profile = calibrate(2, distributed=distributed, dtype_name=dtype)
+            attempts.append(validate(distributed, profile, names=_outside(attempts[-1]), rounds=3, dtype_name=dtype))
     path = tmp_path / "cpu.json"
     save_profile(Hardware(num_devices=2, **profile), str(path))
     assert hardware_from_profile(str(path), num_devices=2).peak_tflops == profile["peak_tflops"]
