@@ -36,7 +36,8 @@ PROG = "plan_parallelism.py"
 PLANNER_FLAGS = {"--num-devices": int, "--memory-per-device-gb": float, "--intra-node-bandwidth-gbps": float,
                  "--inter-node-bandwidth-gbps": float, "--devices-per-node": int, "--peak-tflops": float,
                  "--compute-efficiency": float, "--top": int, "--mask-bytes": int, "--debug": bool,
-                 "--hardware": str, "--calibrate": str, "--calibrate-ranks": int, "--tolerance": float,
+                 "--hardware": str, "--calibrate": str, "--calibrate-ranks": int, "--calibrate-dtype": str,
+                 "--tolerance": float,
                  "--zero-stages": str, "--recompute-options": str, "--no-sequence-parallel": bool,
                  "--max-context-parallel": int, "--zero-bubble": bool, "--no-flash-attention": bool,
                  "--explain": bool, "--plot": str}
@@ -62,6 +63,9 @@ def _planner_parser() -> argparse.ArgumentParser:
     g.add_argument("--calibrate", metavar="FILE", help="measure this machine (GEMM curve, memory bandwidth, layer "
                    "overhead, all-reduce) on --calibrate-ranks gloo ranks and write its profile to FILE")
     g.add_argument("--calibrate-ranks", type=int, default=2)
+    g.add_argument("--calibrate-dtype", choices=("auto", "bfloat16", "float32"), default="auto",
+                   help="dtype of the calibration's GEMMs and layers; auto: bfloat16 unless this CPU runs it over 2x "
+                        "slower than float32 (no bf16 instructions, e.g. AMD Zen 1-3)")
     g.add_argument("--memory-per-device-gb", type=float)
     g.add_argument("--intra-node-bandwidth-gbps", type=float, help="GB/s of a collective inside a node")
     g.add_argument("--inter-node-bandwidth-gbps", type=float, help="GB/s per device between nodes")
@@ -213,10 +217,11 @@ def _rank(options: argparse.Namespace, args: argparse.Namespace) -> tuple[Worklo
 
 
 def _calibrate(options: argparse.Namespace) -> None:
-    from megatron_core.planning.calibrate import calibrate
-    fields = calibrate(options.calibrate_ranks)
+    from megatron_core.planning.calibrate import calibrate, fastest_cpu_dtype
+    dtype = fastest_cpu_dtype() if options.calibrate_dtype == "auto" else options.calibrate_dtype
+    fields = calibrate(options.calibrate_ranks, dtype_name=dtype)
     save_profile(Hardware(num_devices=options.calibrate_ranks, **fields), options.calibrate)
-    print(f"calibrated {options.calibrate_ranks} ranks of this machine -> {options.calibrate}: "
+    print(f"calibrated {options.calibrate_ranks} ranks of this machine in {dtype} -> {options.calibrate}: "
           + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in fields.items()))
     options.hardware = options.calibrate
 

@@ -169,6 +169,27 @@ def test_tool_explains_every_axis_and_plots_the_parts(tmp_path, capsys):
     assert png.stat().st_size > 10_000
 
 
+def test_tool_calibrates_in_the_dtype_this_cpu_runs_fast(tmp_path, monkeypatch, capsys):
+    """``--calibrate`` measures in bf16 unless this CPU runs bf16 GEMMs over 2x slower than fp32 (no bf16
+    instructions: there a bf16 calibration took over 10 minutes); ``--calibrate-dtype`` chooses."""
+    from megatron_core.planning import calibrate as calibration
+    from megatron_core.planning.hardware import load_profile
+    assert calibration.fastest_cpu_dtype(slowdown=1e9) == "bfloat16"
+    assert calibration.fastest_cpu_dtype(slowdown=1e-9) == "float32"
+    asked = []
+
+    def measured(ranks, *, dtype_name):
+        asked.append(dtype_name)
+        return {**load_profile("a100"), "name": f"calibrated-cpu-{ranks}ranks"}
+    monkeypatch.setattr(calibration, "calibrate", measured)
+    monkeypatch.setattr(calibration, "fastest_cpu_dtype", lambda: "float32")
+    path = tmp_path / "cpu.json"
+    for flags in ([], ["--calibrate-dtype", "bfloat16"]):
+        assert plan_parallelism.main(["--calibrate", str(path)] + flags) == 0
+    assert asked == ["float32", "bfloat16"] and "in float32 ->" in capsys.readouterr().out
+    assert json.loads(path.read_text())["name"] == "calibrated-cpu-2ranks"
+
+
 def test_tool_names_bad_search_space_flags(capsys):
     assert plan_parallelism.main(MODEL_FLAGS + ["--num-devices", "8", "--zero-stages", "0,5"]) == 2
     assert "--zero-stages '0,5'" in capsys.readouterr().err
