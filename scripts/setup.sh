@@ -19,4 +19,9 @@ fi
 # wheel says Python >= 3.12, for typing.override only, which the tests backport from typing_extensions.
 "$VENV/bin/python" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("emerging_optimizers") is None)' \
   || "${PIP[@]}" --no-deps --ignore-requires-python emerging-optimizers==0.3.0
+# DeepSpeed itself, which tests/engine compares megatron_core.engine with (losses, lr schedules, config
+# parsing). It ships as a source distribution whose setup.py imports torch: built in an isolated environment it
+# would pull a second (CUDA) torch, so it builds against the torch above. Pure Python here (no ops are built).
+"$VENV/bin/python" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("deepspeed") is None)' \
+  || { "${PIP[@]}" setuptools wheel && "${PIP[@]}" --no-build-isolation deepspeed==0.19.8; }
 "$VENV/bin/python" -c 'import torch, megatron_core; print(f"megatron_core {megatron_core.__version__} with torch {torch.__version__}")'
