@@ -56,22 +56,25 @@ def _narayanan_2021() -> ModelError:
 
 
 @functools.lru_cache(maxsize=None)
-def _megatron_bridge_h100() -> ModelError:
-    from megatron_core.planning.published import MEGATRON_BRIDGE_H100
-    ratios = [run.measured_step_seconds / run.plan().step_seconds for run in MEGATRON_BRIDGE_H100]
-    return ModelError(min(ratios), max(ratios), len(ratios), "h100", "Megatron-Bridge's Llama-3 FP8 recipes")
+def _megatron_bridge(systems: tuple[str, ...]) -> ModelError:
+    from megatron_core.planning.published import MEGATRON_BRIDGE
+    ratios = [run.measured_step_seconds / run.plan().step_seconds for run in MEGATRON_BRIDGE if run.system in systems]
+    return ModelError(min(ratios), max(ratios), len(ratios), "/".join(systems), "Megatron-Bridge's Llama-3 FP8 recipes")
 
 
 def model_error(hardware_name: str) -> tuple[ModelError, str]:
     """(the evidence for a profile named ``hardware_name``, a note on how it applies): a profile's own
-    published runs (a100, h100; h200 takes h100's), else the A100 runs."""
+    published runs (a100, h100; h200 takes h100's; b200 its own with h100's), else the A100 runs."""
     a100 = _narayanan_2021()
     name = hardware_name.lower()
     if name == "a100":
         return a100, ""
     if name in ("h100", "h200"):
         note = "" if name == "h100" else "H200 has H100's compute and links: the H100 runs are the nearest"
-        return _megatron_bridge_h100(), note
+        return _megatron_bridge(("h100",)), note
+    if name == "b200":
+        return _megatron_bridge(("h100", "b200")), ("B200's two runs with H100's three (the same recipes and "
+                                                    "software): two runs alone would understate the spread")
     if name in PROFILES:
         return a100, f"no published run on {hardware_name}: the A100 evidence is the nearest"
     return a100, (f"{hardware_name} is not a shipped profile: the A100 evidence is shown; a calibrated machine's "

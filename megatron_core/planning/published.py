@@ -86,10 +86,11 @@ figure issue 32 quotes): ``MEGATRON_BRIDGE_H100[0]``, whose tokens per second th
 
 @dataclasses.dataclass(frozen=True)
 class BridgeRun:
-    """A Megatron-Bridge H100 performance recipe and what it measured (``docs/performance-summary-archive.md``
-    of NVIDIA-NeMo/Megatron-Bridge; the layout from ``perf_recipes/llama/h100``): Llama-3 in FP8 current
-    scaling (``--fp8-format hybrid --fp8-recipe tensorwise --fp8-param-gather``, no bf16 first/last layers),
-    sequence 8192, micro-batch 1, the distributed optimizer, bf16 gradient reduction.
+    """A Megatron-Bridge performance recipe and what it measured (``docs/performance-summary-archive.md``
+    of NVIDIA-NeMo/Megatron-Bridge; the layout from its table and ``perf_recipes/llama/<system>``): Llama-3 in
+    FP8 current scaling (``--fp8-format hybrid --fp8-recipe tensorwise --fp8-param-gather``, no bf16 first/last
+    layers), sequence 8192, the distributed optimizer, bf16 gradient reduction, on ``system`` (a planner
+    profile: DGX-H100 or DGX-B200, 8 GPUs per node).
 
     The check is on step time, from the published tokens per second per GPU: ``global_batch * 8192 / (tokens
     x gpus)``, which no FLOPs formula enters (Megatron-Bridge's Model TFLOP/s count causal attention at half
@@ -116,6 +117,8 @@ class BridgeRun:
     embedding_loss_split: bool = False
     """The embedding and the loss take a layer's place in the pipeline split
     (``--account-for-embedding/loss-in-pipeline-split``)."""
+    micro_batch: int = 1
+    system: str = "h100"
 
     def config(self, fp8: bool = True) -> TransformerConfig:
         recompute = {} if self.recompute_block_layers is None else dict(
@@ -124,8 +127,8 @@ class BridgeRun:
         return dataclasses.replace(llama3(self.layers, self.hidden, self.heads, self.ffn, fp8_config), **recompute)
 
     def workload(self) -> Workload:
-        return Workload(vocab_size=128256, seq_length=8192, micro_batch_size=1, global_batch_size=self.global_batch,
-                        grad_bytes=2)
+        return Workload(vocab_size=128256, seq_length=8192, micro_batch_size=self.micro_batch,
+                        global_batch_size=self.global_batch, grad_bytes=2)
 
     def layout(self) -> Layout:
         dp = self.gpus // (self.tp * self.pp * self.cp)
@@ -133,7 +136,7 @@ class BridgeRun:
                       embedding_loss_split=self.embedding_loss_split, tp_comm_overlap=self.tp > 1)
 
     def hardware(self) -> Hardware:
-        return hardware_from_profile("h100", num_devices=self.gpus)
+        return hardware_from_profile(self.system, num_devices=self.gpus)
 
     def plan(self, fp8: bool = True):
         """The planner's ``Plan`` at the recipe's layout (``fp8=False``: the same in bf16)."""
@@ -151,6 +154,18 @@ MEGATRON_BRIDGE_H100 = (
     BridgeRun("Llama-3.1 405B", 126, 16384, 128, 53248, 1024, 1536, 8, 8, 2, 8, 328, 827, "26.04.01",
               embedding_loss_split=True),
 )
+
+MEGATRON_BRIDGE_B200 = (
+    BridgeRun("Llama-3 8B", 32, 4096, 32, 14336, 8, 128, 1, 1, 1, None, 30624, 1576, "25.11", micro_batch=2,
+              system="b200"),
+    BridgeRun("Llama-3.1 405B", 126, 16384, 128, 53248, 128, 64, 4, 8, 2, 8, 661, 1667, "25.11",
+              embedding_loss_split=True, system="b200"),
+)
+"""The dense rows Megatron-Bridge published for DGX-B200 (container 25.11, the newest with B200 dense rows; FP8
+current scaling): 8B on 8 GPUs at micro-batch 2 without recompute, 405B on 128 GPUs at tp 4 pp 8 cp 2 vpp 8."""
+
+MEGATRON_BRIDGE = MEGATRON_BRIDGE_H100 + MEGATRON_BRIDGE_B200
+"""Each published recipe once, at its newest measurement: the modern validation set (docs/performance.md)."""
 
 
 def llama3_8b_fp8_plan(fp8=True):
@@ -176,4 +191,5 @@ def llama3(layers: int, hidden: int, heads: int, ffn: int, fp8) -> TransformerCo
 
 
 __all__ = ["PublishedRun", "NARAYANAN_2021", "NARAYANAN_2021_SPACE", "LLAMA3_8B_FP8_TFLOPS_PER_H100", "llama3_8b",
-           "llama3_8b_fp8_plan", "llama3", "BridgeRun", "MEGATRON_BRIDGE_H100"]
+           "llama3_8b_fp8_plan", "llama3", "BridgeRun", "MEGATRON_BRIDGE_H100", "MEGATRON_BRIDGE_B200",
+           "MEGATRON_BRIDGE"]

@@ -1,5 +1,5 @@
-"""The planner on GPU profiles: Megatron-Bridge's Llama-3 FP8 recipes on H100s (step time, and the layouts
-it chooses), causal flash attention, and the tensor-parallel collectives of sequence parallelism and
+"""The planner on GPU profiles: Megatron-Bridge's Llama-3 FP8 recipes on H100s and B200s (step time, and the
+layouts it chooses), causal flash attention, and the tensor-parallel collectives of sequence parallelism and
 ``--tp-comm-overlap``."""
 import dataclasses
 
@@ -14,16 +14,19 @@ CONFIG = TransformerConfig(num_layers=32, hidden_size=4096, num_attention_heads=
                            params_dtype=torch.bfloat16, bf16=True)
 
 
-def test_megatron_bridge_h100_recipes_within_15_percent():
-    """Megatron-Bridge's Llama-3 FP8 recipes on H100 (8B on 8, 70B on 64, 405B on 1024 GPUs): the step time
-    their published tokens per second imply, against the planner's at their layout (bf16 grads, the distributed
-    optimizer; 405B with the embedding and loss counted in the pipeline split), within 15%. FP8 beats bf16 by
-    less than its 2x peak (attention and the element-wise work stay in bf16)."""
-    from megatron_core.planning.published import MEGATRON_BRIDGE_H100, llama3_8b_fp8_plan
-    for run in MEGATRON_BRIDGE_H100:
+def test_megatron_bridge_recipes_within_15_percent():
+    """Megatron-Bridge's Llama-3 FP8 recipes on H100 (8B on 8, 70B on 64, 405B on 1024 GPUs) and B200 (8B on 8
+    at micro-batch 2, 405B on 128): the step time their published tokens per second imply, against the
+    planner's at their layout (bf16 grads, the distributed optimizer; 405B with the embedding and loss counted
+    in the pipeline split), within 15%, on each system's profile. FP8 beats bf16 by less than its 2x peak
+    (attention and the element-wise work stay in bf16)."""
+    from megatron_core.planning.published import MEGATRON_BRIDGE, MEGATRON_BRIDGE_H100, llama3_8b_fp8_plan
+    assert {run.system for run in MEGATRON_BRIDGE} == {"h100", "b200"} and len(MEGATRON_BRIDGE) == 5
+    for run in MEGATRON_BRIDGE:
         plan = run.plan()
+        assert plan.layout.dp * plan.layout.tp * plan.layout.pp * plan.layout.cp == run.gpus
         assert abs(run.measured_step_seconds / plan.step_seconds - 1) < 0.15, (run.name, plan.step_seconds)
-        assert plan.tflops_per_device < PROFILES["h100"]["fp8_peak_tflops"]
+        assert plan.tflops_per_device < PROFILES[run.system]["fp8_peak_tflops"]
     assert MEGATRON_BRIDGE_H100[2].plan().time.parts["pp"] > 0 and MEGATRON_BRIDGE_H100[2].layout().embedding_loss_split
     fp8, bf16 = llama3_8b_fp8_plan(), llama3_8b_fp8_plan(fp8=False)
     assert fp8.step_seconds == MEGATRON_BRIDGE_H100[0].plan().step_seconds
@@ -44,6 +47,16 @@ def test_megatron_bridge_layouts_chosen_as_the_experts_chose():
     chosen = rank_plans(big.config(), big.workload(), big.hardware(), space=space)[0].layout
     assert (chosen.tp, chosen.pp, chosen.cp, chosen.embedding_loss_split, chosen.tp_comm_overlap) == (
         8, 8, 2, True, True)
+
+
+def test_megatron_bridge_b200_8b_chosen_as_the_recipe():
+    """On 8 B200s (180 GB) the planner chooses Megatron-Bridge's 8B recipe there: tp 1 pp 1 dp 8 with the
+    distributed optimizer and no recompute (on H100 the recipe recomputes 5 layers; here nothing needs it)."""
+    from megatron_core.planning.published import MEGATRON_BRIDGE_B200
+    eight = MEGATRON_BRIDGE_B200[0]
+    chosen = rank_plans(eight.config(), eight.workload(), eight.hardware())[0].layout
+    assert (chosen.tp, chosen.pp, chosen.cp, chosen.dp, chosen.recompute) == (1, 1, 1, 8, None)
+    assert chosen.zero_stage >= 1
 
 
 def test_causal_flash_attention_computes_half_the_scores_and_recomputes_them_in_backward():

@@ -253,7 +253,11 @@ def test_how_sure_is_the_published_runs_error_and_names_the_layouts_inside_it():
     bridge = [run.measured_step_seconds / run.plan().step_seconds for run in MEGATRON_BRIDGE_H100]
     assert (h100.low, h100.high, h100.runs, h100.profile, note) == (min(bridge), max(bridge), 3, "h100", "")
     assert model_error("h200")[0] == h100 and "the H100 runs are the nearest" in model_error("h200")[1]
-    assert "no published run on b200" in model_error("b200")[1]
+    from megatron_core.planning.published import MEGATRON_BRIDGE_B200
+    b200, note = model_error("b200")
+    both = bridge + [run.measured_step_seconds / run.plan().step_seconds for run in MEGATRON_BRIDGE_B200]
+    assert (b200.low, b200.high, b200.runs, b200.profile) == (min(both), max(both), 5, "h100/b200")
+    assert "B200's two runs with H100's three" in note
     assert "benchmark.py --only planner" in model_error("/tmp/cpu.json")[1]
     run = next(run for run in NARAYANAN_2021 if run.name == "3.6B")
     plans = rank_plans(run.config(), run.workload(), run.hardware(),
