@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 
 from megatron_core.context_parallel.blocks import block_backward, block_forward
+from megatron_core.utils.compile_guard import eager_when_compiled
 
 
 def add_sink_(out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor) -> None:
@@ -59,7 +60,7 @@ class BlockAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, dsink, None
 
 
-@torch.compiler.disable  # host-side tile planning and per-tile RNG: eager inside a compiled layer (a graph break)
+@eager_when_compiled  # host-side tile planning and per-tile RNG: eager inside a compiled layer (a graph break)
 def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor] = None,
                     sink: Optional[torch.Tensor] = None, **options) -> torch.Tensor:
     """``BlockAttention.apply`` with keyword options (see there)."""

@@ -47,6 +47,7 @@ from megatron_core.fp8.quantize import (
 from megatron_core.fp8.state import Fp8ScalingState, ScalingView
 from megatron_core.tensor_parallel.utils import group_size
 from megatron_core.tensor_parallel.weight_grad_store import WeightGradStore, deferrable_target, deferring_forward
+from megatron_core.utils.compile_guard import eager_when_compiled
 
 BLOCKWISE_ACTIVATION_BLOCK = (1, 128)
 MXFP8_BLOCK = 32
@@ -272,7 +273,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     return _Fp8Linear.apply(x, weight, bias, plan, gather_group, store, gathered)
 
 
-@torch.compiler.disable
+@eager_when_compiled
 def _apply_eager(*args):
     """``_Fp8Linear.apply`` outside torch.compile's graph (inductor mis-sizes the blocked views, torch 2.13)."""
     return _Fp8Linear.apply(*args)

@@ -40,6 +40,7 @@ from megatron_core.fp8.config import Fp8Config
 from megatron_core.fp8.formats import Fp8Format, role_format
 from megatron_core.fp8.quantize import BLOCKWISE_WEIGHT_BLOCK, abs_amax, block_amax, block_scale, scale_from_amax
 from megatron_core.fp8.state import Fp8ScalingState, ScalingView
+from megatron_core.utils.compile_guard import eager_when_compiled
 
 PER_TENSOR_RECIPES = ("tensorwise", "delayed")
 """Recipes whose weight has one scale, known before the gather (delayed) or from an all-reduced amax."""
@@ -186,7 +187,7 @@ def keep_gathered(param: nn.Parameter, scale: torch.Tensor, amax: torch.Tensor, 
     param.fp8_gathered = GatheredFp8Weight(scale, amax, spec, param._version, spec.scale_key())
 
 
-@torch.compiler.disable
+@eager_when_compiled
 def gathered_weight(weight: torch.Tensor, plan) -> Optional[GatheredFp8Weight]:
     """The valid gather entry of ``weight`` for ``plan`` (module docstring), or None: the layer takes the
     weight's scale itself. Raises RuntimeError when the parameter holds the gather's dequantized values but the
@@ -212,7 +213,7 @@ class GatheredExperts:
     mask: Optional[torch.Tensor] = None
 
 
-@torch.compiler.disable
+@eager_when_compiled
 def gathered_experts(weights: Sequence[torch.Tensor], plan, expert_ids: Sequence[int],
                      fc: int) -> Optional[GatheredExperts]:
     """The valid gather entries (``gathered_weight``) of the weights ``[N, K]`` of experts ``expert_ids`` (global
