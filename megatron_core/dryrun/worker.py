@@ -22,7 +22,7 @@ from typing import Optional, Sequence
 import torch.distributed as dist
 
 from megatron_core.dryrun.modes import CollectiveRecorder, FakeCudaMode, FlopCounter
-from megatron_core.optimizer.memory import memory_categories
+from megatron_core.optimizer.memory import MemoryCategories
 from megatron_core.planning.planner import Workload, stage_expert_parameters, stage_parameters
 from megatron_core.training.arguments import parse_args
 from megatron_core.training.banner import predicted_stage_bytes
@@ -79,7 +79,7 @@ def _train(run, steps: int, recorder: CollectiveRecorder) -> dict:
     """``steps`` training steps under the memory tracker (peak over all), FLOPs and collectives of the last."""
     iterator = micro_batches(run.train_dataset, consumed_samples=0, state=run.state,
                              micro_batch_size=run.args.micro_batch_size, device=run.state.device)
-    tracker = LiveMemoryTracker(categories=lambda: memory_categories(run.chunks, run.optimizer), device_type="cuda",
+    tracker = LiveMemoryTracker(categories=MemoryCategories(run.chunks, run.optimizer), device_type="cuda",
                                 every_op=False)
     step_seconds = []
     with run.state.kernel_backend.capture_launches() as launches, tracker:

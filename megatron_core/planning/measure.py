@@ -24,7 +24,7 @@ from megatron_core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron_core.fp8 import update_fp8_scales
 from megatron_core.models import GPTModel
 from megatron_core.optimizer import OptimizerConfig, get_optimizer, memory_report
-from megatron_core.optimizer.memory import memory_categories
+from megatron_core.optimizer.memory import MemoryCategories
 from megatron_core.pipeline_parallel import get_forward_backward_func
 from megatron_core.tensor_parallel import model_parallel_seed
 from megatron_core.transformer.specs import layer_spec_for
@@ -204,7 +204,7 @@ def measure_layout(config_kwargs: dict, *, tp: int, pp: int, zero_stage: int, vo
         if dist.is_initialized():
             dist.barrier()
         start = time.perf_counter()
-        live = LiveMemoryTracker(categories=lambda: memory_categories(chunks, optimizer))
+        live = LiveMemoryTracker(categories=MemoryCategories(chunks, optimizer))
         tracker = SavedActivationTracker()
         with tracker if track_activations else contextlib.nullcontext(), \
                 live if track_live else contextlib.nullcontext():

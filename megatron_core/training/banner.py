@@ -20,7 +20,7 @@ from typing import Any, Iterator, Optional
 import torch.distributed as dist
 
 from megatron_core.fp8.config import fp8_runs_emulated
-from megatron_core.optimizer.memory import memory_categories
+from megatron_core.optimizer.memory import MemoryCategories
 from megatron_core.pipeline_parallel.schedule_plan import resolve_zero_bubble_defer
 from megatron_core.pipeline_parallel.schedules import pipeline_tensor_shape
 from megatron_core.planning.planner import (
@@ -169,7 +169,7 @@ def memory_probe(run, iteration: int) -> Iterator[None]:
     if not probe:
         yield
         return
-    with LiveMemoryTracker(categories=lambda: memory_categories(run.chunks, run.optimizer)) as tracker:
+    with LiveMemoryTracker(categories=MemoryCategories(run.chunks, run.optimizer)) as tracker:
         yield
     run.measured_peak_bytes = tracker.peak_total
 
