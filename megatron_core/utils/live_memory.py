@@ -5,9 +5,9 @@ invisible to a count of the buffers one meant to keep. The tracker is a ``TorchD
 an op creates while it is active is remembered through a weak reference to its *storage*, and after every op
 the bytes of all live storages are summed (once per storage, at their current size, so a storage freed with
 ``untyped_storage().resize_(0)`` counts zero). Storages named by ``categories`` (a callable returning
-``[(category, tensor), ...]``, e.g. ``optimizer.memory.MemoryCategories(model, optimizer)``) count under their category, even
-if they were created before the tracker started; every other live storage counts as ``"activations"`` (saved
-activations and temporaries). Works on any device, including CPU.
+``[(category, tensor), ...]``, e.g. ``optimizer.memory.MemoryCategories(model, optimizer)``) count under
+their category, even if they were created before the tracker started; every other live storage counts as
+``"activations"`` (saved activations and temporaries). Works on any device, including CPU.
 
     with LiveMemoryTracker(categories=MemoryCategories(model, optimizer)) as tracker:
         loss.backward()
