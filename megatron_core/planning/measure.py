@@ -199,12 +199,13 @@ def measure_layout(config_kwargs: dict, *, tp: int, pp: int, zero_stage: int, vo
         return output, loss_func
 
     schedule = get_forward_backward_func(state.pp_size, state.vpp_size)
+    categories = MemoryCategories(chunks, optimizer)  # the module walk once, outside the timed steps
     for _ in range(steps):
         optimizer.zero_grad()
         if dist.is_initialized():
             dist.barrier()
         start = time.perf_counter()
-        live = LiveMemoryTracker(categories=MemoryCategories(chunks, optimizer))
+        live = LiveMemoryTracker(categories=categories)
         tracker = SavedActivationTracker()
         with tracker if track_activations else contextlib.nullcontext(), \
                 live if track_live else contextlib.nullcontext():
