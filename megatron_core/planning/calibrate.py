@@ -12,9 +12,10 @@ will train). Each is a small benchmark; the result is a hardware profile (``plan
 - Element-wise rate (``memory_bandwidth_gbps``): a GPT layer at hidden 192 and 384 tokens, less its modeled
   GEMM, attention and overhead time, over the planner's element-wise bytes for it. On a CPU, dropout's random
   numbers, dtype conversions and ``exp`` make these ops slower than DRAM bandwidth; a GPU's are bound by HBM.
-- All-reduce: ``2 (n - 1) / n x bytes / time`` of a 16 MiB all-reduce, and the latency between GEMMs (what
-  256 KiB all-reduces add to rounds of GEMMs, less their bytes' time; waiting for the slower rank included);
-  ``chunk_latency_us``: what cutting each into two halves issued at once adds (``--tp-comm-overlap``'s chunks).
+- All-reduce: ``2 (n - 1) / n x bytes / time`` of a 16 MiB all-reduce, and the latency between GEMMs (what a
+  256 KiB all-reduce adds to two GEMMs, less its bytes' time; waiting for the slower rank included), the
+  trimmed mean of paired differences; ``chunk_latency_us``: what cutting it into two halves issued at once adds
+  (``--tp-comm-overlap``'s chunks), without GEMMs.
 On a CPU every rank runs one thread (as the test and benchmark ranks do); devices = ranks, one node.
 ``fastest_cpu_dtype``: a CPU without bf16 instructions (AVX512-BF16 / AMX: e.g. AMD Zen 1-3) runs bf16 GEMMs
 through a fallback ~20x slower than fp32; there the calibration and the steps it predicts run in fp32.
@@ -43,6 +44,14 @@ def _timings(fn: Callable[[], object], repeats: int, warmup: int = 2) -> list[fl
         fn()
         times.append(time.perf_counter() - start)
     return times
+
+
+def _trimmed_mean(values: list[float], trim: float = 0.1) -> float:
+    """The mean of ``values`` without their lowest and highest ``trim`` share: what many collectives cost in sum
+    (a step pays each one's mean, waits included), robust to a neighbour's spike."""
+    ordered = sorted(values)
+    cut = int(len(ordered) * trim)
+    return statistics.fmean(ordered[cut:len(ordered) - cut])
 
 
 def _median_seconds(fn: Callable[[], object], *, repeats: int = 5) -> float:
@@ -129,34 +138,51 @@ def elementwise_bandwidth_gbps(dtype: torch.dtype, fields: dict) -> float:
     return nbytes / rest / 1e9
 
 
-def allreduce(group=None, dtype: torch.dtype = torch.bfloat16) -> dict:
-    """Latency (us) and bus bandwidth (GB/s) of an all-reduce over ``group`` (call on every rank): the bandwidth
-    from a 16 MiB all-reduce alone, the latency from what twenty 256 KiB all-reduces add to twenty rounds of GEMMs
-    less their bytes' time: collectives issued between computations, as a step issues them, cost more than
-    alone (waking the transport, waiting for the slower rank)."""
+def allreduce(group=None, dtype: torch.dtype = torch.bfloat16, *, samples: int = 60) -> dict:
+    """Latency (us) and bus bandwidth (GB/s) of an all-reduce over ``group`` (call on every rank).
+
+    - Bandwidth: a 16 MiB all-reduce alone.
+    - Latency: what one 256 KiB all-reduce adds to two GEMMs (about the compute a step runs between its
+      collectives), less its bytes' time. Collectives issued between computations, as a step issues them, cost
+      more than alone: waking the transport, waiting for the slower rank. The mean (trimmed 10% each side) of
+      ``samples`` paired differences, both variants timed in turn after a barrier each, so that the machine's
+      drift cancels in each pair; a step pays the mean of its many collectives. Timing each variant in its own
+      block of rounds, as before, put it anywhere from 0 to 4.5 ms between calibrations here.
+    - ``chunk_latency_us``: what cutting the all-reduce into two halves issued at once adds
+      (``--tp-comm-overlap``'s chunks), back to back without GEMMs: the transport's cost of the second chunk
+      (the wait for the slower rank is paid once, by the first). With GEMMs between, that difference of two
+      noisy timings swung from 0.5 to 2 ms."""
     ranks = dist.get_world_size(group)
     ring = 2 * (ranks - 1) / ranks
     large, message = torch.zeros(4 << 20), torch.zeros(128 << 10, dtype=dtype)
     seconds = _median_seconds(lambda: dist.all_reduce(large, group=group))
     busbw = ring * large.numel() * 4 / seconds
     a, w = torch.randn(512, 256, dtype=dtype), torch.randn(256, 1024, dtype=dtype)
-
     halves = message.chunk(2)
 
-    def rounds(chunks: int) -> None:
-        for _ in range(20):
-            for _ in range(4):
-                a @ w
-            if chunks == 1:
-                dist.all_reduce(message, group=group)
-            elif chunks == 2:  # issued at once, then waited for: --tp-comm-overlap's chunks
-                for work in [dist.all_reduce(half, group=group, async_op=True) for half in halves]:
-                    work.wait()
-    alone = _median_seconds(lambda: rounds(0), repeats=9)
-    added = (_median_seconds(lambda: rounds(1), repeats=9) - alone) / 20  # a step pays the typical cost of each
-    chunked = (_median_seconds(lambda: rounds(2), repeats=9) - alone) / 20  # of its collectives
-    latency = max(added - ring * message.numel() * message.element_size() / busbw, 0.0)
-    return {"latency_us": latency * 1e6, "bus_gbps": busbw / 1e9, "chunk_latency_us": max(chunked - added, 0.0) * 1e6}
+    def segment(gemms: int, chunks: int) -> float:
+        dist.barrier(group=group)  # every variant starts with the ranks aligned, as after a step's collective
+        start = time.perf_counter()
+        for _ in range(gemms):
+            a @ w
+        if chunks == 1:
+            dist.all_reduce(message, group=group)
+        elif chunks == 2:  # issued at once, then waited for
+            for work in [dist.all_reduce(half, group=group, async_op=True) for half in halves]:
+                work.wait()
+        return time.perf_counter() - start
+
+    variants = ((2, 0), (2, 1), (0, 1), (0, 2))
+    for variant in variants * 2:  # warm-up
+        segment(*variant)
+    added, chunked = [], []
+    for _ in range(samples):
+        alone, whole, bare, halved = (segment(*variant) for variant in variants)
+        added.append(whole - alone)
+        chunked.append(halved - bare)
+    latency = max(_trimmed_mean(added) - ring * message.numel() * message.element_size() / busbw, 0.0)
+    return {"latency_us": latency * 1e6, "bus_gbps": busbw / 1e9,
+            "chunk_latency_us": max(statistics.median(chunked), 0.0) * 1e6}
 
 
 def calibrate_rank(dtype_name: str = "bfloat16") -> dict:
