@@ -37,6 +37,12 @@ def deepspeed_ranks():
 def _train_stages(backend, stages):
     # DeepSpeed's loader reads with 2 worker processes, which a daemonic pool rank may not start
     multiprocessing.current_process()._config["daemon"] = False
+    if backend == "deepspeed":
+        # DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce (deepspeed_shm_comm) when comms start:
+        # 45-95 s on 2 cores in every fresh CI. Only its inference_all_reduce uses it; training reduces through
+        # torch.distributed either way, so the comparison is unchanged without it.
+        # (the module by name: the attribute deepspeed.comm.torch is the torch package, re-exported)
+        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
     return [engine_example.train(backend, stage=stage, steps=STEPS) for stage in stages]
 
 
