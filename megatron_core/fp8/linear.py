@@ -17,8 +17,11 @@ tensorwise recipe all-reduces each such tensor's amax with MAX over tp (forward:
 backward: grad_output), so every rank uses the scale of the whole tensor; delayed scaling records local amaxes
 and reduces them once per step (``state.update_fp8_scales``); block recipes use blocks local to the shard.
 
-Sequence parallelism (``gather_group``): forward all-gathers x along dim 0 and quantizes the gathered
-tensor; backward all-gathers the saved local chunk again (for dW) and reduce-scatters dx along dim 0.
+Sequence parallelism (``gather_group``): forward all-gathers x along dim 0 and backward reduce-scatters dx.
+Per-tensor recipes quantize x's local chunk with the whole tensor's scale and gather the FP8 bytes (half of
+bf16's; Transformer Engine's way), save the local FP8 chunk and gather it again for dW (``_gathered_fp8_input``;
+``fp8_wgrad=False`` saves the local high-precision chunk instead); block recipes and delayed scaling's
+calibration step gather x itself, save its local chunk and quantize the gathered tensor.
 """
 from __future__ import annotations
 
@@ -152,6 +155,34 @@ def _reduce_scatter(x: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
+def _all_gather_fp8(data: torch.Tensor, group) -> torch.Tensor:
+    """FP8 rows ``[m, k]`` all-gathered along dim 0 as bytes (collectives take no float8 dtype)."""
+    return _all_gather(data.view(torch.uint8), group).view(data.dtype)
+
+
+def _gathered_fp8_input(plan: Fp8Plan, x: torch.Tensor, group):
+    """Sequence parallelism under a per-tensor recipe, as Transformer Engine does it: x's local chunk ``[s/tp, b,
+    K]`` quantized with the whole tensor's scale (its amax all-reduced with MAX over ``group``), then all-gathered
+    as FP8 bytes, half of bf16's. The same bytes as gathering x and quantizing it, since quantizing is
+    element-wise. ``(local FP8 rows [s/tp * b, K], gathered Quantized [s * b, K], scale)``; None for block
+    recipes and while delayed scaling calibrates (the forward then gathers x in high precision)."""
+    if not plan.per_tensor or (plan.scaling is not None and plan.scaling.ready("input") is not None):
+        return None
+    rows = x.reshape(-1, x.shape[-1])
+    if plan.config.fp8_recipe == "delayed" and not plan.record:
+        scale = plan.scaling.scale("input")
+    else:
+        amax = abs_amax(rows, (-2, -1))
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+        if plan.config.fp8_recipe == "delayed":
+            plan.scaling.record("input", amax)
+            scale = plan.scaling.scale("input")
+        else:
+            scale = scale_from_amax(amax, plan.fmt("input"), plan.config.fp8_margin)
+    local = quantize_with_scale(rows, scale, plan.fmt("input"))
+    return local.data, dataclasses.replace(local, data=_all_gather_fp8(local.data, group)), scale
+
+
 def _matrices(t: torch.Tensor, grouped: bool) -> torch.Tensor:
     """``[..., k]`` -> ``[M, k]`` (a grouped GEMM's ``[E, n, k]`` stays as it is)."""
     return t if grouped else t.reshape(-1, t.shape[-1])
@@ -165,17 +196,23 @@ class _Fp8Linear(torch.autograd.Function):
     def forward(ctx, x, weight, bias, plan: Fp8Plan, gather_group, store: Optional[WeightGradStore],
                 gathered: Optional[GatheredFp8Weight] = None):
         grouped = weight.dim() == 3
-        total = _all_gather(x, gather_group) if gather_group is not None else x
-        x2 = _matrices(total, grouped)
-        qx, scale_x, ready_x = plan.quantize("input", x2)
+        fp8_gathered = _gathered_fp8_input(plan, x, gather_group) if gather_group is not None else None
+        if fp8_gathered is not None:  # SP: the local chunk quantized, FP8 bytes gathered
+            local_data, qx, scale_x = fp8_gathered
+            ready_x, total_shape = None, (qx.data.shape[0] // x.shape[1:-1].numel(), *x.shape[1:])
+        else:
+            total = _all_gather(x, gather_group) if gather_group is not None else x
+            qx, scale_x, ready_x = plan.quantize("input", _matrices(total, grouped))
+            local_data, total_shape = qx.data, total.shape
         qw, scale_w, ready_w = plan.quantize_weight(weight, gathered)
         out = plan.gemm(qx, qw, x.dtype, bias)
-        keep_fp8 = plan.per_tensor and gather_group is None and plan.config.fp8_wgrad and qx.passthrough is None
-        ctx.save_for_backward(qx.data if keep_fp8 else x, weight, scale_x, scale_w, ready_x, ready_w)
+        keep_fp8 = (plan.per_tensor and plan.config.fp8_wgrad and qx.passthrough is None
+                    and (gather_group is None or fp8_gathered is not None))
+        ctx.save_for_backward(local_data if keep_fp8 else x, weight, scale_x, scale_w, ready_x, ready_w)
         ctx.plan, ctx.group, ctx.store, ctx.keep_fp8 = plan, gather_group, store, keep_fp8
-        ctx.grouped, ctx.x_shape, ctx.x_dtype, ctx.has_bias = grouped, total.shape, x.dtype, bias is not None
+        ctx.grouped, ctx.x_shape, ctx.x_dtype, ctx.has_bias = grouped, total_shape, x.dtype, bias is not None
         ctx.weight_target = deferrable_target(weight) if store is not None else None
-        return out if grouped else out.view(*total.shape[:-1], out.shape[-1])
+        return out if grouped else out.view(*total_shape[:-1], out.shape[-1])
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -220,9 +257,10 @@ def _input_grad(plan: Fp8Plan, dy, qdy: Optional[Quantized], weight, scale_w, dt
 def _weight_grad(values, dy, qdy: Optional[Quantized], weight) -> torch.Tensor:
     """``dy^T x`` ``[..., N, K]`` in the weight's dtype (re-gathers x under sequence parallelism)."""
     plan, saved_x, scale_x, group, keep_fp8, grouped = values
-    if keep_fp8:
+    if keep_fp8:  # the FP8 input (SP: its local rows, gathered again as FP8 bytes)
         scale = scale_x[0]
-        qx = Quantized(saved_x, torch.reciprocal(scale.reshape(*scale.shape, 1, 1)), plan.fmt("input"))
+        data = _all_gather_fp8(saved_x, group) if group is not None else saved_x
+        qx = Quantized(data, torch.reciprocal(scale.reshape(*scale.shape, 1, 1)), plan.fmt("input"))
         return plan.gemm(qdy.t(), qx.t(), weight.dtype)
     x2 = _matrices(_all_gather(saved_x, group) if group is not None else saved_x, grouped)
     if not plan.config.fp8_wgrad:

@@ -5,15 +5,15 @@ Activations: under a per-tensor recipe (delayed, tensorwise) with FP8 weight gra
 input as the quantized 1-byte tensor (and a 0-dim fp32 scale) for the weight-gradient GEMM, so the
 high-precision input is freed where nothing else holds it: per FP8 layer and micro-batch
 
-    linear_qkv, linear_fc1   input (the norm output) s b h: 1 byte instead of e, without sequence parallelism
+    linear_qkv, linear_fc1   input (the norm output) s b h: 1 byte instead of e (sequence parallelism: the
+                             local chunk s b h / t, which backward gathers again as FP8 bytes)
     linear_proj              input s b q_dim / t: 1 byte instead of e
     linear_fc2               input s b ffn / t: 1 byte instead of e
     routed experts           fc1 input M h and fc2 input M f / etp (M assignments): 1 byte instead of e
     shared expert            fc2 input as linear_fc2; its fc1 input is the router's input, which stays
-                             saved in high precision, so without SP its 1-byte copy adds s b h
+                             saved in high precision, so its 1-byte copy adds s b h (SP: s b h / t)
 
-Not changed: a column-parallel layer under sequence parallelism saves its local high-precision chunk (backward
-re-gathers it); block recipes (blockwise, mxfp8) and ``fp8_wgrad=False`` save the high-precision input (the
+Not changed: block recipes (blockwise, mxfp8) and ``fp8_wgrad=False`` save the high-precision input (the
 wgrad GEMM quantizes along the token dim, or does not quantize); delayed scaling's calibration step (the first)
 saves the high-precision input. The saved weight is the parameter (grouped experts: the stacked weights, as
 without FP8). Multi-latent attention's projections and MTP layers are counted as high precision (an over-count).
@@ -71,7 +71,8 @@ def fp8_layer_saving(config: TransformerConfig, shape: "ActivationShape", *, moe
         return 0.0
     s, b, h, t = shape.local_seq_length, shape.micro_batch_size, config.hidden_size, shape.tp
     less = shape.element_bytes - 1  # bytes per element an FP8 copy saves
-    column_input = 0.0 if shape.sequence_parallel else less * s * b * h  # qkv's / fc1's (SP: the local chunk)
+    sp = t if shape.sequence_parallel else 1
+    column_input = less * s * b * h / sp  # qkv's / fc1's input (SP: the local chunk)
     saving = 0.0
     if not config.multi_latent_attention:
         saving += column_input + less * s * b * config.kv_channels * config.num_attention_heads / t
@@ -82,7 +83,7 @@ def fp8_layer_saving(config: TransformerConfig, shape: "ActivationShape", *, moe
     saving += less * m * (h + expert_ffn(config) / shape.etp)
     shared = config.moe.moe_shared_expert_intermediate_size or 0
     if shared:
-        saving += less * s * b * shared / t - (0.0 if shape.sequence_parallel else s * b * h)
+        saving += less * s * b * shared / t - s * b * h / sp
     return saving
 
 

@@ -31,12 +31,15 @@ softmax), and backward reuses the saved probabilities: the full ``s^2``, backwar
 Tensor-parallel traffic: the two all-reduces (or all-gather + reduce-scatter pairs under SP) of ``[T, h]``
 forward, two backward (under SP three: ``tp_backward_exposed``); under ``tp_comm_overlap`` each in k chunks
 (a latency each, or the profile's ``chunk_latency_us`` for each further one), run beside the GEMMs
-(``tp_overlap_exposed``).
+(``tp_overlap_exposed``). Under SP with a per-tensor FP8 recipe the FP8 layers' QKV and fc1 inputs are gathered
+as 1-byte FP8 (``fp8.linear``, as Transformer Engine does): two of the forward's four collectives at 1 byte per
+element (backward scales with the forward, a slight under-count: its row layers' gathers stay high precision).
 """
 from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Optional
 
 from megatron_core.config import TransformerConfig
 from megatron_core.planning.hardware import Hardware, gemm_efficiency
@@ -240,14 +243,21 @@ def _scores_bytes(config: TransformerConfig, t: int, *, flash: bool, micro_batch
     return scores * (4 * e + (2 * mask_bytes + e if config.attention_dropout > 0 else 0))
 
 
-def _fp8_layer_share(config: TransformerConfig, hardware: Hardware) -> float:
-    """The fraction of layers whose linears run in FP8 (0 without ``config.fp8`` or an FP8 peak in the
-    profile; ``--first-last-layers-bf16`` keeps some in high precision)."""
+def _fp8_layer_share(config: TransformerConfig, hardware: Optional[Hardware]) -> float:
+    """The fraction of layers whose linears run in FP8 (0 without ``config.fp8`` or, given ``hardware``, an FP8
+    peak in its profile; ``--first-last-layers-bf16`` keeps some in high precision)."""
     fp8 = getattr(config, "fp8", None)
-    if fp8 is None or not hardware.fp8_peak_tflops:
+    if fp8 is None or (hardware is not None and not hardware.fp8_peak_tflops):
         return 0.0
     layers = config.num_layers
     return sum(fp8.applies_to_layer(n, layers) for n in range(1, layers + 1)) / layers
+
+
+def _gathers_fp8_inputs(config: TransformerConfig) -> bool:
+    """Whether sequence parallelism all-gathers the FP8 linears' inputs as FP8 bytes (per-tensor recipes,
+    ``fp8.linear._gathered_fp8_input``; block recipes gather the high-precision input)."""
+    fp8 = getattr(config, "fp8", None)
+    return fp8 is not None and fp8.fp8_recipe in ("delayed", "tensorwise")
 
 
 def layer_forward_cost(config: TransformerConfig, hardware: Hardware, *, micro_batch_size: int, seq_length: int,
@@ -284,7 +294,10 @@ def layer_forward_cost(config: TransformerConfig, hardware: Hardware, *, micro_b
                                           seq_length=seq_length, cp=c, mask_bytes=mask_bytes), hardware)
     tp = 0.0
     if t > 1:
-        volume = 4 * (t - 1) / t * tokens * config.hidden_size * element_bytes(config)
+        e = element_bytes(config)
+        volume = 4 * (t - 1) / t * tokens * config.hidden_size * e
+        if config.sequence_parallel and _gathers_fp8_inputs(config):  # QKV's and fc1's all-gathers: 1 byte
+            volume *= 1 - _fp8_layer_share(config, None) * (e - 1) / (2 * e)
         chunks = tp_overlap_chunks(config, tokens) if config.sequence_parallel else 1
         count = 4 * chunks if config.sequence_parallel else 2
         further = 0.0

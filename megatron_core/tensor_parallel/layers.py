@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megatron_core.fp8 import linear as fp8_ops  # the module: fp8.linear imports this package's utils
 from megatron_core.fp8.config import Fp8Config
-from megatron_core.fp8.linear import fp8_linear, layer_plan, scaling_state
 from megatron_core.fp8.param_gather import tag_weight
 from megatron_core.tensor_parallel.comm_overlap import all_gather_linear, linear_reduce_scatter
 from megatron_core.tensor_parallel.initialization import (
@@ -142,7 +142,7 @@ class ColumnParallelLinear(nn.Module):
                 init_method=init_method or init_method_normal(0.02), tp_rank=tp_rank, tp_size=self.tp_size)
         self.bias = (_zero_bias(self.output_size_per_partition, dtype=params_dtype, device=device,
                                 is_parallel=True, stride=stride) if bias else None)
-        self.fp8, self.fp8_state = fp8, scaling_state(fp8, device=device)
+        self.fp8, self.fp8_state = fp8, fp8_ops.scaling_state(fp8, device=device)
         if self.weight is not None:
             tag_weight(self.weight, fp8, self.fp8_state, amax_group=tp_group if self.tp_size > 1 else None)
 
@@ -174,12 +174,12 @@ class ColumnParallelLinear(nn.Module):
 
     def _fp8_forward(self, input_: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]):
         """The FP8 GEMMs: ``[s/tp, b, in]`` all-gathered (sequence_parallel) or ``[..., in]`` -> ``[..., out/tp]``."""
-        plan = layer_plan(self.fp8, self.fp8_state, training=self.training, tp_group=self.tp_group,
+        plan = fp8_ops.layer_plan(self.fp8, self.fp8_state, training=self.training, tp_group=self.tp_group,
                           split_roles=("weight", "grad_output"))
         if self.sequence_parallel:
-            return fp8_linear(input_, weight, bias, plan, gather_group=self.tp_group,
+            return fp8_ops.fp8_linear(input_, weight, bias, plan, gather_group=self.tp_group,
                               weight_grad_store=self.weight_grad_store)
-        return fp8_linear(copy_to_tensor_model_parallel_region(input_, self.tp_group), weight, bias, plan,
+        return fp8_ops.fp8_linear(copy_to_tensor_model_parallel_region(input_, self.tp_group), weight, bias, plan,
                           weight_grad_store=self.weight_grad_store)
 
     def extra_repr(self) -> str:
@@ -239,7 +239,7 @@ class RowParallelLinear(nn.Module):
         self.bias = _zero_bias(output_size, dtype=params_dtype, device=device, is_parallel=False) if bias else None
         if self.bias is not None and sequence_parallel:
             self.bias.sequence_parallel = True
-        self.fp8, self.fp8_state = fp8, scaling_state(fp8, device=device)
+        self.fp8, self.fp8_state = fp8, fp8_ops.scaling_state(fp8, device=device)
         tag_weight(self.weight, fp8, self.fp8_state, amax_group=tp_group if self.tp_size > 1 else None)
 
     def forward(self, input_: torch.Tensor):
@@ -268,9 +268,9 @@ class RowParallelLinear(nn.Module):
 
     def _fp8_forward(self, input_parallel: torch.Tensor) -> torch.Tensor:
         """The FP8 GEMM on ``[..., in/tp]``, then the all-reduce (reduce-scatter along s) of the partial sums."""
-        plan = layer_plan(self.fp8, self.fp8_state, training=self.training, tp_group=self.tp_group,
+        plan = fp8_ops.layer_plan(self.fp8, self.fp8_state, training=self.training, tp_group=self.tp_group,
                           split_roles=("input", "weight"))
-        partial = fp8_linear(input_parallel, self.weight, None, plan, weight_grad_store=self.weight_grad_store)
+        partial = fp8_ops.fp8_linear(input_parallel, self.weight, None, plan, weight_grad_store=self.weight_grad_store)
         if self.sequence_parallel:
             return reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)  # [s/tp, b, out]
         return reduce_from_tensor_model_parallel_region(partial, self.tp_group, inplace=True)
