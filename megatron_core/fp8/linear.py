@@ -196,7 +196,7 @@ class _Fp8Linear(torch.autograd.Function):
     def forward(ctx, x, weight, bias, plan: Fp8Plan, gather_group, store: Optional[WeightGradStore],
                 gathered: Optional[GatheredFp8Weight] = None):
         grouped = weight.dim() == 3
-        fp8_gathered = _gathered_fp8_input(plan, x, gather_group) if gather_group is not None else None
+        fp8_gathered = _gathered_fp8_input(plan, x, gather_group) if gather_group is not None and not grouped else None
         if fp8_gathered is not None:  # SP: the local chunk quantized, FP8 bytes gathered
             local_data, qx, scale_x = fp8_gathered
             ready_x, total_shape = None, (qx.data.shape[0] // x.shape[1:-1].numel(), *x.shape[1:])
