@@ -169,17 +169,12 @@ def _gathered_fp8_input(plan: Fp8Plan, x: torch.Tensor, group):
     if not plan.per_tensor or (plan.scaling is not None and plan.scaling.ready("input") is not None):
         return None
     rows = x.reshape(-1, x.shape[-1])
-    if plan.config.fp8_recipe == "delayed" and not plan.record:
-        scale = plan.scaling.scale("input")
-    else:
+    amax = None  # the whole tensor's, where the scale (tensorwise) or the delayed record needs it
+    if plan.config.fp8_recipe == "tensorwise" or plan.record:
         amax = abs_amax(rows, (-2, -1))
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
-        if plan.config.fp8_recipe == "delayed":
-            plan.scaling.record("input", amax)
-            scale = plan.scaling.scale("input")
-        else:
-            scale = scale_from_amax(amax, plan.fmt("input"), plan.config.fp8_margin)
-    local = quantize_with_scale(rows, scale, plan.fmt("input"))
+    scale, _ = plan.scale("input", rows, amax)
+    local = plan.with_scale("input", rows, scale, None)
     return local.data, dataclasses.replace(local, data=_all_gather_fp8(local.data, group)), scale
 
 

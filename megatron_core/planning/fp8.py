@@ -41,10 +41,16 @@ if TYPE_CHECKING:
     from megatron_core.planning.activations import ActivationShape
 
 
+def gathers_fp8_inputs(config: TransformerConfig) -> bool:
+    """Whether sequence parallelism all-gathers the FP8 linears' inputs as FP8 bytes (a per-tensor recipe:
+    ``fp8.linear._gathered_fp8_input``; block recipes gather the high-precision input)."""
+    fp8 = getattr(config, "fp8", None)
+    return fp8 is not None and fp8.fp8_recipe in ("delayed", "tensorwise")
+
+
 def saves_fp8_inputs(config: TransformerConfig) -> bool:
     """Whether the FP8 linears of ``config`` save their inputs as FP8 bytes (per-tensor recipe, FP8 wgrad)."""
-    fp8 = config.fp8
-    return fp8 is not None and fp8.fp8_recipe in ("delayed", "tensorwise") and fp8.fp8_wgrad
+    return gathers_fp8_inputs(config) and config.fp8.fp8_wgrad
 
 
 def fp8_layers_on_stage(config: TransformerConfig, *, pp_rank: int) -> tuple[int, int]:
@@ -129,5 +135,5 @@ def fp8_gathered_expert_parameters(config: TransformerConfig, *, pp_rank: int, e
     return moe * config.moe.num_moe_experts // ep * per_expert
 
 
-__all__ = ["saves_fp8_inputs", "fp8_layers_on_stage", "fp8_layer_saving", "fp8_gathered_parameters",
-           "fp8_gathered_expert_parameters"]
+__all__ = ["gathers_fp8_inputs", "saves_fp8_inputs", "fp8_layers_on_stage", "fp8_layer_saving",
+           "fp8_gathered_parameters", "fp8_gathered_expert_parameters"]

@@ -42,6 +42,7 @@ import math
 from typing import Optional
 
 from megatron_core.config import TransformerConfig
+from megatron_core.planning.fp8 import gathers_fp8_inputs
 from megatron_core.planning.hardware import Hardware, gemm_efficiency
 from megatron_core.tensor_parallel.comm_overlap import DEFAULT_NUM_CHUNKS, usable_chunks
 from megatron_core.training.metrics import attention_flops_ratio
@@ -253,13 +254,6 @@ def _fp8_layer_share(config: TransformerConfig, hardware: Optional[Hardware]) ->
     return sum(fp8.applies_to_layer(n, layers) for n in range(1, layers + 1)) / layers
 
 
-def _gathers_fp8_inputs(config: TransformerConfig) -> bool:
-    """Whether sequence parallelism all-gathers the FP8 linears' inputs as FP8 bytes (per-tensor recipes,
-    ``fp8.linear._gathered_fp8_input``; block recipes gather the high-precision input)."""
-    fp8 = getattr(config, "fp8", None)
-    return fp8 is not None and fp8.fp8_recipe in ("delayed", "tensorwise")
-
-
 def layer_forward_cost(config: TransformerConfig, hardware: Hardware, *, micro_batch_size: int, seq_length: int,
                        moe_layer: bool = False, ep: int = 1, etp: int = 1, flash: bool = True,
                        mask_bytes: int = 1) -> ForwardCost:
@@ -296,7 +290,7 @@ def layer_forward_cost(config: TransformerConfig, hardware: Hardware, *, micro_b
     if t > 1:
         e = element_bytes(config)
         volume = 4 * (t - 1) / t * tokens * config.hidden_size * e
-        if config.sequence_parallel and _gathers_fp8_inputs(config):  # QKV's and fc1's all-gathers: 1 byte
+        if config.sequence_parallel and gathers_fp8_inputs(config):  # QKV's and fc1's all-gathers: 1 byte
             volume *= 1 - _fp8_layer_share(config, None) * (e - 1) / (2 * e)
         chunks = tp_overlap_chunks(config, tokens) if config.sequence_parallel else 1
         count = 4 * chunks if config.sequence_parallel else 2

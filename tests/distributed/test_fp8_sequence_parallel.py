@@ -3,6 +3,8 @@ quantizes its local input chunk with the whole tensor's scale, all-gathers the F
 dW in backward) and saves only the local FP8 chunk; outputs and grads are bit-identical to gathering the
 high-precision input and quantizing the gathered tensor (the same layer without SP, fed the whole input). Before
 this, it gathered and saved the input in high precision (the byte checks fail there)."""
+import contextlib
+
 import pytest
 import torch
 
@@ -10,6 +12,22 @@ from megatron_core.fp8 import Fp8Config
 from megatron_core.fp8 import linear as fp8_linear_module
 
 S, B, K, N = 8, 3, 24, 40
+
+
+@contextlib.contextmanager
+def _counting_gathers():
+    """Records ``(dtype, numel)`` of every tensor the FP8 linear all-gathers while inside."""
+    gathers, original = [], fp8_linear_module._all_gather
+
+    def counting_gather(tensor, group):
+        gathers.append((tensor.dtype, tensor.numel()))
+        return original(tensor, group)
+
+    fp8_linear_module._all_gather = counting_gather
+    try:
+        yield gathers
+    finally:
+        fp8_linear_module._all_gather = original
 
 
 def _sp_against_whole_input(recipe):
@@ -31,25 +49,17 @@ def _sp_against_whole_input(recipe):
     dy = torch.randn(S, B, N // 2) * 1e-3
     local = x.chunk(2)[state.tp_rank].clone()
 
-    gathers, saved = [], []
-    original = fp8_linear_module._all_gather
-
-    def counting_gather(tensor, group):
-        gathers.append((tensor.dtype, tensor.numel()))
-        return original(tensor, group)
+    saved = []
 
     def pack(tensor):
         saved.append((tensor.dtype, tensor.numel()))
         return tensor
 
-    fp8_linear_module._all_gather = counting_gather
-    try:
+    with _counting_gathers() as gathers:
         x_sp = local.requires_grad_(True)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
             out_sp, _ = layers[0](x_sp)
         out_sp.backward(dy)
-    finally:
-        fp8_linear_module._all_gather = original
     x_ref = x.clone().requires_grad_(True)
     out_ref, _ = layers[1](x_ref)
     out_ref.backward(dy)
@@ -78,20 +88,10 @@ def _block_recipe_gathers_high_precision(recipe):
     state = initialize_model_parallel(tensor_model_parallel_size=2)
     layer = ColumnParallelLinear(K, N, tp_group=state.tp_group, sequence_parallel=True,
                                  fp8=Fp8Config(fp8_recipe=recipe))
-    gathers = []
-    original = fp8_linear_module._all_gather
-
-    def counting_gather(tensor, group):
-        gathers.append(tensor.dtype)
-        return original(tensor, group)
-
-    fp8_linear_module._all_gather = counting_gather
-    try:
+    with _counting_gathers() as gathers:
         out, _ = layer(torch.randn(S // 2, B, K, requires_grad=True))
         out.sum().backward()
-    finally:
-        fp8_linear_module._all_gather = original
-    return gathers
+    return [dtype for dtype, _ in gathers]
 
 
 def test_block_recipes_still_gather_the_input_itself(distributed):
