@@ -168,14 +168,21 @@ def _gathered_fp8_input(plan: Fp8Plan, x: torch.Tensor, group):
     recipes and while delayed scaling calibrates (the forward then gathers x in high precision)."""
     if not plan.per_tensor or (plan.scaling is not None and plan.scaling.ready("input") is not None):
         return None
+    local, scale = local_fp8_input(plan, x, group)
+    return local.data, dataclasses.replace(local, data=_all_gather_fp8(local.data, group)), scale
+
+
+def local_fp8_input(plan: Fp8Plan, x: torch.Tensor, group) -> tuple[Quantized, torch.Tensor]:
+    """A per-tensor recipe's FP8 rows ``[s/tp * b, K]`` of x's local chunk ``[s/tp, b, K]``, quantized with the
+    whole (sequence-gathered) tensor's scale: tensorwise from the amax MAX-reduced over ``group``; delayed the
+    state's (recording that amax). ``(rows, scale)``."""
     rows = x.reshape(-1, x.shape[-1])
     amax = None  # the whole tensor's, where the scale (tensorwise) or the delayed record needs it
     if plan.config.fp8_recipe == "tensorwise" or plan.record:
         amax = abs_amax(rows, (-2, -1))
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
     scale, _ = plan.scale("input", rows, amax)
-    local = plan.with_scale("input", rows, scale, None)
-    return local.data, dataclasses.replace(local, data=_all_gather_fp8(local.data, group)), scale
+    return plan.with_scale("input", rows, scale, None), scale
 
 
 def _matrices(t: torch.Tensor, grouped: bool) -> torch.Tensor:
@@ -312,5 +319,5 @@ def _apply_eager(*args):
     return _Fp8Linear.apply(*args)
 
 
-__all__ = ["Fp8Plan", "fp8_linear", "scaling_state", "layer_plan", "BLOCKWISE_ACTIVATION_BLOCK",
+__all__ = ["Fp8Plan", "fp8_linear", "local_fp8_input", "scaling_state", "layer_plan", "BLOCKWISE_ACTIVATION_BLOCK",
            "BLOCKWISE_WEIGHT_BLOCK", "MXFP8_BLOCK"]

@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_core.fp8 import linear as fp8_ops  # the module: fp8.linear imports this package's utils
+from megatron_core.fp8 import comm_overlap as fp8_overlap  # modules: fp8 imports this package's utils
+from megatron_core.fp8 import linear as fp8_ops
 from megatron_core.fp8.config import Fp8Config
 from megatron_core.fp8.param_gather import tag_weight
 from megatron_core.tensor_parallel.comm_overlap import all_gather_linear, linear_reduce_scatter
@@ -41,7 +42,7 @@ from megatron_core.tensor_parallel.mappings import (
 )
 from megatron_core.tensor_parallel.sequence_parallel_linear import sequence_parallel_linear
 from megatron_core.tensor_parallel.utils import check_ids_in_range, divide, group_rank, group_size, vocab_range
-from megatron_core.tensor_parallel.weight_grad_store import WeightGradStore, linear_deferrable
+from megatron_core.tensor_parallel.weight_grad_store import WeightGradStore, deferring_forward, linear_deferrable
 
 
 def set_tensor_model_parallel_attributes(param: torch.Tensor, *, is_parallel: bool, dim: int, stride: int) -> None:
@@ -77,6 +78,12 @@ def _check_last_dim(layer: str, input_: torch.Tensor, expected: int, what: str) 
         )
 
 
+def _fp8_overlaps(layer: nn.Module, input_: torch.Tensor, weight: torch.Tensor, plan) -> bool:
+    """Whether an FP8 linear runs its sequence-parallel collectives overlapped (``fp8.comm_overlap``)."""
+    return (layer.sequence_parallel and layer.tp_comm_overlap and layer.tp_size > 1 and input_.shape[0] > 0
+            and fp8_overlap.overlap_supported(plan, weight, deferring_forward(layer.weight_grad_store)))
+
+
 def _check_overlap(layer: str, tp_comm_overlap: bool, sequence_parallel: bool) -> None:
     if tp_comm_overlap and not sequence_parallel:
         raise ValueError(f"{layer}: tp_comm_overlap=True needs sequence_parallel=True (it overlaps the "
@@ -106,7 +113,9 @@ class ColumnParallelLinear(nn.Module):
         fp8: run the GEMMs in FP8 (``megatron_core.fp8``); the delayed recipe keeps its scaling state in
             ``self.fp8_state``. The weight and the output grad are split over tp: the tensorwise recipe
             all-reduces their amaxes with MAX over tp (forward / backward). With sequence parallelism the
-            gathered input is quantized; tp_comm_overlap then runs the plain (not overlapped) FP8 path.
+            local input chunk is quantized and its FP8 bytes gathered; with tp_comm_overlap under a per-tensor
+            recipe the FP8 gathers and reduce-scatters run chunk by chunk beside the FP8 GEMMs
+            (``fp8.comm_overlap``).
 
     Communication: forward all-gathers the input along s when sequence_parallel (backward all-gathers it
     again, as only the local chunk is saved, and reduce-scatters its gradient), else backward all-reduces
@@ -176,6 +185,8 @@ class ColumnParallelLinear(nn.Module):
         """The FP8 GEMMs: ``[s/tp, b, in]`` all-gathered (sequence_parallel) or ``[..., in]`` -> ``[..., out/tp]``."""
         plan = fp8_ops.layer_plan(self.fp8, self.fp8_state, training=self.training, tp_group=self.tp_group,
                           split_roles=("weight", "grad_output"))
+        if _fp8_overlaps(self, input_, weight, plan):
+            return fp8_overlap.fp8_all_gather_linear(input_, weight, bias, plan, self.tp_group)
         if self.sequence_parallel:
             return fp8_ops.fp8_linear(input_, weight, bias, plan, gather_group=self.tp_group,
                               weight_grad_store=self.weight_grad_store)
@@ -270,6 +281,8 @@ class RowParallelLinear(nn.Module):
         """The FP8 GEMM on ``[..., in/tp]``, then the all-reduce (reduce-scatter along s) of the partial sums."""
         plan = fp8_ops.layer_plan(self.fp8, self.fp8_state, training=self.training, tp_group=self.tp_group,
                           split_roles=("input", "weight"))
+        if _fp8_overlaps(self, input_parallel, self.weight, plan):
+            return fp8_overlap.fp8_linear_reduce_scatter(input_parallel, self.weight, plan, self.tp_group)
         partial = fp8_ops.fp8_linear(input_parallel, self.weight, None, plan, weight_grad_store=self.weight_grad_store)
         if self.sequence_parallel:
             return reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)  # [s/tp, b, out]

@@ -1,0 +1,219 @@
+"""FP8 linears with their sequence-parallel collectives overlapped with the GEMMs (``--tp-comm-overlap`` under
+``--fp8``), for the per-tensor recipes (tensorwise, delayed once calibrated), as Transformer Engine's
+userbuffers do: the collectives move FP8 bytes where the operand is FP8, and run chunk by chunk beside the
+GEMMs of the rows already present (``tensor_parallel.comm_overlap`` for the high-precision layers):
+
+    column forward    x's local chunk quantized with the whole tensor's scale (amax MAX-reduced over tp); its
+                      FP8 bytes all-gathered in chunks || the FP8 GEMM of the local rows, then of each chunk's
+                      rows as they land; only the local FP8 chunk is saved
+    column backward   the FP8 input gathered again for dW || dgrad GEMM of chunk j's rows, whose reduce-scatter
+                      || dgrad of chunk j+1; then the dW GEMM
+    row forward       FP8 GEMM of chunk j's rows, whose partial sums reduce-scatter || GEMM of chunk j+1
+    row backward      dy's local chunk quantized with the whole tensor's scale, its FP8 bytes all-gathered in
+                      chunks || dgrad GEMM of the local rows, then of each chunk's; then the dW GEMM
+
+Quantizing is element-wise and every GEMM row sees the same operands, so outputs and grads equal the plain FP8
+path's (``fp8.linear``) up to the GEMM's blocking (bit-equal under the emulation here). Anything else
+(block recipes, delayed scaling's calibration, ``fp8_wgrad=False``, grouped weights, a deferred weight grad)
+takes the plain FP8 path: ``overlap_supported``.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_core.fp8 import linear as fp8_linear  # the module: fp8.linear imports tensor_parallel, which imports this
+from megatron_core.fp8.param_gather import gathered_weight
+from megatron_core.fp8.quantize import Quantized, abs_amax
+from megatron_core.tensor_parallel.comm_overlap import DEFAULT_NUM_CHUNKS, usable_chunks
+from megatron_core.tensor_parallel.utils import group_rank, group_size
+
+if TYPE_CHECKING:
+    from megatron_core.fp8.linear import Fp8Plan
+
+
+def overlap_supported(plan: Fp8Plan, weight: torch.Tensor, deferring: bool) -> bool:
+    """Whether the overlapped FP8 path takes this call (else the plain FP8 path runs)."""
+    calibrating = plan.scaling is not None and any(
+        plan.scaling.ready(role) is not None for role in ("input", "weight", "grad_output"))
+    return (plan.per_tensor and plan.config.fp8_wgrad and weight.dim() == 2 and not deferring
+            and not calibrating)
+
+
+def _rows(q: Quantized, data: torch.Tensor) -> Quantized:
+    """``q``'s scales over other rows (``data``) of the same per-tensor-scaled tensor."""
+    return dataclasses.replace(q, data=data)
+
+
+def _gather_bytes(data: torch.Tensor, group, chunks: int) -> list[tuple[torch.Tensor, object]]:
+    """Starts one async all-gather per chunk of FP8 rows ``data`` ``[m, k]``; each gives ``[tp, m/chunks, k]``
+    (as bytes: collectives take no float8 dtype)."""
+    world, pieces = group_size(group), data.view(torch.uint8).view(chunks, data.shape[0] // chunks, -1)
+    started = []
+    for piece in pieces:
+        gathered = torch.empty((world * piece.shape[0], piece.shape[1]), dtype=torch.uint8, device=data.device)
+        work = dist.all_gather_single(gathered, piece, group=group, async_op=True)
+        started.append((gathered.view(data.dtype).view(world, *piece.shape), work))
+    return started
+
+
+def _gemm_gathered(plan: Fp8Plan, local: Quantized, other: Quantized, out: torch.Tensor, group, chunks: int,
+                   bias=None) -> torch.Tensor:
+    """``out[rows] = gather(local)[rows] . other^T (+ bias)`` block by block: ``local`` ``[m, k]`` FP8 rows of
+    this rank, ``out`` ``[tp * m, n]``; the local rows first, then each chunk's as its all-gather lands.
+    Returns the gathered FP8 rows ``[tp * m, k]`` in global order."""
+    world, rank = group_size(group), group_rank(group)
+    started = _gather_bytes(local.data, group, chunks)
+    out_blocks = out.view(world, chunks, local.data.shape[0] // chunks, out.shape[-1])
+    out_blocks[rank].view(-1, out.shape[-1]).copy_(plan.gemm(local, other, out.dtype, bias))
+    total = torch.empty((world, chunks, *started[0][0].shape[1:]), dtype=torch.uint8, device=local.data.device)
+    for j, (gathered, work) in enumerate(started):
+        work.wait()
+        total[:, j] = gathered.view(torch.uint8)
+        for peer in range(world):
+            if peer != rank:
+                out_blocks[peer, j] = plan.gemm(_rows(local, gathered[peer]), other, out.dtype, bias)
+    return total.view(local.data.dtype).view(-1, local.data.shape[-1])
+
+
+def _gemm_reduce_scatter(plan: Fp8Plan, a: Quantized, b: Quantized, out: torch.Tensor, group,
+                         chunks: int) -> list[tuple[torch.Tensor, object]]:
+    """Starts ``out = reduce_scatter(a . b^T)`` chunk by chunk: ``a`` ``[tp * m, k]`` FP8 rows, ``out``
+    ``[m, n]``; each chunk's partial sums reduce-scatter while the next chunk's GEMMs run."""
+    world, rows = group_size(group), out.shape[0] // chunks
+    blocks, out_chunks = a.data.view(world, chunks, rows, -1), out.view(chunks, rows, out.shape[-1])
+    started = []
+    for j in range(chunks):
+        partial = torch.empty((world, rows, out.shape[-1]), dtype=out.dtype, device=out.device)
+        for peer in range(world):
+            partial[peer] = plan.gemm(_rows(a, blocks[peer, j]), b, out.dtype)
+        work = dist.reduce_scatter_single(out_chunks[j], partial.view(world * rows, -1), group=group, async_op=True)
+        started.append((partial, work))
+    return started
+
+
+def _wait_all(started) -> None:
+    for _, work in started:
+        work.wait()
+
+
+def _scaled(plan: Fp8Plan, data: torch.Tensor, scale: torch.Tensor, role: str) -> Quantized:
+    """FP8 rows ``data`` that were quantized with the per-tensor ``scale`` as a ``Quantized``."""
+    return Quantized(data, torch.reciprocal(scale.reshape(*scale.shape, 1, 1)), plan.fmt(role))
+
+
+class _Fp8AllGatherLinear(torch.autograd.Function):
+    """Column-parallel: x ``[s/tp, b, K]`` -> ``[s, b, N/tp]`` (collectives: the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, plan: Fp8Plan, group, chunks: int, gathered):
+        local, scale_x = fp8_linear.local_fp8_input(plan, x, group)
+        qw, scale_w, ready_w = plan.quantize_weight(weight, gathered)
+        world, k = group_size(group), x.shape[-1]
+        out = torch.empty((world * x.shape[0], *x.shape[1:-1], weight.shape[0]), dtype=x.dtype, device=x.device)
+        _gemm_gathered(plan, local, qw, out.view(-1, weight.shape[0]), group, chunks, bias)
+        ctx.save_for_backward(local.data, weight, scale_x, scale_w, ready_w)
+        ctx.plan, ctx.group, ctx.chunks, ctx.has_bias, ctx.k = plan, group, chunks, bias is not None, k
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        local_x, weight, scale_x, scale_w, ready_w = ctx.saved_tensors
+        plan, group, chunks = ctx.plan, ctx.group, ctx.chunks
+        needs_input, needs_weight, needs_bias = ctx.needs_input_grad[:3]
+        dy = grad_output.reshape(-1, grad_output.shape[-1])
+        qdy = plan.quantize("grad_output", dy)[0]
+        world = group_size(group)
+        total = work = None
+        if needs_weight:  # the FP8 input again, for dW: beside the dgrad GEMMs
+            total = torch.empty((world * local_x.shape[0], ctx.k), dtype=torch.uint8, device=local_x.device)
+            work = dist.all_gather_single(total, local_x.view(torch.uint8), group=group, async_op=True)
+        grad_input, reductions = None, []
+        if needs_input:
+            grad_input = torch.empty((local_x.shape[0], ctx.k), dtype=grad_output.dtype, device=dy.device)
+            qw_t = plan.with_scale("weight", weight, scale_w, ready_w).t()
+            reductions = _gemm_reduce_scatter(plan, qdy, qw_t, grad_input, group, chunks)
+        grad_weight = grad_bias = None
+        if needs_weight:
+            work.wait()
+            qx = _scaled(plan, total.view(local_x.dtype), scale_x, "input")
+            grad_weight = plan.gemm(qdy.t(), qx.t(), weight.dtype)
+        if ctx.has_bias and needs_bias:
+            grad_bias = dy.sum(0)
+        _wait_all(reductions)
+        if grad_input is not None:
+            grad_input = grad_input.view(-1, *grad_output.shape[1:-1], ctx.k)
+        return grad_input, grad_weight, grad_bias, None, None, None, None
+
+
+class _Fp8LinearReduceScatter(torch.autograd.Function):
+    """Row-parallel: x ``[s, b, K/tp]`` -> ``[s/tp, b, N]`` partial sums reduce-scattered (no bias)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, plan: Fp8Plan, group, chunks: int, gathered):
+        rows = x.reshape(-1, x.shape[-1])
+        qx, scale_x, _ = plan.quantize("input", rows)
+        qw, scale_w, ready_w = plan.quantize_weight(weight, gathered)
+        world = group_size(group)
+        out = torch.empty((x.shape[0] // world, *x.shape[1:-1], weight.shape[0]), dtype=x.dtype, device=x.device)
+        _wait_all(_gemm_reduce_scatter(plan, qx, qw, out.view(-1, weight.shape[0]), group, chunks))
+        ctx.save_for_backward(qx.data, weight, scale_x, scale_w, ready_w)
+        ctx.plan, ctx.group, ctx.chunks, ctx.x_shape = plan, group, chunks, x.shape
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        x_data, weight, scale_x, scale_w, ready_w = ctx.saved_tensors
+        plan, group, chunks = ctx.plan, ctx.group, ctx.chunks
+        needs_input, needs_weight = ctx.needs_input_grad[:2]
+        dy = grad_output.reshape(-1, grad_output.shape[-1])  # this rank's [s/tp * b, N]
+        amax = abs_amax(dy, (-2, -1))  # the gathered dy's amax: every rank's, MAX-reduced
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+        scale, _ = plan.scale("grad_output", dy, amax)
+        local = plan.with_scale("grad_output", dy, scale, None)
+        grad_input = torch.empty((x_data.shape[0], x_data.shape[1]), dtype=grad_output.dtype, device=dy.device)
+        qw_t = plan.with_scale("weight", weight, scale_w, ready_w).t()
+        total = _gemm_gathered(plan, local, qw_t, grad_input, group, chunks)  # dgrad of the gathered dy
+        grad_weight = None
+        if needs_weight:
+            qx = _scaled(plan, x_data, scale_x, "input")
+            grad_weight = plan.gemm(_rows(local, total).t(), qx.t(), weight.dtype)
+        return (grad_input.view(ctx.x_shape) if needs_input else None), grad_weight, None, None, None, None
+
+
+def fp8_all_gather_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], plan: Fp8Plan,
+                          group, *, gathered=None, num_chunks: int = DEFAULT_NUM_CHUNKS) -> torch.Tensor:
+    """The column-parallel FP8 linear under SP with its collectives overlapped: x ``[s/tp, b, K]``, weight ``[N/tp,
+    K]``, bias ``[N/tp]`` or None -> ``[s, b, N/tp]``. Forward: chunked async all-gathers of x's FP8 bytes;
+    backward: an async all-gather of them (dW) and chunked async reduce-scatters of dx."""
+    chunks = usable_chunks(x.shape[0], num_chunks)
+    return _Fp8AllGatherLinear.apply(x, weight, bias, plan, group, chunks, _prepared(plan, x, weight, gathered))
+
+
+def fp8_linear_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, plan: Fp8Plan, group, *, gathered=None,
+                              num_chunks: int = DEFAULT_NUM_CHUNKS) -> torch.Tensor:
+    """The row-parallel FP8 linear under SP with its collectives overlapped: x ``[s, b, K/tp]``, weight ``[N,
+    K/tp]`` -> ``[s/tp, b, N]``. Forward: chunked async reduce-scatters of the partial sums; backward: chunked
+    async all-gathers of dy's FP8 bytes."""
+    world = group_size(group)
+    if x.dim() == 0 or x.shape[0] % world != 0:
+        raise ValueError(f"the sequence dim of shape {tuple(x.shape)} is not divisible by the tensor-parallel "
+                         f"group size {world}")
+    chunks = usable_chunks(x.shape[0] // world, num_chunks)
+    return _Fp8LinearReduceScatter.apply(x, weight, plan, group, chunks, _prepared(plan, x, weight, gathered))
+
+
+def _prepared(plan: Fp8Plan, x: torch.Tensor, weight: torch.Tensor, gathered):
+    """As ``fp8_linear`` does before its GEMMs: the delayed state on x's device; ZeRO's FP8 gather of the
+    weight (``fp8_param_gather``), whose scale the weight is quantized with."""
+    if plan.scaling is not None:
+        plan.scaling.state.follow(x.device)
+    if gathered is None and plan.config.fp8_param_gather:
+        gathered = gathered_weight(weight, plan)
+    return gathered
+
+
+__all__ = ["overlap_supported", "fp8_all_gather_linear", "fp8_linear_reduce_scatter"]
