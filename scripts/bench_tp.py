@@ -3,6 +3,10 @@
 at tp 2, on 2 gloo ranks, steps alternated.
 
     PYTHONPATH=. python scripts/bench_tp.py [--layers 4 --hidden 256 --heads 8 --seq 128 --batch 4 --steps 15]
+        [--fp8 tensorwise]
+
+``--fp8 RECIPE`` adds the FP8 variants "ours sp fp8" and "ours sp+overlap fp8" (the emulated FP8 GEMMs;
+``fp8.comm_overlap`` in the second), whose ratio to each other is printed too.
 
 Every variant lives in the same two ranks; one round runs one train step (forward, backward, grad
 finalization over tp, torch AdamW) of each variant in turn, a barrier before each step. Prints the median
@@ -29,7 +33,7 @@ from megatron_core.models import GPTModel
 from megatron_core.testing import run_distributed
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-VARIANTS = ("ours", "ours sp", "ours sp+overlap", "megatron-core")
+VARIANTS = ("ours", "ours sp", "ours sp+overlap", "ours sp fp8", "ours sp+overlap fp8", "megatron-core")
 
 
 def _batch(args):
@@ -38,11 +42,13 @@ def _batch(args):
     return tokens[:, :-1].contiguous(), torch.arange(args.seq).expand(args.batch, args.seq), tokens[:, 1:].contiguous()
 
 
-def _ours(args, state, *, sp: bool, overlap: bool):
+def _ours(args, state, *, sp: bool, overlap: bool, fp8=None):
     overlap_flag = {"tp_comm_overlap": overlap} if overlap else {}  # (also runs against trees without the flag)
+    fp8_flag = {"fp8": fp8} if fp8 is not None else {}
     config = TransformerConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
                                max_position_embeddings=args.seq, hidden_dropout=0.0, attention_dropout=0.0,
-                               tensor_model_parallel_size=state.tp_size, sequence_parallel=sp, **overlap_flag)
+                               tensor_model_parallel_size=state.tp_size, sequence_parallel=sp, **overlap_flag,
+                               **fp8_flag)
     torch.manual_seed(0)
     model = GPTModel(config, parallel_state=state, vocab_size=args.vocab, max_sequence_length=args.seq)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -104,6 +110,10 @@ def _bench(args) -> dict[str, float]:
              "ours sp": _ours(args, state, sp=True, overlap=False)}
     if "tp_comm_overlap" in TransformerConfig.__dataclass_fields__:
         steps["ours sp+overlap"] = _ours(args, state, sp=True, overlap=True)
+    if args.fp8:
+        from megatron_core.fp8 import Fp8Config
+        for name, overlap in (("ours sp fp8", False), ("ours sp+overlap fp8", True)):
+            steps[name] = _ours(args, state, sp=True, overlap=overlap, fp8=Fp8Config(fp8_recipe=args.fp8))
     steps["megatron-core"] = _megatron(args)
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in steps}
     for round_ in range(args.steps + 1):  # round 0 warms up
@@ -124,6 +134,8 @@ def main() -> None:
     for flag, default in (("layers", 4), ("hidden", 256), ("heads", 8), ("seq", 128), ("vocab", 1024),
                           ("batch", 4), ("steps", 15), ("tp", 2)):
         parser.add_argument(f"--{flag}", type=int, default=default)
+    parser.add_argument("--fp8", choices=("tensorwise", "delayed"), default=None,
+                        help="add FP8 variants with this recipe, plain and --tp-comm-overlap")
     args = parser.parse_args()
     results = run_distributed(args.tp, _bench, args, timeout_s=1200)
     # the slower rank sets the step; CPU time: of the rank's process (all its threads), insensitive to other jobs
@@ -137,6 +149,10 @@ def main() -> None:
         peer = medians["megatron-core"]
         print(f"{name:<20}{medians[name]:>9.4f}{medians[name] / peer:>17.3f}{medians[name] / medians['ours']:>11.3f}"
               f"{cpu[name]:>12.4f}{cpu[name] / cpu['megatron-core']:>21.3f}")
+    if args.fp8:
+        overlapped, plain = medians["ours sp+overlap fp8"], medians["ours sp fp8"]
+        print(f"FP8 ({args.fp8}) sp+overlap / sp: {overlapped / plain:.3f} (wall), "
+              f"{cpu['ours sp+overlap fp8'] / cpu['ours sp fp8']:.3f} (CPU)")
 
 
 if __name__ == "__main__":

@@ -70,12 +70,13 @@ def _gemm_gathered(plan: Fp8Plan, local: Quantized, other: Quantized, out: torch
     out_blocks = out.view(world, chunks, local.data.shape[0] // chunks, out.shape[-1])
     out_blocks[rank].view(-1, out.shape[-1]).copy_(plan.gemm(local, other, out.dtype, bias))
     total = torch.empty((world, chunks, *started[0][0].shape[1:]), dtype=torch.uint8, device=local.data.device)
+    peers = torch.tensor([peer for peer in range(world) if peer != rank], device=out.device)
     for j, (gathered, work) in enumerate(started):
         work.wait()
         total[:, j] = gathered.view(torch.uint8)
-        for peer in range(world):
-            if peer != rank:
-                out_blocks[peer, j] = plan.gemm(_rows(local, gathered[peer]), other, out.dtype, bias)
+        rows = gathered.view(torch.uint8)[peers].view(gathered.dtype).view(-1, gathered.shape[-1])  # one GEMM
+        out_blocks[peers, j] = plan.gemm(_rows(local, rows), other, out.dtype, bias).view(
+            len(peers), *out_blocks.shape[2:])
     return total.view(local.data.dtype).view(-1, local.data.shape[-1])
 
 
@@ -87,10 +88,9 @@ def _gemm_reduce_scatter(plan: Fp8Plan, a: Quantized, b: Quantized, out: torch.T
     blocks, out_chunks = a.data.view(world, chunks, rows, -1), out.view(chunks, rows, out.shape[-1])
     started = []
     for j in range(chunks):
-        partial = torch.empty((world, rows, out.shape[-1]), dtype=out.dtype, device=out.device)
-        for peer in range(world):
-            partial[peer] = plan.gemm(_rows(a, blocks[peer, j]), b, out.dtype)
-        work = dist.reduce_scatter_single(out_chunks[j], partial.view(world * rows, -1), group=group, async_op=True)
+        chunk_rows = blocks.view(torch.uint8)[:, j].reshape(world * rows, -1).view(a.data.dtype)  # a byte copy
+        partial = plan.gemm(_rows(a, chunk_rows), b, out.dtype)
+        work = dist.reduce_scatter_single(out_chunks[j], partial, group=group, async_op=True)
         started.append((partial, work))
     return started
 
