@@ -61,23 +61,26 @@ def _gather_bytes(data: torch.Tensor, group, chunks: int) -> list[tuple[torch.Te
 
 
 def _gemm_gathered(plan: Fp8Plan, local: Quantized, other: Quantized, out: torch.Tensor, group, chunks: int,
-                   bias=None) -> torch.Tensor:
+                   bias=None, keep: bool = False) -> Optional[torch.Tensor]:
     """``out[rows] = gather(local)[rows] . other^T (+ bias)`` block by block: ``local`` ``[m, k]`` FP8 rows of
     this rank, ``out`` ``[tp * m, n]``; the local rows first, then each chunk's as its all-gather lands.
-    Returns the gathered FP8 rows ``[tp * m, k]`` in global order."""
+    ``keep``: also returns the gathered FP8 rows ``[tp * m, k]`` in global order (else None)."""
     world, rank = group_size(group), group_rank(group)
     started = _gather_bytes(local.data, group, chunks)
     out_blocks = out.view(world, chunks, local.data.shape[0] // chunks, out.shape[-1])
     out_blocks[rank].view(-1, out.shape[-1]).copy_(plan.gemm(local, other, out.dtype, bias))
-    total = torch.empty((world, chunks, *started[0][0].shape[1:]), dtype=torch.uint8, device=local.data.device)
+    total = (torch.empty((world, chunks, *started[0][0].shape[1:]), dtype=torch.uint8, device=out.device)
+             if keep else None)
     peers = torch.tensor([peer for peer in range(world) if peer != rank], device=out.device)
     for j, (gathered, work) in enumerate(started):
         work.wait()
-        total[:, j] = gathered.view(torch.uint8)
-        rows = gathered.view(torch.uint8)[peers].view(gathered.dtype).view(-1, gathered.shape[-1])  # one GEMM
+        as_bytes = gathered.view(torch.uint8)
+        if total is not None:
+            total[:, j] = as_bytes
+        rows = as_bytes[peers].view(gathered.dtype).view(-1, gathered.shape[-1])  # the other ranks': one GEMM
         out_blocks[peers, j] = plan.gemm(_rows(local, rows), other, out.dtype, bias).view(
             len(peers), *out_blocks.shape[2:])
-    return total.view(local.data.dtype).view(-1, local.data.shape[-1])
+    return None if total is None else total.view(local.data.dtype).view(-1, local.data.shape[-1])
 
 
 def _gemm_reduce_scatter(plan: Fp8Plan, a: Quantized, b: Quantized, out: torch.Tensor, group,
@@ -98,11 +101,6 @@ def _gemm_reduce_scatter(plan: Fp8Plan, a: Quantized, b: Quantized, out: torch.T
 def _wait_all(started) -> None:
     for _, work in started:
         work.wait()
-
-
-def _scaled(plan: Fp8Plan, data: torch.Tensor, scale: torch.Tensor, role: str) -> Quantized:
-    """FP8 rows ``data`` that were quantized with the per-tensor ``scale`` as a ``Quantized``."""
-    return Quantized(data, torch.reciprocal(scale.reshape(*scale.shape, 1, 1)), plan.fmt(role))
 
 
 class _Fp8AllGatherLinear(torch.autograd.Function):
@@ -139,7 +137,7 @@ class _Fp8AllGatherLinear(torch.autograd.Function):
         grad_weight = grad_bias = None
         if needs_weight:
             work.wait()
-            qx = _scaled(plan, total.view(local_x.dtype), scale_x, "input")
+            qx = plan.quantized("input", total.view(local_x.dtype), scale_x)
             grad_weight = plan.gemm(qdy.t(), qx.t(), weight.dtype)
         if ctx.has_bias and needs_bias:
             grad_bias = dy.sum(0)
@@ -176,10 +174,10 @@ class _Fp8LinearReduceScatter(torch.autograd.Function):
         local = plan.with_scale("grad_output", dy, scale, None)
         grad_input = torch.empty((x_data.shape[0], x_data.shape[1]), dtype=grad_output.dtype, device=dy.device)
         qw_t = plan.with_scale("weight", weight, scale_w, ready_w).t()
-        total = _gemm_gathered(plan, local, qw_t, grad_input, group, chunks)  # dgrad of the gathered dy
+        total = _gemm_gathered(plan, local, qw_t, grad_input, group, chunks, keep=needs_weight)  # dgrad
         grad_weight = None
         if needs_weight:
-            qx = _scaled(plan, x_data, scale_x, "input")
+            qx = plan.quantized("input", x_data, scale_x)
             grad_weight = plan.gemm(_rows(local, total).t(), qx.t(), weight.dtype)
         return (grad_input.view(ctx.x_shape) if needs_input else None), grad_weight, None, None, None, None
 

@@ -102,6 +102,11 @@ class Fp8Plan:
         """``tensor`` quantized with a per-tensor ``scale`` (unquantized where ``ready`` is False)."""
         return quantize_with_scale(tensor, scale, self.fmt(role)).with_calibration(tensor, ready)
 
+    def quantized(self, role: str, data: torch.Tensor, scale: torch.Tensor) -> Quantized:
+        """FP8 bytes ``data`` ``[..., rows, cols]`` that were quantized with the per-tensor ``scale`` (one per
+        leading index), as a ``Quantized`` again (a saved or gathered operand)."""
+        return Quantized(data, torch.reciprocal(scale.reshape(*scale.shape, 1, 1)), self.fmt(role))
+
     def quantize_blocks(self, role: str, tensor: torch.Tensor) -> Quantized:
         """Block recipes: ``tensor`` quantized in blocks along its last dim (the GEMM's reduction dim)."""
         if self.config.fp8_recipe == "mxfp8":
@@ -260,10 +265,8 @@ def _weight_grad(values, dy, qdy: Optional[Quantized], weight) -> torch.Tensor:
     """``dy^T x`` ``[..., N, K]`` in the weight's dtype (re-gathers x under sequence parallelism)."""
     plan, saved_x, scale_x, group, keep_fp8, grouped = values
     if keep_fp8:  # the FP8 input (SP: its local rows, gathered again as FP8 bytes)
-        scale = scale_x[0]
         data = _all_gather_fp8(saved_x, group) if group is not None else saved_x
-        qx = Quantized(data, torch.reciprocal(scale.reshape(*scale.shape, 1, 1)), plan.fmt("input"))
-        return plan.gemm(qdy.t(), qx.t(), weight.dtype)
+        return plan.gemm(qdy.t(), plan.quantized("input", data, scale_x[0]).t(), weight.dtype)
     x2 = _matrices(_all_gather(saved_x, group) if group is not None else saved_x, grouped)
     if not plan.config.fp8_wgrad:
         return torch.matmul(dy.transpose(-1, -2), x2.to(dy.dtype)).to(weight.dtype)

@@ -1,8 +1,8 @@
 """FP8 under ``--tp-comm-overlap`` (``megatron_core.fp8.comm_overlap``): a column- then row-parallel FP8 pair under
-sequence parallelism at tp 2 runs its collectives chunk by chunk beside the FP8 GEMMs, moving FP8 bytes where
-the operand is FP8 (x forward and again for dW, dy of the row layer), and gives the plain FP8 path's outputs,
-input grads, weight grads, bias grads and delayed amaxes. Before this, FP8 with tp_comm_overlap ran the plain
-path (no chunked collectives: the count checks fail there)."""
+sequence parallelism at tp 2 and 4 runs its collectives chunk by chunk beside the FP8 GEMMs, moving FP8 bytes
+where the operand is FP8 (x forward and again for dW, dy of the row layer), and gives the plain FP8 path's
+outputs, input grads, weight grads, bias grads and delayed amaxes (to fp32 rounding: the GEMMs run on blocks of
+rows). Before this, FP8 with tp_comm_overlap ran the plain path (no chunked collectives: the counts fail there)."""
 import contextlib
 
 import pytest
@@ -12,7 +12,7 @@ from megatron_core.fp8 import Fp8Config
 from megatron_core.fp8 import comm_overlap as fp8_overlap
 
 S, B, K, N = 8, 3, 24, 40
-CHUNKS = 2  # DEFAULT_NUM_CHUNKS: S / tp = 4 local rows split in 2
+CHUNKS = 2  # DEFAULT_NUM_CHUNKS: S / tp = 4 (tp 2) or 2 (tp 4) local rows split in 2
 
 
 @contextlib.contextmanager
@@ -51,13 +51,18 @@ def _pair(state, config, overlap: bool):
     return column, row
 
 
-def _overlapped_against_plain(recipe):
+def _difference(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The largest elementwise difference relative to b's largest magnitude."""
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def _overlapped_against_plain(recipe, tp):
     from megatron_core import initialize_model_parallel
-    state = initialize_model_parallel(tensor_model_parallel_size=2)
+    state = initialize_model_parallel(tensor_model_parallel_size=tp)
     config = Fp8Config(fp8_recipe=recipe)
     torch.manual_seed(1 + state.tp_rank)
-    x = torch.randn(S // 2, B, K)
-    dy = torch.randn(S // 2, B, K) * 1e-2
+    x = torch.randn(S // tp, B, K)
+    dy = torch.randn(S // tp, B, K) * 1e-2
     runs = []
     for overlap in (True, False):
         column, row = _pair(state, config, overlap)
@@ -67,20 +72,20 @@ def _overlapped_against_plain(recipe):
             out.backward(dy)
         runs.append(dict(out=out, dx=x_in.grad, calls=calls, column=column, row=row))
     overlapped, plain = runs
-    results = {"out": torch.equal(overlapped["out"], plain["out"]), "dx": torch.equal(overlapped["dx"], plain["dx"])}
+    results = {"out": _difference(overlapped["out"], plain["out"]), "dx": _difference(overlapped["dx"], plain["dx"])}
     for name in ("column", "row"):
         for param, reference in zip(overlapped[name].parameters(), plain[name].parameters()):
-            results[f"{name} grad {tuple(param.shape)}"] = torch.equal(param.grad, reference.grad)
+            results[f"{name} grad {tuple(param.shape)}"] = _difference(param.grad, reference.grad)
         if recipe == "delayed":
-            results[f"{name} amax"] = torch.equal(overlapped[name].fp8_state.fp8_amax_step,
+            results[f"{name} amax"] = _difference(overlapped[name].fp8_state.fp8_amax_step,
                                                   plain[name].fp8_state.fp8_amax_step)
     return results, overlapped["calls"], plain["calls"]
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
-def test_fp8_tp_comm_overlap_matches_the_plain_fp8_path(distributed, recipe):
-    for results, overlapped, plain in distributed(2, _overlapped_against_plain, recipe):
-        assert all(results.values()), results
+@pytest.mark.parametrize("recipe, tp", [("tensorwise", 2), ("delayed", 2), ("tensorwise", 4)])
+def test_fp8_tp_comm_overlap_matches_the_plain_fp8_path(distributed, recipe, tp):
+    for results, overlapped, plain in distributed(tp, _overlapped_against_plain, recipe, tp):
+        assert max(results.values()) <= 1e-6, results  # fp32 rounding of the GEMMs' blocking (0 at tp 2)
         assert plain == []
         assert sorted(overlapped, key=str) == sorted([
             ("gather", torch.float8_e4m3fn, CHUNKS),  # column forward: x's FP8 bytes
