@@ -71,15 +71,15 @@ def _gemm_gathered(plan: Fp8Plan, local: Quantized, other: Quantized, out: torch
     out_blocks[rank].view(-1, out.shape[-1]).copy_(plan.gemm(local, other, out.dtype, bias))
     total = (torch.empty((world, chunks, *started[0][0].shape[1:]), dtype=torch.uint8, device=out.device)
              if keep else None)
-    peers = torch.tensor([peer for peer in range(world) if peer != rank], device=out.device)
     for j, (gathered, work) in enumerate(started):
         work.wait()
-        as_bytes = gathered.view(torch.uint8)
         if total is not None:
-            total[:, j] = as_bytes
-        rows = as_bytes[peers].view(gathered.dtype).view(-1, gathered.shape[-1])  # the other ranks': one GEMM
-        out_blocks[peers, j] = plan.gemm(_rows(local, rows), other, out.dtype, bias).view(
-            len(peers), *out_blocks.shape[2:])
+            total[:, j] = gathered.view(torch.uint8)
+        for first, end in ((0, rank), (rank + 1, world)):  # the other ranks' rows: one GEMM per side of this one
+            if end > first:
+                rows = gathered[first:end].reshape(-1, gathered.shape[-1])
+                out_blocks[first:end, j] = plan.gemm(_rows(local, rows), other, out.dtype, bias).view(
+                    end - first, *out_blocks.shape[2:])
     return None if total is None else total.view(local.data.dtype).view(-1, local.data.shape[-1])
 
 
