@@ -26,9 +26,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_core.fp8 import linear as fp8_linear  # the module: fp8.linear imports tensor_parallel, which imports this
-from megatron_core.fp8.param_gather import gathered_weight
-from megatron_core.fp8.quantize import Quantized, abs_amax
-from megatron_core.tensor_parallel.comm_overlap import DEFAULT_NUM_CHUNKS, usable_chunks
+from megatron_core.fp8.quantize import Quantized
+from megatron_core.tensor_parallel.comm_overlap import DEFAULT_NUM_CHUNKS, scattered_chunks, usable_chunks
 from megatron_core.tensor_parallel.utils import group_rank, group_size
 
 if TYPE_CHECKING:
@@ -167,12 +166,9 @@ class _Fp8LinearReduceScatter(torch.autograd.Function):
         x_data, weight, scale_x, scale_w, ready_w = ctx.saved_tensors
         plan, group, chunks = ctx.plan, ctx.group, ctx.chunks
         needs_input, needs_weight = ctx.needs_input_grad[:2]
-        dy = grad_output.reshape(-1, grad_output.shape[-1])  # this rank's [s/tp * b, N]
-        amax = abs_amax(dy, (-2, -1))  # the gathered dy's amax: every rank's, MAX-reduced
-        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
-        scale, _ = plan.scale("grad_output", dy, amax)
-        local = plan.with_scale("grad_output", dy, scale, None)
-        grad_input = torch.empty((x_data.shape[0], x_data.shape[1]), dtype=grad_output.dtype, device=dy.device)
+        local, _ = fp8_linear.local_fp8_input(plan, grad_output, group, "grad_output")  # this rank's dy rows
+        grad_input = torch.empty((x_data.shape[0], x_data.shape[1]), dtype=grad_output.dtype,
+                                 device=grad_output.device)
         qw_t = plan.with_scale("weight", weight, scale_w, ready_w).t()
         total = _gemm_gathered(plan, local, qw_t, grad_input, group, chunks, keep=needs_weight)  # dgrad
         grad_weight = None
@@ -188,7 +184,8 @@ def fp8_all_gather_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[
     K]``, bias ``[N/tp]`` or None -> ``[s, b, N/tp]``. Forward: chunked async all-gathers of x's FP8 bytes;
     backward: an async all-gather of them (dW) and chunked async reduce-scatters of dx."""
     chunks = usable_chunks(x.shape[0], num_chunks)
-    return _Fp8AllGatherLinear.apply(x, weight, bias, plan, group, chunks, _prepared(plan, x, weight, gathered))
+    return _Fp8AllGatherLinear.apply(x, weight, bias, plan, group, chunks,
+                                     fp8_linear.prepare(plan, x, weight, gathered))
 
 
 def fp8_linear_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, plan: Fp8Plan, group, *, gathered=None,
@@ -196,22 +193,8 @@ def fp8_linear_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, plan: Fp8Pl
     """The row-parallel FP8 linear under SP with its collectives overlapped: x ``[s, b, K/tp]``, weight ``[N,
     K/tp]`` -> ``[s/tp, b, N]``. Forward: chunked async reduce-scatters of the partial sums; backward: chunked
     async all-gathers of dy's FP8 bytes."""
-    world = group_size(group)
-    if x.dim() == 0 or x.shape[0] % world != 0:
-        raise ValueError(f"the sequence dim of shape {tuple(x.shape)} is not divisible by the tensor-parallel "
-                         f"group size {world}")
-    chunks = usable_chunks(x.shape[0] // world, num_chunks)
-    return _Fp8LinearReduceScatter.apply(x, weight, plan, group, chunks, _prepared(plan, x, weight, gathered))
-
-
-def _prepared(plan: Fp8Plan, x: torch.Tensor, weight: torch.Tensor, gathered):
-    """As ``fp8_linear`` does before its GEMMs: the delayed state on x's device; ZeRO's FP8 gather of the
-    weight (``fp8_param_gather``), whose scale the weight is quantized with."""
-    if plan.scaling is not None:
-        plan.scaling.state.follow(x.device)
-    if gathered is None and plan.config.fp8_param_gather:
-        gathered = gathered_weight(weight, plan)
-    return gathered
+    return _Fp8LinearReduceScatter.apply(x, weight, plan, group, scattered_chunks(x, group, num_chunks),
+                                         fp8_linear.prepare(plan, x, weight, gathered))
 
 
 __all__ = ["overlap_supported", "fp8_all_gather_linear", "fp8_linear_reduce_scatter"]

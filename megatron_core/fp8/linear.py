@@ -177,17 +177,18 @@ def _gathered_fp8_input(plan: Fp8Plan, x: torch.Tensor, group):
     return local.data, dataclasses.replace(local, data=_all_gather_fp8(local.data, group)), scale
 
 
-def local_fp8_input(plan: Fp8Plan, x: torch.Tensor, group) -> tuple[Quantized, torch.Tensor]:
-    """A per-tensor recipe's FP8 rows ``[s/tp * b, K]`` of x's local chunk ``[s/tp, b, K]``, quantized with the
-    whole (sequence-gathered) tensor's scale: tensorwise from the amax MAX-reduced over ``group``; delayed the
-    state's (recording that amax). ``(rows, scale)``."""
+def local_fp8_input(plan: Fp8Plan, x: torch.Tensor, group, role: str = "input") -> tuple[Quantized, torch.Tensor]:
+    """A per-tensor recipe's FP8 rows ``[s/tp * b, K]`` of x's local chunk ``[s/tp, b, K]`` (``role``: the input,
+    or a row-parallel layer's output grad), quantized with the whole (sequence-gathered) tensor's scale:
+    tensorwise from the amax MAX-reduced over ``group``; delayed the state's (recording that amax).
+    ``(rows, scale)``."""
     rows = x.reshape(-1, x.shape[-1])
     amax = None  # the whole tensor's, where the scale (tensorwise) or the delayed record needs it
     if plan.config.fp8_recipe == "tensorwise" or plan.record:
         amax = abs_amax(rows, (-2, -1))
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
-    scale, _ = plan.scale("input", rows, amax)
-    return plan.with_scale("input", rows, scale, None), scale
+    scale, _ = plan.scale(role, rows, amax)
+    return plan.with_scale(role, rows, scale, None), scale
 
 
 def _matrices(t: torch.Tensor, grouped: bool) -> torch.Tensor:
@@ -307,13 +308,20 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     if gather_group is not None and (group_size(gather_group) == 1 or x.shape[0] == 0):
         gather_group = None
     store = weight_grad_store if deferring_forward(weight_grad_store) else None
+    gathered = prepare(plan, x, weight, gathered)
+    if not plan.per_tensor:  # the block quantizers' padded reshapes run eager inside compiled layers
+        return _apply_eager(x, weight, bias, plan, gather_group, store, gathered)
+    return _Fp8Linear.apply(x, weight, bias, plan, gather_group, store, gathered)
+
+
+def prepare(plan: Fp8Plan, x: torch.Tensor, weight: torch.Tensor, gathered):
+    """What an FP8 linear call does before its GEMMs: the delayed state follows x's device; with
+    ``fp8_param_gather`` the weight's entry of ZeRO's FP8 gather (whose scale quantizes it), unless given."""
     if plan.scaling is not None:
         plan.scaling.state.follow(x.device)
     if gathered is None and plan.config.fp8_param_gather:
         gathered = gathered_weight(weight, plan)
-    if not plan.per_tensor:  # the block quantizers' padded reshapes run eager inside compiled layers
-        return _apply_eager(x, weight, bias, plan, gather_group, store, gathered)
-    return _Fp8Linear.apply(x, weight, bias, plan, gather_group, store, gathered)
+    return gathered
 
 
 @eager_when_compiled
@@ -322,5 +330,5 @@ def _apply_eager(*args):
     return _Fp8Linear.apply(*args)
 
 
-__all__ = ["Fp8Plan", "fp8_linear", "local_fp8_input", "scaling_state", "layer_plan", "BLOCKWISE_ACTIVATION_BLOCK",
-           "BLOCKWISE_WEIGHT_BLOCK", "MXFP8_BLOCK"]
+__all__ = ["Fp8Plan", "fp8_linear", "local_fp8_input", "prepare", "scaling_state", "layer_plan",
+           "BLOCKWISE_ACTIVATION_BLOCK", "BLOCKWISE_WEIGHT_BLOCK", "MXFP8_BLOCK"]

@@ -192,9 +192,14 @@ def linear_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, group, *,
 
     Forward: chunked async reduce-scatters along s. Backward: chunked async all-gathers of the output grad.
     """
+    return _LinearReduceScatter.apply(x, weight, group, scattered_chunks(x, group, num_chunks))
+
+
+def scattered_chunks(x: torch.Tensor, group, num_chunks: int) -> int:
+    """The chunk count of a reduce-scatter along s of ``x`` ``[s, ...]`` (``usable_chunks`` of its ``s/tp`` output
+    rows); ValueError when s does not divide by the group size."""
     world = group_size(group)
     if x.dim() == 0 or x.shape[0] % world != 0:
         raise ValueError(f"the sequence dim of shape {tuple(x.shape)} is not divisible by the tensor-parallel "
                          f"group size {world}")
-    chunks = usable_chunks(x.shape[0] // world, num_chunks)
-    return _LinearReduceScatter.apply(x, weight, group, chunks)
+    return usable_chunks(x.shape[0] // world, num_chunks)
