@@ -33,7 +33,7 @@ forward, two backward (under SP three: ``tp_backward_exposed``); under ``tp_comm
 (a latency each, or the profile's ``chunk_latency_us`` for each further one), run beside the GEMMs
 (``tp_overlap_exposed``). Under SP with a per-tensor FP8 recipe the FP8 layers' QKV and fc1 inputs are gathered
 as 1-byte FP8 (``fp8.linear``, as Transformer Engine does): two of the forward's four collectives at 1 byte per
-element (backward scales with the forward, a slight under-count: its row layers' gathers stay high precision).
+element; backward's collectives by their own dtypes (``tp_backward_shares``).
 """
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ import math
 from typing import Optional
 
 from megatron_core.config import TransformerConfig
-from megatron_core.planning.fp8 import gathers_fp8_inputs
+from megatron_core.planning.fp8 import gathers_fp8_inputs, saves_fp8_inputs
 from megatron_core.planning.hardware import Hardware, gemm_efficiency
 from megatron_core.tensor_parallel.comm_overlap import DEFAULT_NUM_CHUNKS, usable_chunks
 from megatron_core.training.metrics import attention_flops_ratio
@@ -70,22 +70,40 @@ def tp_overlap_exposed(config: TransformerConfig, hardware: Hardware, *, tp: flo
     return max(tp - hardware.comm_overlap * (1 - 1 / tp_overlap_chunks(config, tokens)) * gemm, 0.0)
 
 
+def tp_backward_shares(config: TransformerConfig) -> tuple[float, float]:
+    """``(row, column)``: the bytes of a layer's backward tp collectives under SP over its forward's, by
+    dtype. Forward: QKV's and fc1's input all-gathers (1 byte per element in the FP8 layers under a per-tensor
+    recipe, ``e`` otherwise) and proj's and fc2's reduce-scatters (``e``). Backward: the row layers' output-grad
+    all-gathers, in ``e`` on the plain path (its sequence-parallel region gathers dy before the FP8 GEMM
+    quantizes it) and in 1-byte FP8 under ``tp_comm_overlap`` (``fp8.comm_overlap``); the column layers' saved
+    inputs gathered again (FP8 bytes where the FP8 linear saves its input in FP8) and their input grads
+    reduce-scattered (``e``). bf16: ``(0.5, 1)``; plain FP8 SP ``(2/3, 1)``; FP8 overlap ``(1/3, 1)``."""
+    e = element_bytes(config)
+    fp8_bytes = e - _fp8_layer_share(config, None) * (e - 1)  # a gather's bytes per element over the layers
+    gathered = fp8_bytes if gathers_fp8_inputs(config) else e
+    saved = fp8_bytes if saves_fp8_inputs(config) else e
+    output_grad = fp8_bytes if saves_fp8_inputs(config) and config.tp_comm_overlap else e
+    forward = 2 * gathered + 2 * e
+    return 2 * output_grad / forward, (2 * saved + 2 * e) / forward
+
+
 def tp_backward_exposed(config: TransformerConfig, hardware: Hardware, *, tp: float, gemm: float,
                         column_gemm: float, tokens: float) -> float:
     """What the backward's tp collectives leave exposed, for layers whose forward collectives take ``tp`` and
     forward GEMMs ``gemm`` (of which ``column_gemm`` the column-parallel layers'). Without SP: the column layers'
-    input-grad all-reduces, as many as forward's. With SP, 1.5 times forward's: the row layers' all-gathers of
-    the output grad (half as many as forward's collectives), which their GEMMs wait for, and the column layers'
-    all-gather of the saved input and reduce-scatter of the input grad (as many as forward's), which run
-    asynchronously beside the input- and weight-gradient GEMMs (``tensor_parallel.sequence_parallel_linear``;
-    times the profile's ``comm_overlap``); under ``tp_comm_overlap`` all of them in chunks beside the backward's
-    GEMMs (``tp_overlap_exposed``)."""
+    input-grad all-reduces, as many as forward's. With SP (``tp_backward_shares`` of forward's bytes; 1.5 times
+    them in bf16): the row layers' all-gathers of the output grad, which their GEMMs wait for, and the column
+    layers' all-gather of the saved input and reduce-scatter of the input grad, which run asynchronously beside
+    the input- and weight-gradient GEMMs (``tensor_parallel.sequence_parallel_linear``; times the profile's
+    ``comm_overlap``); under ``tp_comm_overlap`` all of them in chunks beside the backward's GEMMs
+    (``tp_overlap_exposed``)."""
     t = config.tensor_model_parallel_size or 1
     if not (config.sequence_parallel and t > 1):
         return tp
+    row, column = tp_backward_shares(config)
     if config.tp_comm_overlap:
-        return tp_overlap_exposed(config, hardware, tp=1.5 * tp, gemm=2 * gemm, tokens=tokens)
-    return 0.5 * tp + max(tp - hardware.comm_overlap * 2 * column_gemm, 0.0)
+        return tp_overlap_exposed(config, hardware, tp=(row + column) * tp, gemm=2 * gemm, tokens=tokens)
+    return row * tp + max(column * tp - hardware.comm_overlap * 2 * column_gemm, 0.0)
 
 
 def attention_backward_ratio(flash: bool) -> float:
@@ -320,6 +338,6 @@ def output_layer_forward_seconds(config: TransformerConfig, hardware: Hardware, 
     return gemm, bytes_seconds(tokens * vocab * (element_bytes(config) + 3 * 4), hardware)
 
 
-__all__ = ["ForwardCost", "all_to_all_seconds", "attention_backward_ratio", "tp_backward_exposed", "tp_overlap_chunks",
-           "tp_overlap_exposed", "collective_seconds", "element_bytes", "elementwise_layer_bytes", "layer_forward_cost",
-           "output_layer_forward_seconds", "bytes_seconds"]
+__all__ = ["ForwardCost", "all_to_all_seconds", "attention_backward_ratio", "tp_backward_exposed", "tp_backward_shares",
+           "tp_overlap_chunks", "tp_overlap_exposed", "collective_seconds", "element_bytes", "elementwise_layer_bytes",
+           "layer_forward_cost", "output_layer_forward_seconds", "bytes_seconds"]

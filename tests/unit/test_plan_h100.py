@@ -122,3 +122,25 @@ def test_sequence_parallel_backward_runs_half_again_the_forwards_collectives_bes
                                                                                       0.0))
     no_sp = dataclasses.replace(sp, sequence_parallel=False)
     assert tp_backward_exposed(no_sp, h100, **kw) == cost.tp
+
+
+def test_sequence_parallel_backward_charges_each_collective_in_its_own_dtype():
+    """FP8 (tensorwise) SP gathers QKV's and fc1's inputs as 1-byte FP8 forward and again for dW; the row
+    layers' output grads are gathered in bf16 on the plain path (before the FP8 GEMM quantizes them) and as FP8
+    bytes under ``--tp-comm-overlap`` (``fp8.comm_overlap``). Forward moves 1 + 2 + 1 + 2 bytes per element, so
+    the row gathers are 4/6 of it plain and 2/6 overlapped; the column layers' backward equals forward."""
+    from megatron_core.fp8.config import Fp8Config
+    from megatron_core.planning.layer_cost import layer_forward_cost, tp_backward_exposed, tp_backward_shares
+    sp = dataclasses.replace(CONFIG, tensor_model_parallel_size=8, sequence_parallel=True)
+    fp8 = dataclasses.replace(sp, fp8=Fp8Config(fp8_recipe="tensorwise"))
+    assert tp_backward_shares(sp) == pytest.approx((0.5, 1.0))
+    assert tp_backward_shares(fp8) == pytest.approx((2 / 3, 1.0))
+    assert tp_backward_shares(dataclasses.replace(fp8, tp_comm_overlap=True)) == pytest.approx((1 / 3, 1.0))
+    no_wgrad = dataclasses.replace(fp8, fp8=Fp8Config(fp8_recipe="tensorwise", fp8_wgrad=False))
+    assert tp_backward_shares(no_wgrad) == pytest.approx((2 / 3, 4 / 3))  # dW gathers the bf16 input again
+    blockwise = dataclasses.replace(sp, fp8=Fp8Config(fp8_recipe="blockwise"))
+    assert tp_backward_shares(blockwise) == pytest.approx((0.5, 1.0))
+    cpu = hardware_from_profile("h100", num_devices=8, comm_overlap=0.0)
+    cost = layer_forward_cost(fp8, cpu, micro_batch_size=1, seq_length=8192)
+    kw = dict(tp=cost.tp, gemm=cost.gemm, column_gemm=cost.column_gemm, tokens=8192)
+    assert tp_backward_exposed(fp8, cpu, **kw) == pytest.approx(5 / 3 * cost.tp)
