@@ -16,6 +16,7 @@ their category, even if they were created before the tracker started; every othe
 from __future__ import annotations
 
 import collections
+import weakref
 from typing import Callable, Iterable, Optional
 
 import torch
@@ -24,6 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 ACTIVATIONS = "activations"
+_DEVICE_MEMO_SIZE = 16384  # category tensors whose device check is remembered
 Categories = Callable[[], Iterable[tuple[str, torch.Tensor]]]
 
 
@@ -57,6 +59,7 @@ class LiveMemoryTracker(TorchDispatchMode):
         self.categories, self.on_sample, self.device_type = categories, on_sample, device_type
         self.every_op = every_op or on_sample is not None
         self._storages: dict[int, StorageWeakRef] = {}
+        self._device_counts: dict[int, tuple[weakref.ref, bool]] = {}
         self._created_bytes: dict[int, int] = {}
         self._scanned_activations = 0  # every_op=False: the activations of the last scan, bytes created since
         self._created_since = 0
@@ -89,7 +92,7 @@ class LiveMemoryTracker(TorchDispatchMode):
         totals: dict[str, int] = collections.defaultdict(int)
         seen: set[int] = set()
         for category, tensor in (self.categories() if self.categories else ()):
-            if not self._counts(tensor):
+            if not self._category_counts(tensor):
                 continue
             storage = tensor.untyped_storage()
             if storage._cdata not in seen:
@@ -121,6 +124,21 @@ class LiveMemoryTracker(TorchDispatchMode):
     def _counts(self, tensor: torch.Tensor) -> bool:
         device = tensor.device.type
         return device != "meta" and (self.device_type is None or device == self.device_type)
+
+    def _category_counts(self, tensor: torch.Tensor) -> bool:
+        """``_counts`` of a category's tensor, remembered per tensor (by id, checked against a weak reference; a
+        tensor's device never changes): the same long-lived tensors are asked at every sample, and reading
+        ``tensor.device`` builds a ``torch.device`` (on a fake tensor, through a Python property) each time.
+        A third of the tracker's time in a CPU run before; pretrain_gpt's 10-iteration MoE test run (its second
+        step probed) 1.31 -> 1.18 s, median of 5 alternating rounds."""
+        known = self._device_counts.get(id(tensor))
+        if known is not None and known[0]() is tensor:
+            return known[1]
+        if len(self._device_counts) > _DEVICE_MEMO_SIZE:  # mostly dead tensors' entries by now: start again
+            self._device_counts.clear()
+        counts = self._counts(tensor)
+        self._device_counts[id(tensor)] = (weakref.ref(tensor), counts)
+        return counts
 
     def reset_peaks(self) -> None:
         """Starts the peaks again from the current live bytes."""
