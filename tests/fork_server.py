@@ -34,7 +34,7 @@ from typing import Mapping, Optional, Sequence
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRELOAD = ("torch", "torch._dynamo", "megatron_core.training", "megatron_core.training.arguments",
            "megatron_core.training.loop")
-RUNTIME_ONLY = ("MASTER_PORT", "MASTER_ADDR")
+RUNTIME_ONLY = ("MASTER_PORT", "MASTER_ADDR", "PYTEST_CURRENT_TEST")  # pytest sets the last one per test phase
 
 
 class _Server:
