@@ -70,6 +70,13 @@ def tp_overlap_exposed(config: TransformerConfig, hardware: Hardware, *, tp: flo
     return max(tp - hardware.comm_overlap * (1 - 1 / tp_overlap_chunks(config, tokens)) * gemm, 0.0)
 
 
+def _fp8_gather_bytes(config: TransformerConfig) -> float:
+    """Bytes per element of an FP8 layer's sequence-parallel gather, averaged over the layers (1 in the FP8
+    layers, ``e`` in those ``--first-last-layers-bf16`` keeps in high precision)."""
+    e = element_bytes(config)
+    return e - _fp8_layer_share(config, None) * (e - 1)
+
+
 def tp_backward_shares(config: TransformerConfig) -> tuple[float, float]:
     """``(row, column)``: the bytes of a layer's backward tp collectives under SP over its forward's, by
     dtype. Forward: QKV's and fc1's input all-gathers (1 byte per element in the FP8 layers under a per-tensor
@@ -78,8 +85,7 @@ def tp_backward_shares(config: TransformerConfig) -> tuple[float, float]:
     quantizes it) and in 1-byte FP8 under ``tp_comm_overlap`` (``fp8.comm_overlap``); the column layers' saved
     inputs gathered again (FP8 bytes where the FP8 linear saves its input in FP8) and their input grads
     reduce-scattered (``e``). bf16: ``(0.5, 1)``; plain FP8 SP ``(2/3, 1)``; FP8 overlap ``(1/3, 1)``."""
-    e = element_bytes(config)
-    fp8_bytes = e - _fp8_layer_share(config, None) * (e - 1)  # a gather's bytes per element over the layers
+    e, fp8_bytes = element_bytes(config), _fp8_gather_bytes(config)
     gathered = fp8_bytes if gathers_fp8_inputs(config) else e
     saved = fp8_bytes if saves_fp8_inputs(config) else e
     output_grad = fp8_bytes if saves_fp8_inputs(config) and config.tp_comm_overlap else e
@@ -309,7 +315,7 @@ def layer_forward_cost(config: TransformerConfig, hardware: Hardware, *, micro_b
         e = element_bytes(config)
         volume = 4 * (t - 1) / t * tokens * config.hidden_size * e
         if config.sequence_parallel and gathers_fp8_inputs(config):  # QKV's and fc1's all-gathers: 1 byte
-            volume *= 1 - _fp8_layer_share(config, None) * (e - 1) / (2 * e)
+            volume *= (_fp8_gather_bytes(config) + e) / (2 * e)
         chunks = tp_overlap_chunks(config, tokens) if config.sequence_parallel else 1
         count = 4 * chunks if config.sequence_parallel else 2
         further = 0.0
