@@ -166,7 +166,7 @@ def memory_probe(run, iteration: int) -> Iterator[None]:
     first when there is only one) runs under a ``LiveMemoryTracker`` and its peak is kept in
     ``run.measured_peak_bytes``; elsewhere and on CUDA nothing is done. The tracker samples only after ops that
     create a storage or run a collective (``every_op=False``), where a peak can be reached: the same peaks as a
-    scan after every op (six layouts, byte for byte); whole runs 1.2-1.7x faster (two runs per mode)."""
+    scan after every op (six layouts, byte for byte); whole runs 1.2-1.8x faster (two runs per mode)."""
     probe = run.state.device.type != "cuda" and iteration == min(2, run.args.train_iters)
     if not probe:
         yield
