@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 from megatron_core.config import TransformerConfig
 from megatron_core.planning.fp8 import gathers_fp8_inputs, saves_fp8_inputs
@@ -203,36 +203,51 @@ def element_bytes(config: TransformerConfig) -> int:
     return 2 if (config.bf16 or config.fp16) else 4
 
 
-def _attention_linears(config: TransformerConfig, tokens: float, t: int) -> list[tuple[float, tuple]]:
+class _Gemm(NamedTuple):
+    """The GEMMs of one linear on a rank: ``flops`` in all, each of ``dims`` (m, k, n), ``copies`` of them
+    (the rank's local experts: ``E / ep``; else 1)."""
+
+    flops: float
+    dims: tuple
+    copies: float = 1.0
+
+    def quantized_elements(self) -> float:
+        """Elements an FP8 GEMM quantizes: every copy's input (m x k) and weight (k x n)."""
+        m, k, n = self.dims
+        return self.copies * (m * k + k * n)
+
+
+def _attention_linears(config: TransformerConfig, tokens: float, t: int) -> list[_Gemm]:
     h = config.hidden_size
     if config.multi_latent_attention:  # linear FLOPs of the formula (core attention left out), over tp
         ratio = attention_flops_ratio(config, 0)
         rank = config.kv_lora_rank
-        return [(2.0 * tokens * 2 * h * h * ratio / t, (tokens, h, rank))]
+        return [_Gemm(2.0 * tokens * 2 * h * h * ratio / t, (tokens, h, rank))]
     q = config.kv_channels * config.num_attention_heads
     k = config.kv_channels * config.num_query_groups
-    return [(2.0 * tokens * h * (q + 2 * k) / t, (tokens, h, (q + 2 * k) / t)),
-            (2.0 * tokens * q * h / t, (tokens, q / t, h))]
+    return [_Gemm(2.0 * tokens * h * (q + 2 * k) / t, (tokens, h, (q + 2 * k) / t)),
+            _Gemm(2.0 * tokens * q * h / t, (tokens, q / t, h))]
 
 
 def _mlp_linears(config: TransformerConfig, tokens: float, t: int, *, moe_layer: bool, ep: int,
-                 etp: int) -> list[tuple[float, tuple]]:
+                 etp: int) -> list[_Gemm]:
     h, gated = config.hidden_size, 2 if config.gated_activation else 1
     if not moe_layer:
         f = config.ffn_hidden_size
-        return [(2.0 * tokens * h * gated * f / t, (tokens, h, gated * f / t)),
-                (2.0 * tokens * f * h / t, (tokens, f / t, h))]
+        return [_Gemm(2.0 * tokens * h * gated * f / t, (tokens, h, gated * f / t)),
+                _Gemm(2.0 * tokens * f * h / t, (tokens, f / t, h))]
     moe = config.moe
     f = moe.moe_ffn_hidden_size or config.ffn_hidden_size
     routed = (tokens / t if config.sequence_parallel else tokens) * moe.moe_router_topk
     per_expert = ep * etp * routed / moe.num_moe_experts
-    gemms = [(2.0 * routed * h * gated * f, (per_expert, h, gated * f / etp)),
-             (2.0 * routed * f * h, (per_expert, f / etp, h)),
-             (2.0 * routed / moe.moe_router_topk * h * moe.num_moe_experts, (tokens, h, moe.num_moe_experts))]
+    local_experts = moe.num_moe_experts / ep
+    gemms = [_Gemm(2.0 * routed * h * gated * f, (per_expert, h, gated * f / etp), local_experts),
+             _Gemm(2.0 * routed * f * h, (per_expert, f / etp, h), local_experts),
+             _Gemm(2.0 * routed / moe.moe_router_topk * h * moe.num_moe_experts, (tokens, h, moe.num_moe_experts))]
     shared = moe.moe_shared_expert_intermediate_size or 0
     if shared:
-        gemms += [(2.0 * tokens * h * gated * shared / t, (tokens, h, gated * shared / t)),
-                  (2.0 * tokens * shared * h / t, (tokens, shared / t, h))]
+        gemms += [_Gemm(2.0 * tokens * h * gated * shared / t, (tokens, h, gated * shared / t)),
+                  _Gemm(2.0 * tokens * shared * h / t, (tokens, shared / t, h))]
     return gemms
 
 
@@ -286,15 +301,15 @@ def layer_forward_cost(config: TransformerConfig, hardware: Hardware, *, micro_b
     tokens = micro_batch_size * seq_length / c
     gemms = _attention_linears(config, tokens, t) + _mlp_linears(config, tokens, t, moe_layer=moe_layer, ep=ep,
                                                                  etp=etp)
-    gemm = sum(_gemm_seconds(flops, hardware, *dims) for flops, dims in gemms)
+    gemm = sum(_gemm_seconds(g.flops, hardware, *g.dims) for g in gemms)
     attention_linears = len(_attention_linears(config, tokens, t))
-    column_flops = gemms[0][0] + (0.0 if moe_layer else gemms[attention_linears][0])
-    column_share = column_flops / sum(flops for flops, _ in gemms)
+    column_flops = gemms[0].flops + (0.0 if moe_layer else gemms[attention_linears].flops)
+    column_share = column_flops / sum(g.flops for g in gemms)
     fp8_share = _fp8_layer_share(config, hardware)
     if fp8_share:  # FP8 GEMMs at the FP8 peak, plus quantizing each GEMM's input and weight (read e, write 1 B)
         fp8 = dataclasses.replace(hardware, peak_tflops=hardware.fp8_peak_tflops)
-        quantize = sum((element_bytes(config) + 1) * (dims[0] * dims[1] + dims[1] * dims[2]) for _, dims in gemms)
-        fp8_gemm = sum(_gemm_seconds(flops, fp8, *dims) for flops, dims in gemms) + bytes_seconds(quantize, hardware)
+        quantize = (element_bytes(config) + 1) * sum(g.quantized_elements() for g in gemms)
+        fp8_gemm = sum(_gemm_seconds(g.flops, fp8, *g.dims) for g in gemms) + bytes_seconds(quantize, hardware)
         gemm = fp8_share * fp8_gemm + (1 - fp8_share) * gemm
     if config.multi_latent_attention:
         d = config.qk_head_dim + config.qk_pos_emb_head_dim

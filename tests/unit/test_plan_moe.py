@@ -4,6 +4,7 @@ ep traffic, and the tool prints the ep
 column and the ``--expert-model-parallel-size`` of the best layout. (Memory against measured runs:
 tests/distributed/test_planner.py.)"""
 import contextlib
+import dataclasses
 import io
 
 import pytest
@@ -103,3 +104,54 @@ def test_all_to_all_across_nodes_sends_to_its_own_node_over_nvlink():
     assert across < 0.6 * collective_seconds(volume, span=16, hardware=h100)
     assert all_to_all_seconds(volume, ranks=8, span=8, hardware=h100) == collective_seconds(volume, span=8,
                                                                                             hardware=h100)
+
+
+def test_fp8_experts_quantize_every_local_experts_input_and_weight():
+    """An FP8 MoE layer quantizes each of its rank's ``E / ep`` experts' weights and all routed rows, not one
+    expert's: the quantization's bytes (the FP8 GEMM part's seconds at this bandwidth less at an unlimited one)
+    are ``(e + 1)`` per element of every linear's input and weight on the rank."""
+    from megatron_core.fp8.config import Fp8Config
+    from megatron_core.planning.layer_cost import layer_forward_cost
+
+    h, f, experts, topk, ep, tokens = 256, 128, 8, 2, 2, 512
+    config = dataclasses.replace(_base(moe_ffn_hidden_size=f), activation="swiglu", add_bias_linear=False,
+                                 fp8=Fp8Config(fp8_recipe="tensorwise"))
+    bandwidth = 1000.0
+    hardware = Hardware(num_devices=8, memory_per_device_gb=80, peak_tflops=100.0, fp8_peak_tflops=200.0,
+                        memory_bandwidth_gbps=bandwidth)
+
+    def gemm_seconds(hw):
+        return layer_forward_cost(config, hw, micro_batch_size=1, seq_length=tokens, moe_layer=True, ep=ep).gemm
+
+    quantized_bytes = (gemm_seconds(hardware)
+                       - gemm_seconds(dataclasses.replace(hardware, memory_bandwidth_gbps=0.0))) * bandwidth * 1e9
+    q = k = h  # 8 heads of 32 channels, no GQA
+    routed_here = tokens * topk  # what the rank's experts receive at ep 2 (each rank's share of ep x the tokens)
+    attention = tokens * h + h * (q + 2 * k) + tokens * q + q * h
+    router = tokens * h + h * experts
+    expert_inputs = routed_here * h + routed_here * f  # fc1's and fc2's rows, over the local experts
+    expert_weights = experts // ep * (h * 2 * f + f * h)  # SwiGLU fc1 (h x 2f) and fc2 (f x h) of each
+    assert quantized_bytes == pytest.approx(3 * (attention + router + expert_inputs + expert_weights), rel=1e-9)
+
+
+def test_bridge_moe_rows_shapes_give_their_published_model_tflops():
+    """The MoE rows' shapes are those Megatron-Bridge measured: our FLOPs formula, with causal attention's
+    ``s^2`` term at half as theirs counts it, gives the Model TFLOP/s per GPU they published (within 1%; for
+    gpt-oss their count also takes its gated experts at two GEMMs' FLOPs, and its windowed layers at full
+    causal attention). Each row plans at its recipe's layout on its GPU count and fits in an H100's memory."""
+    from megatron_core.planning.published_moe import MEGATRON_BRIDGE_H100_MOE, SEQUENCE
+    from megatron_core.training.metrics import gpt_flops_per_iteration
+
+    for run in MEGATRON_BRIDGE_H100_MOE:
+        plan = run.plan()
+        layout = plan.layout
+        assert layout.tp * layout.pp * layout.dp == run.gpus and plan.fits, run.name
+        config, padded_vocab = run.config(), -(-run.vocab // 128) * 128
+        tokens = run.global_batch * SEQUENCE
+        flops = gpt_flops_per_iteration(config, batch_size=run.global_batch, seq_length=SEQUENCE,
+                                        padded_vocab_size=padded_vocab)
+        flops -= 6.0 * tokens * SEQUENCE * run.layers * config.kv_channels * run.heads  # half the s^2 term
+        if run.gpt_oss:  # the gate's third of the experts' FLOPs
+            flops -= 6.0 * tokens * run.layers * run.hidden * run.topk * run.expert_ffn
+        tflops = flops / run.measured_step_seconds / run.gpus / 1e12
+        assert tflops == pytest.approx(run.model_tflops, rel=0.01), run.name
