@@ -205,7 +205,7 @@ def measure_layout(config_kwargs: dict, *, tp: int, pp: int, zero_stage: int, vo
         if dist.is_initialized():
             dist.barrier()
         start = time.perf_counter()
-        live = LiveMemoryTracker(categories=categories)
+        live = LiveMemoryTracker(categories=categories, every_op=False)
         tracker = SavedActivationTracker()
         with tracker if track_activations else contextlib.nullcontext(), \
                 live if track_live else contextlib.nullcontext():

@@ -165,8 +165,9 @@ def memory_probe(run, iteration: int) -> Iterator[None]:
     """Wraps training step ``iteration`` (counted from 1 in this process): on the CPU the second step (the
     first when there is only one) runs under a ``LiveMemoryTracker`` and its peak is kept in
     ``run.measured_peak_bytes``; elsewhere and on CUDA nothing is done. The tracker samples only after ops that
-    create a storage or run a collective (``every_op=False``), where a peak can be reached: the same peaks as a
-    scan after every op (six layouts, byte for byte); whole runs 1.2-1.8x faster (two runs per mode)."""
+    create a storage, run a collective or write into a fresh or category storage (``every_op=False``), where a
+    peak can be reached: the same peaks as a scan after every op (six layouts, byte for byte); whole runs
+    1.2-1.8x faster (two runs per mode)."""
     probe = run.state.device.type != "cuda" and iteration == min(2, run.args.train_iters)
     if not probe:
         yield

@@ -36,12 +36,14 @@ class LiveMemoryTracker(TorchDispatchMode):
         categories: returns the tensors whose storages belong to a named category (called at every sample).
         on_sample: called with ``(totals_by_category, tracker)`` after every sample (e.g. to check a bound
             at every point of a backward).
-        every_op: sample after every op (default). False samples only after an op that created a storage or
-            ran a collective (``c10d``; the ZeRO-3 gather fills a buffer it resized): a peak can only be
-            reached there. Storages outside ``categories`` then keep the size they were created with, and
-            the scan for freed ones is skipped while the live bytes of the last scan plus everything created
-            since cannot exceed the peak: the same peaks, without a scan of thousands of live activations
-            after every op (a dry run at full scale). ``on_sample`` implies ``every_op``.
+        every_op: sample after every op (default). False samples only after an op that created a storage, ran
+            a collective (``c10d``; the ZeRO-3 gather fills a buffer it resized), or wrote into a storage the
+            last sampling op created or a category holds: a total peak can only be reached at the first, and a
+            category gains a tensor in Python after the op that made it (``bucket.grad_data = torch.empty(...)``)
+            and before the next op that uses it. Storages outside ``categories`` then keep the size they were
+            created with, and the scan for freed ones is skipped while the live bytes of the last scan plus
+            everything created since cannot exceed the peak: the same peaks, without a scan of thousands of live
+            activations after every op (a dry run at full scale). ``on_sample`` implies ``every_op``.
         device_type: count only storages on this device type (``"cuda"``: a dry run's fake GPU tensors, not
             the host-side batches and bookkeeping); None counts every device but meta.
 
@@ -63,6 +65,8 @@ class LiveMemoryTracker(TorchDispatchMode):
         self._created_bytes: dict[int, int] = {}
         self._scanned_activations = 0  # every_op=False: the activations of the last scan, bytes created since
         self._created_since = 0
+        self._category_storages: set[int] = set()  # every_op=False: the category storages of the last sample
+        self._recent: set[int] = set()  # every_op=False: storages the op that caused the last sample created
         self.peak_total = 0
         self.peak_breakdown: dict[str, int] = {}
         self.peak_by_category: dict[str, int] = collections.defaultdict(int)
@@ -71,7 +75,8 @@ class LiveMemoryTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        created = False
+        created = written = False
+        allocated, mutates = len(self.allocations), not self.every_op and _mutates(func)
         for tensor in tree_leaves(out):
             if isinstance(tensor, torch.Tensor) and self._counts(tensor):
                 storage = tensor.untyped_storage()
@@ -83,8 +88,11 @@ class LiveMemoryTracker(TorchDispatchMode):
                     self._created_since += nbytes
                     self.allocations.append((nbytes, storage._cdata))
                     created = True
-        if self.every_op or created or func.namespace == "c10d":
+                elif mutates and (storage._cdata in self._category_storages or storage._cdata in self._recent):
+                    written = True  # e.g. the grad hook's copy of param.grad into a fresh ZeRO bucket
+        if self.every_op or created or written or func.namespace == "c10d":
             self.sample()
+            self._recent = {key for _, key in self.allocations[allocated:]}
         return out
 
     def sample(self) -> dict[str, int]:
@@ -98,6 +106,7 @@ class LiveMemoryTracker(TorchDispatchMode):
             if storage._cdata not in seen:
                 seen.add(storage._cdata)
                 totals[category] += storage.nbytes()
+        self._category_storages = seen
         if not self.every_op and \
                 sum(totals.values()) + self._scanned_activations + self._created_since <= self.peak_total:
             for category, value in totals.items():  # no new total peak is possible before a scan: skip it
@@ -145,6 +154,12 @@ class LiveMemoryTracker(TorchDispatchMode):
         current = self.sample()
         self.peak_total, self.peak_breakdown = sum(current.values()), dict(current)
         self.peak_by_category = collections.defaultdict(int, current)
+
+
+def _mutates(func) -> bool:
+    """Whether an op writes into one of its arguments (``zero_``, ``copy_``, ``out=``)."""
+    schema = getattr(func, "_schema", None)
+    return schema is not None and schema.is_mutable
 
 
 def peak_rss_bytes() -> int:

@@ -162,12 +162,13 @@ def test_planner_memory_matches_dry_runs_of_large_layouts(tmp_path, name):
     """Rank 0 of each layout: exact parameters; the measured peak within 10% of the planner's (ZeRO-3: the
     planner counts what coexists at the peak moment, the output layer's backward, with the logits' gradient, the
     gathered output layer and its bf16 grad: 1.000, was 0.838 when every transient was added at its own peak;
-    see docs/performance.md). ZeRO-3's grad buckets peak at the output layer's (27% of the model's fp32 grads), not
-    the whole model's: with --overlap-grad-reduce off (the default) they all existed at once before."""
+    see docs/performance.md). ZeRO-3's grad buckets peak at the output layer's fp32 bucket with its bf16 grad being
+    added in (6 bytes per output-layer parameter: 41% of the model's fp32 grads), not the whole model's: with
+    --overlap-grad-reduce off (the default) they all existed at once before."""
     world_size, flags = LAYOUTS[name]
     done, report = dry_run(tmp_path, world_size, flags, ranks="0")
     (result,) = _ok(done, report)
     assert result["parameters"] == result["parameters_exact"]
     assert 0.90 < result["peak_bytes"] / result["predicted_bytes"] < 1.10, result
     if name == "8b-zero3":  # parameters_exact: the whole stage's (ZeRO-3 shards them over dp)
-        assert result["peak_by_category"]["grad_buckets"] < 4 * result["parameters_exact"] / 3, result
+        assert result["peak_by_category"]["grad_buckets"] < 2 * result["parameters_exact"], result
