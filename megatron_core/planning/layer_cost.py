@@ -9,7 +9,9 @@ parallelism for the norms and residuals), with ``q = a d`` query and ``k = g d``
     fc1   2 T h f_in / t                       (T, h, f_in / t)     f_in = 2 f gated (SwiGLU), else f
     fc2   2 T f h / t                          (T, f / t, h)
     core  4 b (a / t) (s / c) s d              (s / c, s, d)        the FLOPs formula's full s^2 (as MFU's);
-                                                                    half of it with flash attention (causal)
+                                                                    half of it with flash attention (causal);
+                                                                    a layer's sliding window of w keys: s
+                                                                    becomes w - w (w - 1) / 2s   (., w, d)
 
 An MoE layer replaces fc1/fc2 by its experts (each rank's experts see ``etp T topk`` assignments, per expert
 ``ep etp T topk / E``: few tokens, low efficiency) and the shared expert; multi-latent attention's linears
@@ -251,6 +253,25 @@ def _mlp_linears(config: TransformerConfig, tokens: float, t: int, *, moe_layer:
     return gemms
 
 
+def _attended_keys(config: TransformerConfig, seq_length: int, flash: bool) -> list[tuple[float, float, float]]:
+    """(keys each query's scores are computed against on average, the key span the kernel's tiles cover, the
+    share of the layers). Causal under flash attention: ``s / 2`` (the tiles above the diagonal are skipped);
+    the unfused path: all ``s``. A sliding window of ``w`` keys (``config.window_for``; Megatron's
+    ``--window-size w-1,0``), run on the block kernels that skip the tiles outside its band
+    (``transformer.attention_variants``): ``w - w (w - 1) / 2s``, the first ``w`` queries seeing fewer (as
+    Megatron-Bridge's FLOPs count for gpt-oss)."""
+    full = (seq_length / 2 if flash else seq_length, seq_length)
+    if config.window_size is None:
+        return [(*full, 1.0)]
+    shares: dict[tuple[float, float], float] = {}
+    for number in range(1, config.num_layers + 1):
+        left = (config.window_for(number) or (-1,))[0]
+        width = left + 1
+        keys = (width - width * (width - 1) / (2 * seq_length), width) if 0 < width < seq_length else full
+        shares[keys] = shares.get(keys, 0.0) + 1 / config.num_layers
+    return [(*keys, share) for keys, share in shares.items()]
+
+
 def _elementwise_bytes(config: TransformerConfig, tokens: float, t: int, *, flash: bool, moe_layer: bool,
                        micro_batch_size: int, seq_length: int, cp: int, mask_bytes: int) -> float:
     e, h = element_bytes(config), config.hidden_size
@@ -313,13 +334,12 @@ def layer_forward_cost(config: TransformerConfig, hardware: Hardware, *, micro_b
         gemm = fp8_share * fp8_gemm + (1 - fp8_share) * gemm
     if config.multi_latent_attention:
         d = config.qk_head_dim + config.qk_pos_emb_head_dim
-        core_flops = 2.0 * config.num_attention_heads / t * tokens * seq_length * (d + config.v_head_dim)
+        flops_per_key = 2.0 * config.num_attention_heads / t * tokens * (d + config.v_head_dim)
     else:
         d = config.kv_channels
-        core_flops = 4.0 * config.num_attention_heads / t * tokens * seq_length * d
-    if flash:
-        core_flops /= 2  # causal: the tiles above the diagonal are skipped
-    attention = _gemm_seconds(core_flops, hardware, tokens / micro_batch_size, seq_length, d)
+        flops_per_key = 4.0 * config.num_attention_heads / t * tokens * d
+    attention = sum(share * _gemm_seconds(flops_per_key * keys, hardware, tokens / micro_batch_size, span, d)
+                    for keys, span, share in _attended_keys(config, seq_length, flash))
     elementwise = bytes_seconds(_elementwise_bytes(config, tokens, t, flash=flash, moe_layer=moe_layer,
                                                     micro_batch_size=micro_batch_size, seq_length=seq_length,
                                                     cp=c, mask_bytes=mask_bytes), hardware)

@@ -347,3 +347,25 @@ def test_ring_steps_between_nodes_follow_nccls_tuning_model():
     custom = dataclasses.replace(h100, ring_step_latency_us=0.0, net_step_latency_us=0.0)
     assert collective_seconds(1.0, span=512, hardware=custom, ring_ranks=512, steps="gather") == \
         pytest.approx(25e-6, rel=1e-3)
+
+
+def test_sliding_window_layers_charge_only_the_keys_in_their_band():
+    """A layer with a window of ``w`` keys (``--window-size w-1,0``) runs on block kernels that skip the tiles
+    outside its band: its core attention is charged ``w - w (w - 1) / 2s`` keys per query, not causal's ``s /
+    2``; with ``--window-attn-skip-freq 2`` half the layers are windowed (gpt-oss); a window as long as the
+    sequence is plain causal attention."""
+    from megatron_core.planning.layer_cost import layer_forward_cost
+
+    hardware = Hardware(num_devices=1, memory_per_device_gb=80, peak_tflops=100.0)  # no GEMM-size effect
+    base = TransformerConfig(num_layers=4, hidden_size=256, num_attention_heads=8, max_position_embeddings=1024,
+                             params_dtype=torch.bfloat16, bf16=True, position_embedding_type="rope")
+    s, w = 1024, 128
+
+    def attention(**variant):
+        config = dataclasses.replace(base, **variant)
+        return layer_forward_cost(config, hardware, micro_batch_size=1, seq_length=s).attention
+
+    full, windowed = attention(), attention(window_size=(w - 1, 0))
+    assert windowed == pytest.approx(full * (w - w * (w - 1) / (2 * s)) / (s / 2), rel=1e-12)
+    assert attention(window_size=(w - 1, 0), window_attn_skip_freq=2) == pytest.approx((full + windowed) / 2)
+    assert attention(window_size=(s - 1, 0)) == pytest.approx(full)
