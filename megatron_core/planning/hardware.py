@@ -61,6 +61,11 @@ class Hardware:
     """Fixed seconds (x 1e-6) of one layer's forward + backward per micro-batch beyond its FLOPs and bytes."""
     comm_overlap: float = 0.0
     """Fraction of the data-parallel traffic hidden under backward compute."""
+    sm_count: int = 0
+    """Streaming multiprocessors of one device; 0: communication beside compute takes none of it (a CPU)."""
+    collective_sms: float = 0.0
+    """SMs a collective running beside compute occupies (NCCL's kernels): the GEMMs beside it lose
+    ``collective_sms / sm_count`` of their throughput for as long as it runs (``step_time``'s ``overlap_tax``)."""
     pcie_bandwidth_gbps: float = 25.0
     """Host <-> device bandwidth (optimizer offload)."""
     fp8_peak_tflops: Optional[float] = None
@@ -70,22 +75,24 @@ class Hardware:
 # Public specifications (dense tensor-core peaks; HBM bandwidth; all-reduce bus bandwidth nccl-tests reports on
 # NVLink; 8 NICs per node of HDR 200 Gb/s (A100) or NDR 400 Gb/s (H100/H200/B200) = 25 / 50 GB/s per GPU, of
 # which a ring reaches ~90%). Large-GEMM efficiency: cuBLAS bf16 at 8192^3 reaches ~0.8 of peak on A100 and
-# ~0.7 on H100/H200/B200 (public cuBLAS/torch.matmul benchmarks).
-_GPU = MappingProxyType(dict(layer_overhead_us=100, comm_overlap=1.0, intra_node_latency_us=8,
+# ~0.7 on H100/H200/B200 (public cuBLAS/torch.matmul benchmarks). SMs: 108 (A100 SXM), 132 (H100/H200 SXM),
+# 148 (B200); 16 of them for a collective beside compute (Megatron-Bridge's performance guide sets
+# NVTE_FWD/BWD_LAYERNORM_SM_MARGIN to "#SM for DP collectives = 16").
+_GPU = MappingProxyType(dict(layer_overhead_us=100, comm_overlap=1.0, collective_sms=16, intra_node_latency_us=8,
                             inter_node_latency_us=25, inter_node_bandwidth_gbps=45, pcie_bandwidth_gbps=50,
                             ring_step_latency_us=3.4, net_step_latency_us=14.0))
 _H100 = MappingProxyType(dict(_GPU, name="h100", memory_per_device_gb=80, peak_tflops=989, fp8_peak_tflops=1979,
-                              compute_efficiency=0.7, gemm_half_dim=96, memory_bandwidth_gbps=3350,
+                              sm_count=132, compute_efficiency=0.7, gemm_half_dim=96, memory_bandwidth_gbps=3350,
                               intra_node_bandwidth_gbps=450))
 PROFILES: Mapping[str, Mapping] = MappingProxyType({
     "a100": MappingProxyType(dict(_GPU, name="a100", memory_per_device_gb=80, peak_tflops=312, fp8_peak_tflops=None,
-                                  compute_efficiency=0.8, gemm_half_dim=64, memory_bandwidth_gbps=2039,
+                                  sm_count=108, compute_efficiency=0.8, gemm_half_dim=64, memory_bandwidth_gbps=2039,
                                   intra_node_bandwidth_gbps=230, inter_node_bandwidth_gbps=22,
                                   intra_node_latency_us=10, inter_node_latency_us=30, pcie_bandwidth_gbps=25)),
     "h100": _H100,
     "h200": MappingProxyType(dict(_H100, name="h200", memory_per_device_gb=141, compute_efficiency=0.72,
                                   memory_bandwidth_gbps=4800)),  # H100's compute and links, HBM3e
-    "b200": MappingProxyType(dict(_GPU, name="b200", memory_per_device_gb=180, peak_tflops=2250,
+    "b200": MappingProxyType(dict(_GPU, name="b200", memory_per_device_gb=180, peak_tflops=2250, sm_count=148,
                                   fp8_peak_tflops=4500, compute_efficiency=0.7, gemm_half_dim=128,
                                   memory_bandwidth_gbps=8000, intra_node_bandwidth_gbps=900)),
 })

@@ -95,6 +95,20 @@ def tp_backward_shares(config: TransformerConfig) -> tuple[float, float]:
     return 2 * output_grad / forward, (2 * saved + 2 * e) / forward
 
 
+def tp_backward_seconds(config: TransformerConfig, tp: float) -> float:
+    """The backward's tp collectives of layers whose forward ones take ``tp`` seconds, none hidden: as many
+    all-reduces without SP, ``tp_backward_shares`` of forward's bytes with it."""
+    if not (config.sequence_parallel and (config.tensor_model_parallel_size or 1) > 1):
+        return tp
+    return sum(tp_backward_shares(config)) * tp
+
+
+def overlap_tax(hardware: Hardware, hidden: float) -> float:
+    """What ``hidden`` seconds of communication beside compute cost that compute: its collectives hold
+    ``collective_sms`` of the device's ``sm_count`` SMs while they run (0 without an SM count: a CPU)."""
+    return hidden * hardware.collective_sms / hardware.sm_count if hardware.sm_count else 0.0
+
+
 def tp_backward_exposed(config: TransformerConfig, hardware: Hardware, *, tp: float, gemm: float,
                         column_gemm: float, tokens: float) -> float:
     """What the backward's tp collectives leave exposed, for layers whose forward collectives take ``tp`` and
@@ -379,6 +393,7 @@ def output_layer_forward_seconds(config: TransformerConfig, hardware: Hardware, 
     return gemm, bytes_seconds(tokens * vocab * (element_bytes(config) + 3 * 4), hardware)
 
 
-__all__ = ["ForwardCost", "all_to_all_seconds", "attention_backward_ratio", "tp_backward_exposed", "tp_backward_shares",
+__all__ = ["ForwardCost", "all_to_all_seconds", "attention_backward_ratio", "overlap_tax", "tp_backward_exposed",
+           "tp_backward_seconds", "tp_backward_shares",
            "tp_overlap_chunks", "tp_overlap_exposed", "collective_seconds", "element_bytes", "elementwise_layer_bytes",
            "layer_forward_cost", "output_layer_forward_seconds", "bytes_seconds"]
