@@ -22,26 +22,25 @@ def narayanan_rows() -> list[str]:
     return lines
 
 
-def bridge_rows() -> list[str]:
-    lines = ["| model | system | GPUs | layout | measured s | predicted s | measured / predicted |",
-             "| --- | --- | ---: | --- | ---: | ---: | ---: |"]
-    for run in MEGATRON_BRIDGE:
-        layout = f"tp {run.tp} pp {run.pp} cp {run.cp} vpp {run.vpp or 1}"
+def _step_time_rows(runs, columns: str, describe) -> list[str]:
+    """A row per run: ``describe(run)``'s cells (``columns`` names them), then measured / predicted step time."""
+    lines = [f"| model | GPUs | {columns} | measured s | predicted s | measured / predicted |",
+             "| --- | ---: | " + " | ".join("---" for _ in columns.split(" | ")) + " | ---: | ---: | ---: |"]
+    for run in runs:
         predicted = run.plan().step_seconds
-        lines.append(f"| {run.name} | {run.system} | {run.gpus} | {layout} | {run.measured_step_seconds:.2f} | "
+        lines.append(f"| {run.name} | {run.gpus} | {describe(run)} | {run.measured_step_seconds:.2f} | "
                      f"{predicted:.2f} | {run.measured_step_seconds / predicted:.2f} |")
     return lines
+
+
+def bridge_rows() -> list[str]:
+    return _step_time_rows(MEGATRON_BRIDGE, "system | layout",
+                           lambda run: f"{run.system} | tp {run.tp} pp {run.pp} cp {run.cp} vpp {run.vpp or 1}")
 
 
 def bridge_moe_rows() -> list[str]:
-    lines = ["| model | GPUs | layout | their MoE settings | measured s | predicted s | measured / predicted |",
-             "| --- | ---: | --- | --- | ---: | ---: | ---: |"]
-    for run in MEGATRON_BRIDGE_H100_MOE:
-        layout = f"tp {run.tp} pp {run.pp} vpp {run.vpp or 1} ep {run.ep}"
-        predicted = run.plan().step_seconds
-        lines.append(f"| {run.name} | {run.gpus} | {layout} | {run.settings} | {run.measured_step_seconds:.2f} | "
-                     f"{predicted:.2f} | {run.measured_step_seconds / predicted:.2f} |")
-    return lines
+    return _step_time_rows(MEGATRON_BRIDGE_H100_MOE, "layout | their MoE settings",
+                           lambda run: f"tp {run.tp} pp {run.pp} vpp {run.vpp or 1} ep {run.ep} | {run.settings}")
 
 
 def main() -> None:

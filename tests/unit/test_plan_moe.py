@@ -155,3 +155,17 @@ def test_bridge_moe_rows_shapes_give_their_published_model_tflops():
             flops -= 6.0 * tokens * run.layers * run.hidden * run.topk * run.expert_ffn
         tflops = flops / run.measured_step_seconds / run.gpus / 1e12
         assert tflops == pytest.approx(run.model_tflops, rel=0.01), run.name
+
+
+def test_published_layouts_script_prints_the_three_tables(capsys):
+    """``python scripts/published_layouts.py`` prints docs/performance.md's comparisons from the code: the ten
+    2021 A100 runs, the five Megatron-Bridge dense recipes and the three MoE rows, each with its ratio."""
+    import pathlib
+    import runpy
+
+    runpy.run_path(str(pathlib.Path(__file__).resolve().parents[2] / "scripts" / "published_layouts.py"),
+                   run_name="__main__")
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "---" not in line
+            and not line.startswith("| model")]
+    assert len(rows) == 10 + 5 + 3
+    assert all(0.5 < float(row.rstrip(" |").rsplit("| ", 1)[1]) < 2.5 for row in rows)
