@@ -150,10 +150,11 @@ def _stage_microbatch(config: TransformerConfig, workload, layout, hardware: Har
 
     gemm, attention, elementwise = total("gemm"), total("attention"), total("elementwise")
     tokens = b * s / layout.cp
-    tp = tp_overlap_exposed(config, hardware, tp=total("tp"), gemm=gemm, tokens=tokens)
-    tp_backward = tp_backward_exposed(config, hardware, tp=total("tp"), gemm=gemm, column_gemm=total("column_gemm"),
+    layer_tp = total("tp")
+    tp = tp_overlap_exposed(config, hardware, tp=layer_tp, gemm=gemm, tokens=tokens)
+    tp_backward = tp_backward_exposed(config, hardware, tp=layer_tp, gemm=gemm, column_gemm=total("column_gemm"),
                                       tokens=tokens)
-    hidden = (total("tp") - tp, tp_backward_seconds(config, total("tp")) - tp_backward)
+    hidden_forward, hidden_backward = layer_tp - tp, tp_backward_seconds(config, layer_tp) - tp_backward
     if pp_rank == layout.pp - 1:
         out_gemm, out_bytes = output_layer_forward_seconds(config, hardware, tokens=b * s / layout.cp,
                                                            padded_vocab_size=padded_vocab_size)
@@ -167,16 +168,17 @@ def _stage_microbatch(config: TransformerConfig, workload, layout, hardware: Har
     layer_forward = (dense.gemm + dense.attention + dense.elementwise) if layers else 0.0
     recompute = (recomputed * layer_forward if layout.recompute == "full"
                  else attention + total("scores") if layout.recompute == "selective" else 0.0)
-    tp_again = recomputed * tp_overlap_exposed(config, hardware, tp=dense.tp, gemm=dense.gemm, tokens=tokens) \
-        if layout.recompute == "full" else 0.0
+    tp_again = 0.0
     if layout.recompute == "full":
-        hidden = (hidden[0], hidden[1] + recomputed * dense.tp - tp_again)
+        tp_again = recomputed * tp_overlap_exposed(config, hardware, tp=dense.tp, gemm=dense.gemm, tokens=tokens)
+        hidden_backward += recomputed * dense.tp - tp_again
     overhead = layers * hardware.layer_overhead_us * 1e-6 * (1 + (recomputed / max(layers, 1) / 3))
     cp_layer = _cp_layer_seconds(config, workload, layout, hardware)
     backward_ratio = attention_backward_ratio(workload.flash_attention)
     core = dense.attention * (1 + backward_ratio)
     cp = layers * max(cp_layer - hardware.comm_overlap * min(cp_layer, core), 0.0)
-    hidden = (hidden[0] + (layers * cp_layer - cp) / 3, hidden[1] + (layers * cp_layer - cp) * 2 / 3)
+    hidden_forward, hidden_backward = (hidden_forward + (layers * cp_layer - cp) / 3,
+                                       hidden_backward + (layers * cp_layer - cp) * 2 / 3)
     ep = moe_layers * _ep_layer_seconds(config, workload, layout, hardware) if moe_layers else 0.0
     pp = 0.0
     if layout.pp > 1:
@@ -187,7 +189,7 @@ def _stage_microbatch(config: TransformerConfig, workload, layout, hardware: Har
     return {"gemm": (gemm, 2 * gemm), "attention": (attention, backward_ratio * attention),
             "elementwise": (elementwise, 2 * elementwise), "recompute": (0.0, recompute),
             "overhead": (overhead / 3, overhead * 2 / 3), "tp": (tp, tp_backward + tp_again),
-            "overlap_tax": (overlap_tax(hardware, hidden[0]), overlap_tax(hardware, hidden[1])),
+            "overlap_tax": (overlap_tax(hardware, hidden_forward), overlap_tax(hardware, hidden_backward)),
             "cp": (cp / 3, cp * 2 / 3),
             "ep": (ep / 3, ep * 2 / 3), "pp": (pp, pp)}
 
@@ -312,8 +314,9 @@ def step_time(config: TransformerConfig, workload, layout, hardware: Hardware, *
     window = backward[busiest] * (m if layout.zero_stage >= 2 else 1)
     parts["dp"] = max(reduce - hardware.comm_overlap * min(reduce, window), 0.0)
     compute = m * (forward[busiest] + backward[busiest])
-    parts["zero"] = after + max(during - hardware.comm_overlap * min(during, max(compute - window, 0.0)), 0.0)
-    parts["overlap_tax"] += overlap_tax(hardware, reduce - parts["dp"] + during - (parts["zero"] - after))
+    during_exposed = max(during - hardware.comm_overlap * min(during, max(compute - window, 0.0)), 0.0)
+    parts["zero"] = after + during_exposed
+    parts["overlap_tax"] += overlap_tax(hardware, reduce - parts["dp"] + during - during_exposed)
     update_bytes = 32 if (config.bf16 or config.fp16) else 28  # read p, g, master, m, v; write p, master, m, v
     parts["optimizer"] = bytes_seconds(update_bytes * optimizer_params, hardware)
     parts["offload"] = offload_seconds(optimizer_params, hardware) if offload else 0.0

@@ -16,6 +16,7 @@ their category, even if they were created before the tracker started; every othe
 from __future__ import annotations
 
 import collections
+import functools
 import weakref
 from typing import Callable, Iterable, Optional
 
@@ -156,8 +157,10 @@ class LiveMemoryTracker(TorchDispatchMode):
         self.peak_by_category = collections.defaultdict(int, current)
 
 
+@functools.lru_cache(maxsize=None)
 def _mutates(func) -> bool:
-    """Whether an op writes into one of its arguments (``zero_``, ``copy_``, ``out=``)."""
+    """Whether an op writes into one of its arguments (``zero_``, ``copy_``, ``out=``); remembered per op, as
+    the fast mode asks it after every op."""
     schema = getattr(func, "_schema", None)
     return schema is not None and schema.is_mutable
 
