@@ -85,7 +85,7 @@ class MemoryCategories:
             for param in params:
                 if param.grad is not None:
                     yield ("grad_buckets" if wrapped else "gradients"), param.grad
-                if param.numel() and not wrapped:
+                if not wrapped and param.numel():
                     yield "parameters", param
         if self.optimizer is not None:
             yield from _optimizer_categories(self.optimizer)

@@ -45,6 +45,11 @@ class LiveMemoryTracker(TorchDispatchMode):
             created with, and the scan for freed ones is skipped while the live bytes of the last scan plus
             everything created since cannot exceed the peak: the same peaks, without a scan of thousands of live
             activations after every op (a dry run at full scale). ``on_sample`` implies ``every_op``.
+        category_peaks: with ``every_op`` False, whether ``peak_by_category`` must be exact (default). False
+            keeps only ``peak_total`` and ``peak_breakdown`` exact (``peak_by_category`` is then what the samples
+            taken saw, a lower bound) and samples far less: after an op that created a storage only when the
+            bytes of the last sample plus everything created since could exceed the peak, and after a write only
+            into a storage that grew since it was counted (``allocate_storage`` before a ZeRO-3 or offload copy).
         device_type: count only storages on this device type (``"cuda"``: a dry run's fake GPU tensors, not
             the host-side batches and bookkeeping); None counts every device but meta.
 
@@ -53,26 +58,30 @@ class LiveMemoryTracker(TorchDispatchMode):
         peak_by_category: the largest live bytes seen of each category (at possibly different times).
         current: the totals of the last sample.
         allocations: ``(nbytes, storage key)`` of every storage created while active, in order.
+        samples: how many samples were taken (each walks the categories).
     """
 
     def __init__(self, *, categories: Optional[Categories] = None,
                  on_sample: Optional[Callable[[dict[str, int], "LiveMemoryTracker"], None]] = None,
-                 device_type: Optional[str] = None, every_op: bool = True) -> None:
+                 device_type: Optional[str] = None, every_op: bool = True, category_peaks: bool = True) -> None:
         super().__init__()
         self.categories, self.on_sample, self.device_type = categories, on_sample, device_type
         self.every_op = every_op or on_sample is not None
+        self.category_peaks = category_peaks or self.every_op
         self._storages: dict[int, StorageWeakRef] = {}
         self._device_counts: dict[int, tuple[weakref.ref, bool]] = {}
         self._created_bytes: dict[int, int] = {}
         self._scanned_activations = 0  # every_op=False: the activations of the last scan, bytes created since
         self._created_since = 0
-        self._category_storages: set[int] = set()  # every_op=False: the category storages of the last sample
+        self._category_storages: dict[int, int] = {}  # every_op=False: the category storages of the last
+        self._category_total = 0  # sample, their bytes then and their sum
         self._recent: set[int] = set()  # every_op=False: storages the op that caused the last sample created
         self.peak_total = 0
         self.peak_breakdown: dict[str, int] = {}
         self.peak_by_category: dict[str, int] = collections.defaultdict(int)
         self.current: dict[str, int] = {}
         self.allocations: list[tuple[int, int]] = []
+        self.samples = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -81,35 +90,47 @@ class LiveMemoryTracker(TorchDispatchMode):
         for tensor in tree_leaves(out):
             if isinstance(tensor, torch.Tensor) and self._counts(tensor):
                 storage = tensor.untyped_storage()
-                known = self._storages.get(storage._cdata)
+                key = storage._cdata
+                known = self._storages.get(key)
                 if known is None or known.expired():
-                    self._storages[storage._cdata] = StorageWeakRef(storage)
+                    self._storages[key] = StorageWeakRef(storage)
                     nbytes = storage.nbytes()
-                    self._created_bytes[storage._cdata] = nbytes
+                    self._created_bytes[key] = nbytes
                     self._created_since += nbytes
-                    self.allocations.append((nbytes, storage._cdata))
+                    self.allocations.append((nbytes, key))
                     created = True
-                elif mutates and (storage._cdata in self._category_storages or storage._cdata in self._recent):
+                elif not self.category_peaks:
+                    counted = self._category_storages.get(key)
+                    written = written or storage.nbytes() > (self._created_bytes[key] if counted is None else counted)
+                elif mutates and (key in self._category_storages or key in self._recent):
                     written = True  # e.g. the grad hook's copy of param.grad into a fresh ZeRO bucket
-        if self.every_op or created or written or func.namespace == "c10d":
+        if self.every_op or written or func.namespace == "c10d" or (created and self._may_peak()):
             self.sample()
             self._recent = {key for _, key in self.allocations[allocated:]}
         return out
 
+    def _may_peak(self) -> bool:
+        """After an op that created a storage: whether a sample is due. With ``category_peaks``, always (a
+        category may have gained a tensor in Python); otherwise only if the categories of the last sample, the
+        activations of the last scan and everything created since could exceed the peak."""
+        return self.category_peaks or \
+            self._category_total + self._scanned_activations + self._created_since > self.peak_total
+
     def sample(self) -> dict[str, int]:
         """Sums the live bytes now (also called after every op), updating the peaks."""
+        self.samples += 1
         totals: dict[str, int] = collections.defaultdict(int)
-        seen: set[int] = set()
+        seen: dict[int, int] = {}
         for category, tensor in (self.categories() if self.categories else ()):
             if not self._category_counts(tensor):
                 continue
             storage = tensor.untyped_storage()
             if storage._cdata not in seen:
-                seen.add(storage._cdata)
-                totals[category] += storage.nbytes()
-        self._category_storages = seen
-        if not self.every_op and \
-                sum(totals.values()) + self._scanned_activations + self._created_since <= self.peak_total:
+                seen[storage._cdata] = nbytes = storage.nbytes()
+                totals[category] += nbytes
+        self._category_storages, self._category_total = seen, sum(totals.values())
+        if not self.every_op and self._category_total + self._scanned_activations + self._created_since <= \
+                self.peak_total:
             for category, value in totals.items():  # no new total peak is possible before a scan: skip it
                 self.peak_by_category[category] = max(self.peak_by_category[category], value)
             return self.current

@@ -224,3 +224,54 @@ def test_context_parallel_dropout_mask_in_a_dry_run(monkeypatch):
     monkeypatch.delenv(accelerator.FAKE_CUDA_ENV)
     first = tile_keep_mask((2, 4, 8), p=0.5, seed=3, first_row=0, device=torch.device("cpu"))
     assert torch.equal(first, tile_keep_mask((2, 4, 8), p=0.5, seed=3, first_row=0, device=torch.device("cpu")))
+
+
+def test_total_only_tracker_samples_a_fraction_and_finds_the_same_total_peak():
+    """``category_peaks=False`` (the banner's probe, which reads only the total) skips the sample after an op
+    that created a storage when the last sample's bytes plus everything created since cannot exceed the peak.
+    Over an MLP's forward, backward and Adam step it finds the peak and its split that a sample after every op
+    finds, with under half the samples of the exact fast mode (before: the keyword did not exist)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU()) for _ in range(6)])
+    optimizer = torch.optim.Adam(model.parameters())
+
+    def categories():
+        yield from (("parameters", p) for p in model.parameters())
+        yield from (("gradients", p.grad) for p in model.parameters() if p.grad is not None)
+        yield from (("optimizer_states", v) for state in optimizer.state.values() for k, v in state.items()
+                    if k != "step")
+
+    def step():
+        model(torch.randn(32, 64)).square().sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    step()  # the optimizer states exist from here on, as in the banner's second step
+    trackers = [LiveMemoryTracker(categories=categories), LiveMemoryTracker(categories=categories, every_op=False),
+                LiveMemoryTracker(categories=categories, every_op=False, category_peaks=False)]
+    with trackers[0], trackers[1], trackers[2]:
+        step()
+    every_op, exact, total_only = trackers
+    assert total_only.peak_total == exact.peak_total == every_op.peak_total > 0
+    assert total_only.peak_breakdown == every_op.peak_breakdown
+    assert total_only.samples < exact.samples / 2, (total_only.samples, exact.samples, every_op.samples)
+
+
+def test_total_only_tracker_samples_after_a_write_into_a_storage_that_grew():
+    """A freed buffer given its memory back in Python (``allocate_storage`` before ZeRO-3's copy at dp 1 or an
+    offload fetch) grows without an op that creates a storage: the total-only tracker samples after the first
+    write into it, and finds the peak it makes (28000 bytes) as a sample after every op does."""
+    from megatron_core.distributed.param_and_grad_buffer import allocate_storage, free_storage
+    buffer, source = torch.empty(4000), torch.ones(4000)
+    peaks = []
+    for kwargs in ({}, {"every_op": False, "category_peaks": False}):
+        allocate_storage(buffer)
+        with LiveMemoryTracker(categories=lambda: [("gathered_parameters", buffer)], **kwargs) as tracker:
+            buffer.zero_()  # counted: 16000 bytes
+            free_storage(buffer)
+            kept = torch.ones(3000)  # 12000 bytes, sampled with the buffer freed
+            allocate_storage(buffer)
+            buffer.copy_(source)  # 16000 + 12000
+            del kept
+        peaks.append(tracker.peak_total)
+    assert peaks == [28000, 28000]
