@@ -37,19 +37,20 @@ class LiveMemoryTracker(TorchDispatchMode):
         categories: returns the tensors whose storages belong to a named category (called at every sample).
         on_sample: called with ``(totals_by_category, tracker)`` after every sample (e.g. to check a bound
             at every point of a backward).
-        every_op: sample after every op (default). False samples only after an op that created a storage, ran
-            a collective (``c10d``; the ZeRO-3 gather fills a buffer it resized), or wrote into a storage the
-            last sampling op created or a category holds: a total peak can only be reached at the first, and a
+        every_op: sample after every op (default). False samples only after an op that ran a collective
+            (``c10d``; the ZeRO-3 gather fills a buffer it resized), wrote into a storage that grew since it was
+            counted (``allocate_storage`` before ZeRO-3's copy at dp 1 or an offload fetch), wrote into a storage
+            created since the last sample or held by a category, or created a storage when the bytes of the last
+            sample plus everything created since could exceed the peak (or the activations alone theirs): a
             category gains a tensor in Python after the op that made it (``bucket.grad_data = torch.empty(...)``)
-            and before the next op that uses it. Storages outside ``categories`` then keep the size they were
-            created with, and the scan for freed ones is skipped while the live bytes of the last scan plus
-            everything created since cannot exceed the peak: the same peaks, without a scan of thousands of live
-            activations after every op (a dry run at full scale). ``on_sample`` implies ``every_op``.
+            and before the next op that writes into it. Storages outside ``categories`` then keep the size they
+            were created with, and the scan for freed ones is skipped while the live bytes of the last scan plus
+            everything created since cannot exceed the peak: the same peaks, with a fraction of the samples and
+            without a scan of thousands of live activations after every op (a dry run at full scale).
+            ``on_sample`` implies ``every_op``.
         category_peaks: with ``every_op`` False, whether ``peak_by_category`` must be exact (default). False
             keeps only ``peak_total`` and ``peak_breakdown`` exact (``peak_by_category`` is then what the samples
-            taken saw, a lower bound) and samples far less: after an op that created a storage only when the
-            bytes of the last sample plus everything created since could exceed the peak, and after a write only
-            into a storage that grew since it was counted (``allocate_storage`` before a ZeRO-3 or offload copy).
+            taken saw, a lower bound) and skips the samples after writes into category or fresh storages.
         device_type: count only storages on this device type (``"cuda"``: a dry run's fake GPU tensors, not
             the host-side batches and bookkeeping); None counts every device but meta.
 
@@ -75,7 +76,7 @@ class LiveMemoryTracker(TorchDispatchMode):
         self._created_since = 0
         self._category_storages: dict[int, int] = {}  # every_op=False: the category storages of the last
         self._category_total = 0  # sample, their bytes then and their sum
-        self._recent: set[int] = set()  # every_op=False: storages the op that caused the last sample created
+        self._recent: set[int] = set()  # every_op=False: storages created since the last sample
         self.peak_total = 0
         self.peak_breakdown: dict[str, int] = {}
         self.peak_by_category: dict[str, int] = collections.defaultdict(int)
@@ -99,22 +100,28 @@ class LiveMemoryTracker(TorchDispatchMode):
                     self._created_since += nbytes
                     self.allocations.append((nbytes, key))
                     created = True
-                elif not self.category_peaks:
-                    counted = self._category_storages.get(key)
-                    written = written or storage.nbytes() > (self._created_bytes[key] if counted is None else counted)
-                elif mutates and (key in self._category_storages or key in self._recent):
-                    written = True  # e.g. the grad hook's copy of param.grad into a fresh ZeRO bucket
+                elif not self.every_op:  # e.g. the grad hook's copy of param.grad into a fresh ZeRO bucket
+                    written = written or self._grew(key, storage) or (self.category_peaks and mutates and (
+                        key in self._category_storages or key in self._recent))
         if self.every_op or written or func.namespace == "c10d" or (created and self._may_peak()):
             self.sample()
-            self._recent = {key for _, key in self.allocations[allocated:]}
+            self._recent = set()
+        if not self.every_op:
+            self._recent.update(key for _, key in self.allocations[allocated:])
         return out
 
+    def _grew(self, key: int, storage: torch.UntypedStorage) -> bool:
+        """Whether a known storage holds more bytes than it was last counted with (resized in Python)."""
+        counted = self._category_storages.get(key)
+        return storage.nbytes() > (self._created_bytes[key] if counted is None else counted)
+
     def _may_peak(self) -> bool:
-        """After an op that created a storage: whether a sample is due. With ``category_peaks``, always (a
-        category may have gained a tensor in Python); otherwise only if the categories of the last sample, the
-        activations of the last scan and everything created since could exceed the peak."""
-        return self.category_peaks or \
-            self._category_total + self._scanned_activations + self._created_since > self.peak_total
+        """After an op that created a storage: whether a sample is due, i.e. whether the categories of the last
+        sample, the activations of the last scan and everything created since could exceed the peak (or, with
+        ``category_peaks``, the activations alone their own peak)."""
+        activations = self._scanned_activations + self._created_since
+        return self._category_total + activations > self.peak_total or \
+            (self.category_peaks and activations > self.peak_by_category[ACTIVATIONS])
 
     def sample(self) -> dict[str, int]:
         """Sums the live bytes now (also called after every op), updating the peaks."""
