@@ -1,6 +1,6 @@
-"""The CPU memory probe's cost: pretrain_gpt's loop with its second step under ``LiveMemoryTracker`` in the
-exact-categories fast mode (``category_peaks=True``, the probe before) and in the total-only mode the probe
-uses (``category_peaks=False``), alternating run by run on the same gloo ranks (a pool forked once).
+"""The CPU memory probe's cost: pretrain_gpt's loop with its second step under ``LiveMemoryTracker`` sampling
+after every op (``every_op=True``) and in the fast mode the probe and the dry run use (``every_op=False``),
+alternating run by run on the same gloo ranks (a pool forked once).
 
 Prints, per mode, the median whole-run seconds over the rounds (with the range), the tracker's samples in the
 probed step and the peak it found; the peaks must be equal (the script exits 1 otherwise). The run is the
@@ -29,7 +29,7 @@ MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-
        "--moe-token-dispatcher-type", "alltoall"]
 
 
-def _run(argv: list[str], category_peaks: bool) -> dict:
+def _run(argv: list[str], every_op: bool) -> dict:
     """One pretrain run on this rank with the probe's tracker in the given mode: seconds, samples, peak."""
     from megatron_core.training import banner
     from megatron_core.training.arguments import parse_args
@@ -39,7 +39,7 @@ def _run(argv: list[str], category_peaks: bool) -> dict:
 
     class Tracker(LiveMemoryTracker):
         def __init__(self, **kwargs):
-            super().__init__(**{**kwargs, "category_peaks": category_peaks})
+            super().__init__(**{**kwargs, "every_op": every_op})
             made.append(self)
 
     original, banner.LiveMemoryTracker = banner.LiveMemoryTracker, Tracker
@@ -59,13 +59,13 @@ def main() -> int:
     opts = parser.parse_args()
     from megatron_core.testing import PoolCache
     argv = ARGV + ([] if opts.dense else MOE)
-    modes = {"exact categories (before)": True, "total only (the probe now)": False}
+    modes = {"every op": True, "fast (the probe)": False}
     results = {name: [] for name in modes}
     with PoolCache() as pools:
         pools.run(2, _run, argv, True)  # warm-up: imports, kernels, caches
         for _ in range(opts.rounds):
-            for name, category_peaks in modes.items():
-                results[name].append(pools.run(2, _run, argv, category_peaks)[0])
+            for name, every_op in modes.items():
+                results[name].append(pools.run(2, _run, argv, every_op)[0])
     print(f"pretrain_gpt, {'dense dp 2' if opts.dense else 'MoE ep 2'}, 2 gloo ranks, {opts.rounds} alternating rounds")
     medians = {}
     for name, runs in results.items():
@@ -74,7 +74,7 @@ def main() -> int:
         print(f" {name:28s} run {medians[name]:.3f} s (range {min(seconds):.3f}-{max(seconds):.3f}), probed step "
               f"{runs[0]['samples']} samples, peak {runs[0]['peak']:,} bytes")
     before, after = medians.values()
-    print(f" total-only / exact: {after / before:.3f}x run time")
+    print(f" fast / every op: {after / before:.3f}x run time")
     peaks = {r["peak"] for runs in results.values() for r in runs}
     if len(peaks) != 1:
         print(f" PEAKS DIFFER: {sorted(peaks)}")

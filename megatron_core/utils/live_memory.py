@@ -38,9 +38,9 @@ class LiveMemoryTracker(TorchDispatchMode):
         on_sample: called with ``(totals_by_category, tracker)`` after every sample (e.g. to check a bound
             at every point of a backward).
         every_op: sample after every op (default). False samples only after an op that ran a collective
-            (``c10d``; the ZeRO-3 gather fills a buffer it resized), wrote into a storage that grew since it was
-            counted (``allocate_storage`` before ZeRO-3's copy at dp 1 or an offload fetch), wrote into a storage
-            created since the last sample or held by a category, or created a storage when the bytes of the last
+            (``c10d``; the ZeRO-3 gather fills a buffer it resized), wrote into a storage created since the last
+            sample or held by a category (``allocate_storage`` before ZeRO-3's copy at dp 1 or an offload fetch
+            grows a category's storage in Python), or created a storage when the bytes of the last
             sample plus everything created since could exceed the peak (or the activations alone theirs): a
             category gains a tensor in Python after the op that made it (``bucket.grad_data = torch.empty(...)``)
             and before the next op that writes into it. Storages outside ``categories`` then keep the size they
@@ -48,9 +48,6 @@ class LiveMemoryTracker(TorchDispatchMode):
             everything created since cannot exceed the peak: the same peaks, with a fraction of the samples and
             without a scan of thousands of live activations after every op (a dry run at full scale).
             ``on_sample`` implies ``every_op``.
-        category_peaks: with ``every_op`` False, whether ``peak_by_category`` must be exact (default). False
-            keeps only ``peak_total`` and ``peak_breakdown`` exact (``peak_by_category`` is then what the samples
-            taken saw, a lower bound) and skips the samples after writes into category or fresh storages.
         device_type: count only storages on this device type (``"cuda"``: a dry run's fake GPU tensors, not
             the host-side batches and bookkeeping); None counts every device but meta.
 
@@ -64,11 +61,10 @@ class LiveMemoryTracker(TorchDispatchMode):
 
     def __init__(self, *, categories: Optional[Categories] = None,
                  on_sample: Optional[Callable[[dict[str, int], "LiveMemoryTracker"], None]] = None,
-                 device_type: Optional[str] = None, every_op: bool = True, category_peaks: bool = True) -> None:
+                 device_type: Optional[str] = None, every_op: bool = True) -> None:
         super().__init__()
         self.categories, self.on_sample, self.device_type = categories, on_sample, device_type
         self.every_op = every_op or on_sample is not None
-        self.category_peaks = category_peaks or self.every_op
         self._storages: dict[int, StorageWeakRef] = {}
         self._device_counts: dict[int, tuple[weakref.ref, bool]] = {}
         self._created_bytes: dict[int, int] = {}
@@ -100,9 +96,8 @@ class LiveMemoryTracker(TorchDispatchMode):
                     self._created_since += nbytes
                     self.allocations.append((nbytes, key))
                     created = True
-                elif not self.every_op:  # e.g. the grad hook's copy of param.grad into a fresh ZeRO bucket
-                    written = written or self._grew(key, storage) or (self.category_peaks and mutates and (
-                        key in self._category_storages or key in self._recent))
+                elif mutates and (key in self._category_storages or key in self._recent):
+                    written = True  # e.g. the grad hook's copy of param.grad into a fresh ZeRO bucket
         if self.every_op or written or func.namespace == "c10d" or (created and self._may_peak()):
             self.sample()
             self._recent = set()
@@ -110,18 +105,13 @@ class LiveMemoryTracker(TorchDispatchMode):
             self._recent.update(key for _, key in self.allocations[allocated:])
         return out
 
-    def _grew(self, key: int, storage: torch.UntypedStorage) -> bool:
-        """Whether a known storage holds more bytes than it was last counted with (resized in Python)."""
-        counted = self._category_storages.get(key)
-        return storage.nbytes() > (self._created_bytes[key] if counted is None else counted)
-
     def _may_peak(self) -> bool:
         """After an op that created a storage: whether a sample is due, i.e. whether the categories of the last
-        sample, the activations of the last scan and everything created since could exceed the peak (or, with
-        ``category_peaks``, the activations alone their own peak)."""
+        sample, the activations of the last scan and everything created since could exceed the peak, or the
+        activations alone their own peak."""
         activations = self._scanned_activations + self._created_since
         return self._category_total + activations > self.peak_total or \
-            (self.category_peaks and activations > self.peak_by_category[ACTIVATIONS])
+            activations > self.peak_by_category[ACTIVATIONS]
 
     def sample(self) -> dict[str, int]:
         """Sums the live bytes now (also called after every op), updating the peaks."""

@@ -226,13 +226,11 @@ def test_context_parallel_dropout_mask_in_a_dry_run(monkeypatch):
     assert torch.equal(first, tile_keep_mask((2, 4, 8), p=0.5, seed=3, first_row=0, device=torch.device("cpu")))
 
 
-def test_fast_trackers_sample_a_fraction_and_find_the_same_peaks():
-    """The fast mode skips the sample after an op that created a storage when the last sample's bytes plus
-    everything created since cannot exceed the peak (nor the activations alone theirs); ``category_peaks=False``
-    (the banner's probe, which reads only the total) also skips the samples after writes into category storages.
-    Over an MLP's forward, backward and Adam step both find the peak and its split that a sample after every op
-    finds, the exact mode every category's peak too, with under half its samples (91 and 61 of 202; before, the
-    exact mode sampled after every creation: 144)."""
+def test_fast_tracker_samples_a_fraction_and_finds_the_same_peaks():
+    """The fast mode samples after an op that created a storage only when the last sample's bytes plus
+    everything created since could exceed the peak (or the activations alone theirs). Over an MLP's forward,
+    backward and Adam step it finds the total peak, its split and every category's peak that a sample after
+    every op finds, with under half its samples (91 of 202; before, every creation was sampled: 144)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU()) for _ in range(6)])
     optimizer = torch.optim.Adam(model.parameters())
@@ -249,27 +247,24 @@ def test_fast_trackers_sample_a_fraction_and_find_the_same_peaks():
         optimizer.zero_grad()
 
     step()  # the optimizer states exist from here on, as in the banner's second step
-    trackers = [LiveMemoryTracker(categories=categories), LiveMemoryTracker(categories=categories, every_op=False),
-                LiveMemoryTracker(categories=categories, every_op=False, category_peaks=False)]
-    with trackers[0], trackers[1], trackers[2]:
+    every_op, fast = LiveMemoryTracker(categories=categories), LiveMemoryTracker(categories=categories, every_op=False)
+    with every_op, fast:
         step()
-    every_op, exact, total_only = trackers
-    assert total_only.peak_total == exact.peak_total == every_op.peak_total > 0
-    assert total_only.peak_breakdown == every_op.peak_breakdown
-    assert dict(exact.peak_by_category) == dict(every_op.peak_by_category)
-    assert total_only.samples < exact.samples < every_op.samples / 2, (total_only.samples, exact.samples)
+    assert fast.peak_total == every_op.peak_total > 0 and fast.peak_breakdown == every_op.peak_breakdown
+    assert dict(fast.peak_by_category) == dict(every_op.peak_by_category)
+    assert fast.samples < every_op.samples / 2, (fast.samples, every_op.samples)
 
 
-def test_total_only_tracker_samples_after_a_write_into_a_storage_that_grew():
+def test_fast_tracker_samples_after_a_write_into_a_category_storage_that_grew():
     """A freed buffer given its memory back in Python (``allocate_storage`` before ZeRO-3's copy at dp 1 or an
-    offload fetch) grows without an op that creates a storage: the total-only tracker samples after the first
-    write into it, and finds the peak it makes (28000 bytes) as a sample after every op does."""
+    offload fetch) grows without an op that creates a storage: the fast tracker samples after the write into
+    it, and finds the peak it makes (28000 bytes) as a sample after every op does."""
     from megatron_core.distributed.param_and_grad_buffer import allocate_storage, free_storage
     buffer, source = torch.empty(4000), torch.ones(4000)
     peaks = []
-    for kwargs in ({}, {"every_op": False, "category_peaks": False}):
+    for every_op in (True, False):
         allocate_storage(buffer)
-        with LiveMemoryTracker(categories=lambda: [("gathered_parameters", buffer)], **kwargs) as tracker:
+        with LiveMemoryTracker(categories=lambda: [("gathered_parameters", buffer)], every_op=every_op) as tracker:
             buffer.zero_()  # counted: 16000 bytes
             free_storage(buffer)
             kept = torch.ones(3000)  # 12000 bytes, sampled with the buffer freed
