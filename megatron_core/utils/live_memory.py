@@ -70,8 +70,8 @@ class LiveMemoryTracker(TorchDispatchMode):
         self._created_bytes: dict[int, int] = {}
         self._scanned_activations = 0  # every_op=False: the activations of the last scan, bytes created since
         self._created_since = 0
-        self._category_storages: dict[int, int] = {}  # every_op=False: the category storages of the last
-        self._category_total = 0  # sample, their bytes then and their sum
+        self._category_storages: set[int] = set()  # every_op=False: the category storages of the last sample
+        self._category_total = 0  # and their bytes then
         self._recent: set[int] = set()  # every_op=False: storages created since the last sample
         self.peak_total = 0
         self.peak_breakdown: dict[str, int] = {}
@@ -111,20 +111,20 @@ class LiveMemoryTracker(TorchDispatchMode):
         activations alone their own peak."""
         activations = self._scanned_activations + self._created_since
         return self._category_total + activations > self.peak_total or \
-            activations > self.peak_by_category[ACTIVATIONS]
+            activations > self.peak_by_category.get(ACTIVATIONS, 0)
 
     def sample(self) -> dict[str, int]:
         """Sums the live bytes now (also called after every op), updating the peaks."""
         self.samples += 1
         totals: dict[str, int] = collections.defaultdict(int)
-        seen: dict[int, int] = {}
+        seen: set[int] = set()
         for category, tensor in (self.categories() if self.categories else ()):
             if not self._category_counts(tensor):
                 continue
             storage = tensor.untyped_storage()
             if storage._cdata not in seen:
-                seen[storage._cdata] = nbytes = storage.nbytes()
-                totals[category] += nbytes
+                seen.add(storage._cdata)
+                totals[category] += storage.nbytes()
         self._category_storages, self._category_total = seen, sum(totals.values())
         if not self.every_op and self._category_total + self._scanned_activations + self._created_since <= \
                 self.peak_total:
