@@ -210,22 +210,30 @@ def simulate(rank_ops: list[list[Op]], vpp_size: int = 1, *, forward_time: float
     while waiting:
         rank = waiting.popleft()
         queued[rank] = False
-        advanced = False
-        while position[rank] < len(rank_ops[rank]):
-            op, deps = rank_ops[rank][position[rank]], deps_of[rank][position[rank]]
-            if any(d not in done for d in deps):
-                break
-            start = max([clock[rank]] + [done[d] for d in deps])
-            cost = costs[rank][op.kind]
-            if op.kind == "B" and has_weight_passes and (op.chunk, op.microbatch) not in split[rank]:
-                cost += costs[rank]["W"]  # a whole backward (zero bubble: no W of its own)
-            if durations is not None:
-                cost = durations.get((rank, op.kind, op.chunk, op.microbatch), cost)
-            clock[rank] = start + cost
-            done[(op.kind, rank, op.chunk, op.microbatch)] = clock[rank]
-            position[rank] += 1
-            advanced = True
-        for other in ({(rank - 1) % p, (rank + 1) % p} if advanced else ()):
+        ops, deps_at, rank_costs, whole_backward = rank_ops[rank], deps_of[rank], costs[rank], split[rank]
+        first, now = position[rank], clock[rank]
+        at = first
+        while at < len(ops):
+            start = now  # the latest of this rank's clock and its inputs' finish times
+            for dep in deps_at[at]:
+                finished = done.get(dep)
+                if finished is None:
+                    break
+                start = finished if finished > start else start
+            else:
+                op = ops[at]
+                cost = rank_costs[op.kind]
+                if op.kind == "B" and has_weight_passes and (op.chunk, op.microbatch) not in whole_backward:
+                    cost += rank_costs["W"]  # a whole backward (zero bubble: no W of its own)
+                if durations is not None:
+                    cost = durations.get((rank, op.kind, op.chunk, op.microbatch), cost)
+                now = start + cost
+                done[(op.kind, rank, op.chunk, op.microbatch)] = now
+                at += 1
+                continue
+            break  # an input is missing: this rank waits
+        position[rank], clock[rank] = at, now
+        for other in ({(rank - 1) % p, (rank + 1) % p} if at > first else ()):
             if not queued[other] and position[other] < len(rank_ops[other]):
                 waiting.append(other)
                 queued[other] = True
