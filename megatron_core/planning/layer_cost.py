@@ -50,13 +50,17 @@ from megatron_core.tensor_parallel.comm_overlap import DEFAULT_NUM_CHUNKS, usabl
 from megatron_core.training.metrics import attention_flops_ratio
 
 
+def _sequence_parallel(config: TransformerConfig) -> bool:
+    """Whether the layers run sequence-parallel: ``--sequence-parallel`` at tp > 1."""
+    return bool(config.sequence_parallel) and (config.tensor_model_parallel_size or 1) > 1
+
+
 def tp_overlap_chunks(config: TransformerConfig, tokens: float) -> int:
     """Chunks each sequence-parallel collective is cut into under ``tp_comm_overlap`` (``comm_overlap.
     usable_chunks`` of the rank's ``tokens / t`` rows), 1 without it."""
-    t = config.tensor_model_parallel_size or 1
-    if not (config.tp_comm_overlap and config.sequence_parallel and t > 1):
+    if not (config.tp_comm_overlap and _sequence_parallel(config)):
         return 1
-    return usable_chunks(int(tokens // t), DEFAULT_NUM_CHUNKS)
+    return usable_chunks(int(tokens // config.tensor_model_parallel_size), DEFAULT_NUM_CHUNKS)
 
 
 def tp_overlap_exposed(config: TransformerConfig, hardware: Hardware, *, tp: float, gemm: float,
@@ -66,8 +70,7 @@ def tp_overlap_exposed(config: TransformerConfig, hardware: Hardware, *, tp: flo
     GEMM of the rows already present runs meanwhile; the last chunk's GEMM waits for its collective, so at most
     ``(k - 1) / k`` of the GEMM time hides communication, times the profile's ``comm_overlap`` (the share of
     traffic that runs beside compute: 1 on a GPU, 0 on a CPU, whose gloo threads share the cores)."""
-    t = config.tensor_model_parallel_size or 1
-    if not (config.tp_comm_overlap and config.sequence_parallel and t > 1):
+    if not (config.tp_comm_overlap and _sequence_parallel(config)):
         return tp
     return max(tp - hardware.comm_overlap * (1 - 1 / tp_overlap_chunks(config, tokens)) * gemm, 0.0)
 
@@ -98,9 +101,7 @@ def tp_backward_shares(config: TransformerConfig) -> tuple[float, float]:
 def tp_backward_seconds(config: TransformerConfig, tp: float) -> float:
     """The backward's tp collectives of layers whose forward ones take ``tp`` seconds, none hidden: as many
     all-reduces without SP, ``tp_backward_shares`` of forward's bytes with it."""
-    if not (config.sequence_parallel and (config.tensor_model_parallel_size or 1) > 1):
-        return tp
-    return sum(tp_backward_shares(config)) * tp
+    return sum(tp_backward_shares(config)) * tp if _sequence_parallel(config) else tp
 
 
 def overlap_tax(hardware: Hardware, hidden: float) -> float:
@@ -119,8 +120,7 @@ def tp_backward_exposed(config: TransformerConfig, hardware: Hardware, *, tp: fl
     the input- and weight-gradient GEMMs (``tensor_parallel.sequence_parallel_linear``; times the profile's
     ``comm_overlap``); under ``tp_comm_overlap`` all of them in chunks beside the backward's GEMMs
     (``tp_overlap_exposed``)."""
-    t = config.tensor_model_parallel_size or 1
-    if not (config.sequence_parallel and t > 1):
+    if not _sequence_parallel(config):
         return tp
     row, column = tp_backward_shares(config)
     if config.tp_comm_overlap:

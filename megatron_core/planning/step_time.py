@@ -177,8 +177,8 @@ def _stage_microbatch(config: TransformerConfig, workload, layout, hardware: Har
     backward_ratio = attention_backward_ratio(workload.flash_attention)
     core = dense.attention * (1 + backward_ratio)
     cp = layers * max(cp_layer - hardware.comm_overlap * min(cp_layer, core), 0.0)
-    hidden_forward, hidden_backward = (hidden_forward + (layers * cp_layer - cp) / 3,
-                                       hidden_backward + (layers * cp_layer - cp) * 2 / 3)
+    cp_hidden = layers * cp_layer - cp
+    hidden_forward, hidden_backward = hidden_forward + cp_hidden / 3, hidden_backward + cp_hidden * 2 / 3
     ep = moe_layers * _ep_layer_seconds(config, workload, layout, hardware) if moe_layers else 0.0
     pp = 0.0
     if layout.pp > 1:

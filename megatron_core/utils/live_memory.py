@@ -109,9 +109,13 @@ class LiveMemoryTracker(TorchDispatchMode):
         """After an op that created a storage: whether a sample is due, i.e. whether the categories of the last
         sample, the activations of the last scan and everything created since could exceed the peak, or the
         activations alone their own peak."""
-        activations = self._scanned_activations + self._created_since
-        return self._category_total + activations > self.peak_total or \
-            activations > self.peak_by_category.get(ACTIVATIONS, 0)
+        return self._total_bound() > self.peak_total or \
+            self._scanned_activations + self._created_since > self.peak_by_category.get(ACTIVATIONS, 0)
+
+    def _total_bound(self) -> int:
+        """The most the live bytes can be now: the categories of the last sample, the activations of the last
+        scan and everything created since."""
+        return self._category_total + self._scanned_activations + self._created_since
 
     def sample(self) -> dict[str, int]:
         """Sums the live bytes now (also called after every op), updating the peaks."""
@@ -126,8 +130,7 @@ class LiveMemoryTracker(TorchDispatchMode):
                 seen.add(storage._cdata)
                 totals[category] += storage.nbytes()
         self._category_storages, self._category_total = seen, sum(totals.values())
-        if not self.every_op and self._category_total + self._scanned_activations + self._created_since <= \
-                self.peak_total:
+        if not self.every_op and self._total_bound() <= self.peak_total:
             for category, value in totals.items():  # no new total peak is possible before a scan: skip it
                 self.peak_by_category[category] = max(self.peak_by_category[category], value)
             return self.current
