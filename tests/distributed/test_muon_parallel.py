@@ -6,7 +6,7 @@ import torch
 from megatron_core import initialize_model_parallel
 from megatron_core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron_core.optimizer import OptimizerConfig, get_optimizer
-from tests.distributed.test_optimizer_parity import _gpt_loss, _max_diff, train_gpt_steps
+from tests.distributed.test_optimizer_parity import KEY_BIAS_TOLERANCE, _gpt_loss, gpt_parity_diffs, train_gpt_steps
 from tests.model_helpers import build_model, tiny_config, unshard
 from tests.unit.test_muon import GQA, STEPS, _reference
 
@@ -47,8 +47,10 @@ def test_tp2_dp2_muon_matches_megatron_single_process(distributed, reference, st
     results = distributed(4, train_gpt_muon, stage, tp_mode)
     tp_pair = [results[0][0], results[1][0]]  # ranks 0, 1: the tp shards of dp rank 0
     full = {n: unshard([r[n][0] for r in tp_pair], tp_pair[0][n][1], tp_pair[0][n][2]) for n in tp_pair[0]}
-    diff = _max_diff(full, {n: reference[n] for n in full})
-    assert diff <= 2e-5, f"stage {stage} {tp_mode}: largest parameter difference {diff:.3e}"
+    diff, key_bias = gpt_parity_diffs(full, {n: reference[n] for n in full}, tiny_config(**GQA))
+    print(f"largest |param - reference| stage {stage} {tp_mode}: {diff:.2e}, key-bias rows {key_bias:.2e}")
+    assert diff <= 1e-5, f"stage {stage} {tp_mode}: largest parameter difference {diff:.3e}"
+    assert key_bias <= KEY_BIAS_TOLERANCE, f"stage {stage} {tp_mode}: largest key-bias difference {key_bias:.3e}"
     if stage >= 1:
         assert all(split > 0 for _, split in results)  # Muon ran on 1/dp slices, through the bucket gathers
     for rank in (2, 3):  # dp rank 1 holds the same values

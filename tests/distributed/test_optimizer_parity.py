@@ -91,6 +91,33 @@ def _max_diff(a: dict, b: dict) -> float:
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 
 
+KEY_BIAS_TOLERANCE = 1e-4
+"""The key rows of ``linear_qkv.bias`` against the reference. Adding a constant to every key changes every score
+of a query by the same ``q . b_k``, which the softmax cancels: their exact gradient is zero, so what backward
+computes for them is rounding noise (~1e-9 here) that depends on the order of each sum, and AdamW divides it by
+its own root mean square (``m / (sqrt(v) + eps)``), turning noise into updates up to ``lr``. On a Zen 4 CPU the
+same reference run with 1 thread instead of 2 moves them by 3.5e-6 while every other parameter moves under 4e-7;
+a tp 2 x dp 2 Muon run moves them 1.1-2.2e-5 against under 1.6e-6 elsewhere. They are held to 1e-4 (1% of lr),
+the rest to the tests' own tolerances."""
+
+
+def gpt_parity_diffs(full: dict, reference: dict, config) -> tuple[float, float]:
+    """(largest difference over every parameter but the key-bias rows, largest over those rows): ``full`` and
+    ``reference`` are the unsharded state dicts of a GPT built from ``config`` (``linear_qkv`` rows in
+    ``num_query_groups`` blocks of ``[q of the group's heads, k, v] x kv_channels``)."""
+    assert full.keys() == reference.keys()
+    heads_per_group, d = config.num_attention_heads // config.num_query_groups, config.kv_channels
+    rest = key_rows = 0.0
+    for name in full:
+        diff = (full[name].float() - reference[name].float()).abs()
+        if name.endswith("linear_qkv.bias"):
+            blocks = diff.view(config.num_query_groups, heads_per_group + 2, d)
+            key_rows = max(key_rows, blocks[:, heads_per_group].max().item())
+            diff = torch.cat([blocks[:, :heads_per_group], blocks[:, heads_per_group + 1:]], dim=1)
+        rest = max(rest, diff.max().item())
+    return rest, key_rows
+
+
 @pytest.fixture(scope="module")
 def net_reference():
     torch.manual_seed(0)
@@ -172,11 +199,13 @@ def test_gpt_dp2_tp2_matches_adamw(distributed, stage):
     results = distributed(4, train_gpt, stage, 2)
     tp_group = [results[0], results[1]]  # ranks 0, 1: tp shards of dp rank 0 (ranks 2, 3: dp rank 1)
     full = {n: unshard([r[n][0] for r in tp_group], tp_group[0][n][1], tp_group[0][n][2]) for n in results[0]}
-    diff = _max_diff(full, {n: reference[n] for n in full})
+    diff, key_bias = gpt_parity_diffs(full, {n: reference[n] for n in full}, tiny_config())
     LARGEST_DIFF[f"gpt dp=2 tp=2 stage={stage}"] = diff
+    LARGEST_DIFF[f"gpt dp=2 tp=2 stage={stage}, key-bias rows"] = key_bias
     for other in results[2:]:
         assert all(torch.equal(other[n][0], results[other is results[3]][n][0]) for n in other)
-    assert diff <= 1e-5, f"stage {stage}: largest parameter difference {diff:.3e}"
+    assert diff <= 5e-6, f"stage {stage}: largest parameter difference {diff:.3e}"
+    assert key_bias <= KEY_BIAS_TOLERANCE, f"stage {stage}: largest key-bias difference {key_bias:.3e}"
 
 
 def teardown_module(module):
