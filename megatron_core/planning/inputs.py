@@ -22,6 +22,12 @@ class Workload:
     grad_bytes: int = 4
     """Per gradient element: 4 (fp32 main grads, reduced in fp32: the default), 2 with ``--grad-reduce-in-bf16``
     (grads kept and reduced in the 16-bit dtype, as Megatron-Bridge's performance recipes run)."""
+    torch_ddp_buckets: bool = False
+    """The gradients are reduced by torch's ``DistributedDataParallel`` without ``gradient_as_bucket_view`` (its
+    default; Megatron-LM's ``--DDP-impl torch`` of 2021), whose buckets hold a second copy of every replicated
+    gradient (the flag's PR, pytorch/pytorch#41954: about 1 GB less peak for a model with about 1 GB of
+    parameters): ``grad_bytes`` more per parameter at ZeRO 0-1. Here, as in Megatron-LM's own DDP, the grads are
+    views of the buckets."""
     mask_bytes: int = 1
     """Per dropout-mask element: 1 on CUDA, the activation's element size on the CPU."""
     flash_attention: bool = True

@@ -111,7 +111,7 @@ def _sharded_state_bytes(config: TransformerConfig, workload: Workload, *, param
     if zero_stage >= 2:
         grads = workload.grad_bytes * (full_grad + (params - full_grad) / shards)
     else:
-        grads = workload.grad_bytes * params
+        grads = workload.grad_bytes * params * (2 if workload.torch_ddp_buckets else 1)
     states = master_and_states * (params / shards if zero_stage >= 1 else params)
     return param_bytes * sharded_params + grads + states
 

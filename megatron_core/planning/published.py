@@ -2,19 +2,24 @@
 
 Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM" (SC'21,
 arXiv 2104.04473), Table 1: ten GPT models from 1.7B to 1T parameters trained by Megatron-LM's authors on
-Selene (DGX A100 80 GB, 8 GPUs per node, 8 x HDR InfiniBand per node), sequence 2048, vocabulary 51200, mixed
-precision, full activation recompute, achieved TFLOP/s per GPU counted with their formula ``96 B s l h^2
-(1 + s / 6h + V / 16 l h)`` (hardware FLOPs: model + recompute, as ``training.metrics``). Not published in the
-table and assumed here: micro-batch 1.
+Selene (DGX A100 80 GB, 8 GPUs per node, 8 x HDR InfiniBand per node), sequence 2048, vocabulary 51200,
+achieved TFLOP/s per GPU counted with their formula ``96 B s l h^2 (1 + s / 6h + V / 16 l h)`` (hardware FLOPs:
+model + recompute, as ``training.metrics``). The rest of each run is the authors' own script for that table,
+``examples/sc21/run_table_1.sh`` with ``CONFIG.sh`` in NVIDIA/Megatron-LM (for Megatron-LM commit 6985e58938):
+``--fp16`` (16-bit grads: no ``--accumulate-allreduce-grads-in-fp32``), full recompute of every layer
+(``--activations-checkpoint-method uniform``), the micro-batch size (16 for 1.7B-7.5B, 8, 4, 2, 2, then 1), the
+interleaving (``--num-layers-per-virtual-pipeline-stage``: vpp 3, 2, 2 and 3 for 76B-530B) and the
+data-parallel implementation: ``--DDP-impl torch`` for 1.7B-18B, ``local`` from 39B on.
 
 What those runs could use is the planner's ``SearchSpace`` for them: ZeRO 0 (no distributed optimizer then),
 full recompute, no sequence or context parallelism (both came later), an even pipeline split (counting the
-embedding and loss as layers came later too), interleaving allowed, and attention
-without flash (the softmax's ``s^2`` scores materialized). Their data-parallel all-reduce did not overlap the
-backward: Megatron-LM's ``train_step`` of the time called ``allreduce_gradients()`` after the last micro-batch's
-backward ("the communication in local DDP doesn't" overlap it, NVIDIA/Megatron-LM#428; ``--overlap-grad-reduce``
-came in September 2023, #391), so they are planned on the A100 profile with ``comm_overlap=0``
-(``PublishedRun.hardware``).
+embedding and loss as layers came later too), interleaving allowed, and attention without flash (the
+softmax's ``s^2`` scores materialized). How their gradients were reduced depends on the implementation
+(``PublishedRun.workload`` and ``.hardware``): torch's ``DistributedDataParallel`` reduces buckets during the
+last micro-batch's backward (Megatron-LM's schedule wraps the others in its ``no_sync``) and holds its own copy
+of the grads in those buckets; Megatron-LM's local DDP of the time all-reduced them after the last
+micro-batch's backward (``allreduce_gradients()`` in ``train_step``: "the communication in local DDP doesn't"
+overlap it, NVIDIA/Megatron-LM#428; ``--overlap-grad-reduce`` came in September 2023, #391).
 """
 from __future__ import annotations
 
@@ -43,40 +48,47 @@ class PublishedRun:
     gpus: int
     global_batch: int
     tflops_per_gpu: float
+    micro_batch: int
+    ddp: str
+    """``--DDP-impl``: ``torch`` (reduced during the last micro-batch's backward) or ``local`` (after it)."""
+    vpp: Optional[int] = None
 
     def config(self) -> TransformerConfig:
         return TransformerConfig(num_layers=self.layers, hidden_size=self.hidden, num_attention_heads=self.heads,
-                                 max_position_embeddings=2048, params_dtype=torch.bfloat16, bf16=True,
+                                 max_position_embeddings=2048, params_dtype=torch.float16, fp16=True,
                                  hidden_dropout=0.1, attention_dropout=0.1)
 
     def workload(self) -> Workload:
-        return Workload(vocab_size=51200, seq_length=2048, micro_batch_size=1, global_batch_size=self.global_batch,
-                        flash_attention=False)
+        """Their batch, fp16 grads, and torch DDP's own grad buckets where they used it."""
+        return Workload(vocab_size=51200, seq_length=2048, micro_batch_size=self.micro_batch,
+                        global_batch_size=self.global_batch, flash_attention=False, grad_bytes=2,
+                        torch_ddp_buckets=self.ddp == "torch")
 
     def layout(self) -> Layout:
-        """The authors' layout: their tp and pp, data parallel over the rest, ZeRO 0, full recompute."""
-        return Layout(self.tp, self.pp, self.gpus // (self.tp * self.pp), None, 0, False, "full")
+        """The authors' layout: their tp, pp and vpp, data parallel over the rest, ZeRO 0, full recompute."""
+        return Layout(self.tp, self.pp, self.gpus // (self.tp * self.pp), self.vpp, 0, False, "full")
 
     def hardware(self) -> Hardware:
-        """``gpus`` A100s as these runs used them: the gradient all-reduce after the backward, not under it."""
-        return hardware_from_profile("a100", num_devices=self.gpus, comm_overlap=0.0)
+        """``gpus`` A100s as these runs used them: torch DDP's reduction under the last micro-batch's backward,
+        local DDP's after it (nothing of it hidden)."""
+        return hardware_from_profile("a100", num_devices=self.gpus, comm_overlap=1.0 if self.ddp == "torch" else 0.0)
 
     def plan(self):
         """The planner's ``Plan`` at the authors' layout on ``gpus`` A100s."""
         return plan_layout(self.config(), self.workload(), self.hardware(), self.layout())
 
 
-NARAYANAN_2021 = (
-    PublishedRun("1.7B", 24, 2304, 24, 1, 1, 32, 512, 137),
-    PublishedRun("3.6B", 32, 3072, 30, 2, 1, 64, 512, 138),
-    PublishedRun("7.5B", 32, 4096, 36, 4, 1, 128, 512, 142),
-    PublishedRun("18.4B", 48, 6144, 40, 8, 1, 256, 1024, 135),
-    PublishedRun("39.1B", 64, 8192, 48, 8, 2, 512, 1536, 138),
-    PublishedRun("76.1B", 80, 10240, 60, 8, 4, 1024, 1792, 140),
-    PublishedRun("145.6B", 96, 12288, 80, 8, 8, 1536, 2304, 148),
-    PublishedRun("310.1B", 128, 16384, 96, 8, 16, 1920, 2160, 155),
-    PublishedRun("529.6B", 128, 20480, 105, 8, 35, 2520, 2520, 163),
-    PublishedRun("1T", 160, 25600, 128, 8, 64, 3072, 3072, 163),
+NARAYANAN_2021 = (  # Table 1; micro-batch, DDP and vpp from examples/sc21/run_table_1.sh
+    PublishedRun("1.7B", 24, 2304, 24, 1, 1, 32, 512, 137, 16, "torch"),
+    PublishedRun("3.6B", 32, 3072, 30, 2, 1, 64, 512, 138, 16, "torch"),
+    PublishedRun("7.5B", 32, 4096, 36, 4, 1, 128, 512, 142, 16, "torch"),
+    PublishedRun("18.4B", 48, 6144, 40, 8, 1, 256, 1024, 135, 8, "torch"),
+    PublishedRun("39.1B", 64, 8192, 48, 8, 2, 512, 1536, 138, 4, "local"),
+    PublishedRun("76.1B", 80, 10240, 60, 8, 4, 1024, 1792, 140, 2, "local", vpp=3),
+    PublishedRun("145.6B", 96, 12288, 80, 8, 8, 1536, 2304, 148, 2, "local", vpp=2),
+    PublishedRun("310.1B", 128, 16384, 96, 8, 16, 1920, 2160, 155, 1, "local", vpp=2),
+    PublishedRun("529.6B", 128, 20480, 105, 8, 35, 2520, 2520, 163, 1, "local", vpp=3),
+    PublishedRun("1T", 160, 25600, 128, 8, 64, 3072, 3072, 163, 1, "local"),
 )
 
 LLAMA3_8B_FP8_TFLOPS_PER_H100 = 744.0
