@@ -8,18 +8,28 @@ dense and MoE recipes (H100, B200): measured step time over predicted, from the 
 """
 from __future__ import annotations
 
-from megatron_core.planning.published import MEGATRON_BRIDGE, NARAYANAN_2021
+from megatron_core.planning.planner import rank_plans
+from megatron_core.planning.published import MEGATRON_BRIDGE, NARAYANAN_2021, NARAYANAN_2021_SPACE
 from megatron_core.planning.published_moe import MEGATRON_BRIDGE_H100_MOE
 
 
 def narayanan_rows() -> list[str]:
-    lines = ["| model | GPUs | tp | pp | measured TFLOP/s | predicted | predicted / measured |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    """Their layout (with the micro-batch and DDP of their script), the planner's choice in the 2021 search
+    space, and predicted TFLOP/s per GPU at their layout over the measured."""
+    lines = ["| model | GPUs | batch | micro-batch | DDP | their tp | pp (vpp) | chosen tp | pp (vpp) "
+             "| measured TFLOP/s | predicted | predicted / measured |",
+             "| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for run in NARAYANAN_2021:
         predicted = run.plan().tflops_per_device
-        lines.append(f"| {run.name} | {run.gpus} | {run.tp} | {run.pp} | {run.tflops_per_gpu:.0f} | {predicted:.0f} "
-                     f"| {predicted / run.tflops_per_gpu:.2f} |")
+        chosen = rank_plans(run.config(), run.workload(), run.hardware(), space=NARAYANAN_2021_SPACE)[0].layout
+        lines.append(f"| {run.name} | {run.gpus} | {run.global_batch} | {run.micro_batch} | {run.ddp} | {run.tp} "
+                     f"| {_pp(run.pp, run.vpp)} | {chosen.tp} | {_pp(chosen.pp, chosen.vpp)} "
+                     f"| {run.tflops_per_gpu:.0f} | {predicted:.0f} | {predicted / run.tflops_per_gpu:.2f} |")
     return lines
+
+
+def _pp(pp: int, vpp) -> str:
+    return f"{pp} (vpp {vpp})" if vpp else str(pp)
 
 
 def _step_time_rows(runs, columns: str, describe) -> list[str]:
