@@ -65,10 +65,12 @@ def _quickstart_banner():
 
 
 def test_the_quickstart_layout_is_predicted_within_five_percent_on_gloo(distributed):
-    """scripts/quickstart.sh's layout (tp 2 x pp 2, fp32, the built-in corpus): each stage's measured peak within
-    5% of the banner's prediction, which on gloo adds the sent stage outputs and input gradients gloo keeps until
-    the end of the schedule and the two receives posted ahead (1.11 and 1.10 without them)."""
-    text = distributed(4, _quickstart_banner)[0]
+    """scripts/quickstart.sh's layout (tp 2 x pp 2 x dp 2 on 8 ranks, fp32, the built-in corpus): each stage's
+    measured peak within 5% of the banner's prediction, which on gloo adds the sent stage outputs and input
+    gradients gloo keeps until the end of the schedule and the two receives posted ahead (1.11 and 1.10 without
+    them at dp 1)."""
+    text = distributed(8, _quickstart_banner)[0]
+    assert "tp 2 x cp 1 x pp 2 x dp 2 (world 8)" in text, text
     assert len(re.findall(r"gloo p2p buffers [0-9.]+ MiB\)", text)) == 2, text
     ratios = [float(r) for r in re.findall(r"measured / predicted ([0-9.]+)", text)]
     assert len(ratios) == 2 and all(0.95 <= r <= 1.05 for r in ratios), text
