@@ -50,7 +50,7 @@ LAYOUT_FLAGS = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size"
                 "--recompute-granularity", "--recompute-method", "--recompute-num-layers",
                 "--num-layers-per-virtual-pipeline-stage", "--num-virtual-stages-per-pipeline-rank",
                 "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split",
-                "--tp-comm-overlap")
+                "--tp-comm-overlap", "--overlap-param-gather")
 
 
 def _planner_parser() -> argparse.ArgumentParser:
@@ -138,8 +138,10 @@ def _model_argv(model_argv: list[str]) -> list[str]:
     return kept
 
 
-def _layout_flags(plan: Plan, *, moe: bool = False) -> list[str]:
-    """The layout's flags; for an MoE model at tp > 1 the expert tensor parallel size always (its default is tp)."""
+def _layout_flags(plan: Plan, *, moe: bool = False, overlap: bool = False) -> list[str]:
+    """The layout's flags; for an MoE model at tp > 1 the expert tensor parallel size always (its default is tp);
+    with ``overlap`` (a profile whose ``comm_overlap`` the prediction counted on) the data-parallel overlaps the
+    step time assumed: ``--overlap-grad-reduce``, and at ZeRO 1-2 ``--overlap-param-gather``."""
     layout = plan.layout
     flags = ["--tensor-model-parallel-size", str(layout.tp), "--pipeline-model-parallel-size", str(layout.pp)]
     if layout.cp > 1:
@@ -164,15 +166,22 @@ def _layout_flags(plan: Plan, *, moe: bool = False) -> list[str]:
         flags += ["--recompute-granularity", "selective"]
     elif layout.recompute == "full":
         flags += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+    if overlap and max(layout.dp_cp, layout.expert_dp) > 1:
+        flags.append("--overlap-grad-reduce")
+        if layout.zero_stage in (1, 2):
+            flags.append("--overlap-param-gather")
     return flags
 
 
 def torchrun_command(plan: Plan, model_argv: list[str], *, num_devices: int, devices_per_node: int,
-                     num_layers: int) -> str:
-    """The launch line of ``plan`` (run on every node; multi-node needs --rdzv-endpoint as usual)."""
+                     num_layers: int, overlap: bool = False) -> str:
+    """The launch line of ``plan`` (run on every node; multi-node needs --rdzv-endpoint as usual); ``overlap``:
+    with the data-parallel overlap flags (``_layout_flags``). ``--overlap-param-gather`` is the planner's (it
+    needs ZeRO 1-2), ``--overlap-grad-reduce`` may also be the user's."""
     per_node = min(num_devices, devices_per_node)
     nodes = -(-num_devices // per_node)
-    flags = _layout_flags(plan, moe="--num-experts" in model_argv)
+    flags = [flag for flag in _layout_flags(plan, moe="--num-experts" in model_argv, overlap=overlap)
+             if not (flag == "--overlap-grad-reduce" and flag in model_argv)]  # the user's own already
     if "LAYERS_PER_CHUNK" in flags:
         flags[flags.index("LAYERS_PER_CHUNK")] = str(num_layers // (plan.layout.pp * plan.layout.vpp))
     launcher = ["torchrun", "--nnodes", str(nodes), "--nproc-per-node", str(per_node)]
@@ -252,7 +261,8 @@ def _run(argv: Optional[Sequence[str]]) -> int:
     if not plans[0].fits:
         return _offload_advice(plans, model_argv, options, machine, args.num_layers)
     print("\nbest layout:\n" + torchrun_command(plans[0], model_argv, num_devices=options.num_devices,
-                                               devices_per_node=machine.devices_per_node, num_layers=args.num_layers))
+                                               devices_per_node=machine.devices_per_node, num_layers=args.num_layers,
+                                               overlap=machine.comm_overlap > 0))
     return 0
 
 
@@ -270,7 +280,7 @@ def _offload_advice(plans: list[Plan], model_argv: list[str], options, machine: 
           f"over PCIe: {best.offload_seconds:.3f} s; the host's own update time not included):")
     print(torchrun_command(best, model_argv + ["--optimizer-nvme-offload-dir", "/path/to/nvme"],
                            num_devices=options.num_devices, devices_per_node=machine.devices_per_node,
-                           num_layers=num_layers))
+                           num_layers=num_layers, overlap=machine.comm_overlap > 0))
     return 1
 
 

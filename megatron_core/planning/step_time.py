@@ -7,7 +7,9 @@ layer and the pipeline sends. The schedule's own order (``pipeline_parallel.sche
 or zero bubble) is then simulated with those durations, so the bubble comes from the schedule that runs, with
 uneven stages (the last holds the output layer and the loss). After the pipeline drains: the data-parallel
 gradient reduction (minus what overlaps backward: the last micro-batch's at ZeRO 0-1, every micro-batch's at
-ZeRO 2-3), ZeRO's parameter gathers (after the step at ZeRO 1-2; overlapped with compute at ZeRO 3), the
+ZeRO 2-3: ``--overlap-grad-reduce``), ZeRO's parameter gathers (at ZeRO 1-2 started after the step and
+waited for by each module in the next step's first forward, ``--overlap-param-gather``; overlapped with
+compute at ZeRO 3), the
 optimizer step (memory-bound) and optimizer offload over PCIe. Parts are those of the busiest stage; they sum
 to the step time.
 """
@@ -315,8 +317,10 @@ def step_time(config: TransformerConfig, workload, layout, hardware: Hardware, *
     parts["dp"] = max(reduce - hardware.comm_overlap * min(reduce, window), 0.0)
     compute = m * (forward[busiest] + backward[busiest])
     during_exposed = max(during - hardware.comm_overlap * min(during, max(compute - window, 0.0)), 0.0)
-    parts["zero"] = after + during_exposed
-    parts["overlap_tax"] += overlap_tax(hardware, reduce - parts["dp"] + during - during_exposed)
+    after_exposed = max(after - hardware.comm_overlap * min(after, forward[busiest]), 0.0)
+    parts["zero"] = after_exposed + during_exposed
+    hidden = (reduce - parts["dp"]) + (during - during_exposed) + (after - after_exposed)
+    parts["overlap_tax"] += overlap_tax(hardware, hidden)
     update_bytes = 32 if (config.bf16 or config.fp16) else 28  # read p, g, master, m, v; write p, master, m, v
     parts["optimizer"] = bytes_seconds(update_bytes * optimizer_params, hardware)
     parts["offload"] = offload_seconds(optimizer_params, hardware) if offload else 0.0

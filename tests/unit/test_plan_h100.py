@@ -173,3 +173,32 @@ def test_overlapped_communication_takes_its_sms_from_the_compute_beside_it():
     assert free["overlap_tax"] == 0 and hidden > 1.0
     assert taxed["overlap_tax"] == pytest.approx(hidden * 16 / 132, rel=1e-9)
     assert parts(sm_count=0)["overlap_tax"] == 0
+
+
+def test_zero1_parameter_gathers_hide_under_the_next_forward_and_the_command_asks_for_both_overlaps(capsys):
+    """At ZeRO 1-2 the updated parameters' all-gather starts after the step and each module waits for its bucket
+    in the next step's first forward (``--overlap-param-gather``): on a profile that overlaps communication (a
+    GPU's) the step charges only what that forward leaves exposed, at most one micro-batch's forward (here the
+    step's only one, a third of its compute) less than without overlap. The command the tool prints asks for the
+    overlaps the prediction counted on, and only on such a profile (``--overlap-param-gather`` needs ZeRO 1-2)."""
+    from tools import plan_parallelism
+    workload = Workload(vocab_size=50257, seq_length=2048, micro_batch_size=1, global_batch_size=64)
+    h100 = hardware_from_profile("h100", num_devices=64)
+    layout = Layout(1, 1, 64, None, 1, False, None)
+    hidden, exposed = (plan_layout(CONFIG, workload, hardware, layout)
+                       for hardware in (h100, dataclasses.replace(h100, comm_overlap=0.0)))
+    compute = sum(hidden.time.parts[p] for p in ("gemm", "attention", "elementwise", "overhead"))  # F + B, m = 1
+    assert 0 < exposed.time.parts["zero"] - hidden.time.parts["zero"] <= compute / 2, (hidden.time, exposed.time)
+    flags = ["--num-layers", "32", "--hidden-size", "4096", "--num-attention-heads", "32", "--seq-length", "2048",
+             "--max-position-embeddings", "2048", "--micro-batch-size", "1", "--global-batch-size", "64",
+             "--vocab-size", "50257", "--bf16", "--overlap-param-gather"]
+    assert plan_parallelism.main(flags + ["--num-devices", "64", "--zero-stages", "1"]) == 0
+    command = capsys.readouterr().out.split("best layout:\n")[1]
+    assert command.count("--overlap-grad-reduce") == 1 and command.count("--overlap-param-gather") == 1
+    assert "--zero-stage 1" in command
+    assert plan_parallelism.main(flags + ["--overlap-grad-reduce", "--num-devices", "64", "--zero-stages", "0"]) == 0
+    command = capsys.readouterr().out.split("best layout:\n")[1]
+    assert command.count("--overlap-grad-reduce") == 1  # the user's, once
+    assert "--overlap-param-gather" not in command  # ZeRO 0 refuses it
+    quiet = plan_parallelism.torchrun_command(hidden, [], num_devices=64, devices_per_node=8, num_layers=32)
+    assert "--overlap" not in quiet  # a profile without overlap (comm_overlap 0, a CPU's): none
