@@ -267,8 +267,9 @@ def _dp_parts(params: float, ranks: int, zero_stage: int, m: int, element: int, 
     bucket = DistributedDataParallelConfig(zero_stage=zero_stage).resolved_bucket_size(ranks, total_numel=int(params))
     ring, buckets = (ranks - 1) / ranks, units if zero_stage == 3 else max(1, math.ceil(params / bucket))
     grads = grad_bytes * params  # fp32, or the 16-bit dtype with --grad-reduce-in-bf16
-    per_step = zero_stage < 2
-    reduce = collective_seconds((2 if per_step else m) * ring * grads, span=span, hardware=hardware,
+    per_step = zero_stage < 2  # ZeRO 0 all-reduces (twice the bytes), 1 reduce-scatters once, 2-3 per micro-batch
+    volume = 2 if zero_stage == 0 else 1 if per_step else m
+    reduce = collective_seconds(volume * ring * grads, span=span, hardware=hardware,
                                 count=buckets * (1 if per_step else m), ring_ranks=ranks,
                                 steps="all_reduce" if zero_stage == 0 else "gather")
     gather_after = gather_during = 0.0
