@@ -168,7 +168,7 @@ def memory_probe(run, iteration: int) -> Iterator[None]:
     create a storage, run a collective or write into a fresh or category storage (``every_op=False``), where a
     peak can be reached: the same peaks as a scan after every op (six layouts, byte for byte); whole runs
     1.2-1.8x faster (two runs per mode). A creation is sampled only when a new peak is possible: the MoE test's
-    probed step takes 270 samples instead of 776 (``scripts/bench_tracker.py``)."""
+    probed step takes 271 samples instead of 776 (``scripts/bench_tracker.py``)."""
     probe = run.state.device.type != "cuda" and iteration == min(2, run.args.train_iters)
     if not probe:
         yield

@@ -106,14 +106,14 @@ def gpt_parity_diffs(full: dict, reference: dict, config) -> tuple[float, float]
     ``reference`` are the unsharded state dicts of a GPT built from ``config`` (``linear_qkv`` rows in
     ``num_query_groups`` blocks of ``[q of the group's heads, k, v] x kv_channels``)."""
     assert full.keys() == reference.keys()
-    heads_per_group, d = config.num_attention_heads // config.num_query_groups, config.kv_channels
+    key = config.num_heads_per_group  # the key's block follows the group's query heads
     rest = key_rows = 0.0
     for name in full:
         diff = (full[name].float() - reference[name].float()).abs()
         if name.endswith("linear_qkv.bias"):
-            blocks = diff.view(config.num_query_groups, heads_per_group + 2, d)
-            key_rows = max(key_rows, blocks[:, heads_per_group].max().item())
-            diff = torch.cat([blocks[:, :heads_per_group], blocks[:, heads_per_group + 1:]], dim=1)
+            blocks = diff.view(config.num_query_groups, key + 2, config.kv_channels)
+            key_rows = max(key_rows, blocks[:, key].max().item())
+            blocks[:, key] = 0.0  # a view of diff: the rest is then diff's max
         rest = max(rest, diff.max().item())
     return rest, key_rows
 
